@@ -1,0 +1,56 @@
+"""agentkv: KV-cache lifecycle middleware for agents on local Transformers models."""
+
+from agentkv.backend import SamplingParams, TransformersBackend, UnknownSessionError
+from agentkv.config import AgentKVConfig
+from agentkv.events import (
+    BranchOpened,
+    BranchPruned,
+    BranchSelected,
+    Custom,
+    Event,
+    SessionClosed,
+    ToolCallCompleted,
+    ToolCallFailed,
+    TurnEnded,
+    UserConfirmed,
+    UserRejected,
+)
+from agentkv.lifecycle import Lease
+from agentkv.manager import ApplyResult, Transition
+from agentkv.metrics import SessionStats
+from agentkv.models import load_model
+from agentkv.session import ExtendResult, Session, SessionClosedError
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentKVConfig",
+    "ApplyResult",
+    "BranchOpened",
+    "BranchPruned",
+    "BranchSelected",
+    "Custom",
+    "Event",
+    "ExtendResult",
+    "Lease",
+    "SamplingParams",
+    "Session",
+    "SessionClosed",
+    "SessionClosedError",
+    "SessionStats",
+    "Span",
+    "SpanKind",
+    "SpanState",
+    "Tier",
+    "ToolCallCompleted",
+    "ToolCallFailed",
+    "Transition",
+    "TransformersBackend",
+    "TurnEnded",
+    "UnknownSessionError",
+    "UserConfirmed",
+    "UserRejected",
+    "__version__",
+    "load_model",
+]

@@ -1,0 +1,115 @@
+"""Model forward verbs over a physical cache whose layout differs from the logical sequence.
+
+Tokens are fed with their *logical* `position_ids` (RoPE) while the mask and the
+cache grow physically. `generate()` would derive positions from the cache length,
+which is wrong once tokens were removed or restored (DESIGN.md §5), so the decode
+loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentkv.store.cache import PhysicalCache
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Tokens to run through the model, with where they belong in the logical sequence."""
+
+    input_ids: list[int]
+    positions: list[int]
+    span_ids: list[int]
+    offsets: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def chunk(self, start: int, stop: int) -> Feed:
+        """A slice of the feed."""
+        return Feed(
+            self.input_ids[start:stop], self.positions[start:stop], self.span_ids[start:stop], self.offsets[start:stop]
+        )
+
+
+class ModelRunner:
+    """Runs a causal LM over a `PhysicalCache`."""
+
+    def __init__(self, model: torch.nn.Module, *, prefill_chunk: int = 1024) -> None:
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        config = model.config
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.num_layers: int = int(text_config.num_hidden_layers)
+        self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.device: torch.device = next(model.parameters()).device
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        head_dim = int(
+            getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.bytes_per_token: int = 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
+        """Full-precision KV bytes one token costs across all layers (keys and values)."""
+        self.forward_seconds = 0.0
+        self.forward_tokens = 0
+
+    @torch.inference_mode()
+    def forward(
+        self, cache: PhysicalCache, feed: Feed, *, logits: str = "last", attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Run `feed` through the model, appending its KV to `cache`.
+
+        Args:
+            cache: the session's physical cache; grows by `len(feed)` slots.
+            feed: tokens with logical positions and span bookkeeping.
+            logits: "last" returns `[V]` for the last token, "all" returns `[n, V]`, "none" returns None.
+            attention_mask: optional 4D boolean mask `[1, 1, n, S + n]` (True = attend); only for
+                single-chunk feeds. None = attend to every cached slot, causal among new tokens.
+        """
+        import time
+
+        if len(feed) == 0:
+            return None
+        outputs: list[torch.Tensor] = []
+        chunk = self.prefill_chunk if attention_mask is None else len(feed)
+        started = time.perf_counter()
+        for begin in range(0, len(feed), chunk):
+            part = feed.chunk(begin, begin + chunk)
+            last_chunk = begin + chunk >= len(feed)
+            want = logits == "all" or (logits == "last" and last_chunk)
+            input_ids = torch.tensor([part.input_ids], dtype=torch.long, device=self.device)  # [1, n]
+            position_ids = torch.tensor([part.positions], dtype=torch.long, device=self.device)  # [1, n]
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                cache=cache.cache,
+                use_cache=True,
+                logits_to_keep=0 if logits == "all" else 1,
+            )
+            cache.record_append(
+                torch.tensor(part.span_ids), torch.tensor(part.offsets), torch.tensor(part.positions)
+            )
+            if want:
+                outputs.append(out.logits[0].float())  # [n or 1, V]
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_tokens += len(feed)
+        if logits == "none" or not outputs:
+            return None
+        if logits == "last":
+            return outputs[-1][-1]
+        return torch.cat(outputs, dim=0)
+
+    def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
+        """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.
+
+        Used to recompute (rehydrate) a span in the middle of the logical sequence: it
+        must not see tokens that came after it in the conversation.
+        """
+        past = cache.slot_position.to(self.device)  # [S]
+        new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
+        keys = torch.cat([past, new])  # [S + n]
+        mask = keys[None, :] <= new[:, None]  # [n, S + n]
+        return mask[None, None]

@@ -1,0 +1,79 @@
+"""Choosing the next token, and knowing when to stop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How `Session.generate` picks tokens. Greedy unless `temperature > 0`."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    """0 = greedy (argmax)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k filter."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the answer; the answer returned excludes them."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            msg = f"max_new_tokens: must be an int >= 1, got {self.max_new_tokens!r}"
+            raise ValueError(msg)
+        if self.temperature < 0:
+            msg = f"temperature: must be >= 0, got {self.temperature}"
+            raise ValueError(msg)
+        if not 0 < self.top_p <= 1:
+            msg = f"top_p: must be in (0, 1], got {self.top_p}"
+            raise ValueError(msg)
+        if self.top_k < 0:
+            msg = f"top_k: must be >= 0, got {self.top_k}"
+            raise ValueError(msg)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            msg = f"stop: must be non-empty strings, got {self.stop!r}"
+            raise ValueError(msg)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token id from `logits: [V]`."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature  # [V]
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > params.top_p  # keep the first over p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back text that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str) -> int | None:
+        """Index where the earliest stop string starts in `text`, or None."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def safe_length(self, text: str) -> int:
+        """How much of `text` can be emitted without risking a later stop match."""
+        for keep in range(min(self.longest - 1, len(text)), 0, -1):
+            tail = text[-keep:]
+            if any(s.startswith(tail) for s in self.stops):
+                return len(text) - keep
+        return len(text)

@@ -1,0 +1,142 @@
+"""`TransformersBackend`: a local Transformers model serving many sessions.
+
+The backend owns the model, the tokenizer's chat format and the session table.
+Sessions are isolated (each has its own cache and lock); model forwards are
+serialised by one lock because attention hooks are installed on the shared
+model and a CPU forward gains nothing from running two at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from agentkv.backend.runner import ModelRunner
+from agentkv.chat import ChatFormat
+from agentkv.config import AgentKVConfig
+from agentkv.events import Event
+from agentkv.session import Session
+
+logger = logging.getLogger("agentkv.backend")
+
+
+class UnknownSessionError(KeyError):
+    """No session with that id; the message lists the known ones."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+class TransformersBackend:
+    """Sessions over one in-process Transformers causal LM.
+
+    Args:
+        model: a causal LM (`AutoModelForCausalLM`), already on its device, in eval mode.
+        tokenizer: its tokenizer; a chat template is used when present, else ChatML (with a warning).
+        config: the agentkv configuration (defaults when None).
+        prefill_chunk: tokens per forward when encoding long inputs (bounds peak memory).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: AgentKVConfig | None = None,
+        *,
+        prefill_chunk: int = 1024,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or AgentKVConfig()
+        self.chat_format = ChatFormat(tokenizer)
+        self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
+        self.model_lock = threading.RLock()
+        self._sessions: dict[str, Session] = {}
+        self._table_lock = threading.Lock()
+        self.noop_events = 0
+
+    # -- session table -------------------------------------------------------------------------
+
+    def session(self, session_id: str, *, create: bool = True) -> Session:
+        """The session with this id, created on first use (`create=False` raises when absent)."""
+        if not isinstance(session_id, str) or not session_id:
+            msg = f"session id: expected a non-empty string, got {session_id!r}"
+            raise ValueError(msg)
+        with self._table_lock:
+            existing = self._sessions.get(session_id)
+            if existing is not None and not existing.closed:
+                return existing
+            if not create:
+                raise UnknownSessionError(self._unknown(session_id))
+            session = Session(self, session_id)
+            self._sessions[session_id] = session
+            return session
+
+    def get(self, session_id: str) -> Session:
+        """An existing session (raises `UnknownSessionError` naming the known ids)."""
+        return self.session(session_id, create=False)
+
+    def _unknown(self, session_id: str) -> str:
+        known = ", ".join(sorted(self._sessions)[:20]) or "none"
+        return f"unknown session {session_id!r}; known sessions: {known}"
+
+    def __contains__(self, session_id: object) -> bool:
+        with self._table_lock:
+            return session_id in self._sessions
+
+    def sessions(self) -> Iterator[Session]:
+        """A snapshot of the live sessions."""
+        with self._table_lock:
+            return iter(list(self._sessions.values()))
+
+    def fork(self, session_id: str, branch: str) -> Session:
+        """Create (or get) the branch session `<session_id>/<branch>` sharing the parent's KV prefix."""
+        parent = self.get(session_id)
+        child_id = f"{session_id}/{branch}"
+        with self._table_lock:
+            existing = self._sessions.get(child_id)
+            if existing is not None and not existing.closed:
+                return existing
+        child = Session(self, child_id, parent=parent, branch=branch)
+        with self._table_lock:
+            self._sessions[child_id] = child
+        return child
+
+    def close(self, session_id: str) -> None:
+        """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
+        with self._table_lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise UnknownSessionError(self._unknown(session_id))
+        session.close()
+
+    def apply(self, session_id: str, event: Event) -> Any:
+        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
+        with self._table_lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            self.noop_events += 1
+            logger.info("event %s for unknown session %r ignored", event.name, session_id)
+            return None
+        return session.apply(event)
+
+    # -- global accounting ---------------------------------------------------------------------
+
+    def device_bytes(self) -> int:
+        """Device KV bytes across all sessions, shared prefixes counted once."""
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        for session in self.sessions():
+            with session.lock:
+                for tensor in session.store.physical.tensors():
+                    key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+                    if key in seen or tensor.numel() == 0:
+                        continue
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+                total += session.store.bytes_by_tier().quantized
+        return total

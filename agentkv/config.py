@@ -1,0 +1,842 @@
+"""Configuration: the `agentkv:` section of a graph YAML, validated by pydantic.
+
+The section lives next to whatever else a graph YAML holds (nodes, edges, prompts),
+so loading reads the whole file and validates only `agentkv:`. Every model forbids
+unknown keys and is frozen: a typo is an error at load time, never a silently
+ignored setting, and a config shared by many sessions cannot change under them.
+
+Every problem is reported as a plain `ValueError`, one line per problem, naming
+the YAML path, what was wrong and the allowed values, e.g.
+`agentkv.budget.device_tokens: must be > 0, got -5`. Pydantic's own
+`ValidationError` never escapes: callers catch one exception type.
+
+Per-run overrides (LangGraph's `config["configurable"]["agentkv"]`) are deep
+merged over a loaded config and validated again, see `AgentKVConfig.with_overrides`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from collections.abc import Callable, Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from agentkv.events import ACTIONS, EVENT_NAMES, EVENT_TARGETS
+from agentkv.spans import SpanKind
+
+__all__ = [
+    "ALLOWED_POLICIES",
+    "AgentKVConfig",
+    "BudgetConfig",
+    "CallbacksConfig",
+    "CommitConfig",
+    "PolicyConfig",
+    "QuantizationConfig",
+    "RecallConfig",
+    "parse_bytes",
+]
+
+ALLOWED_POLICIES: tuple[str, ...] = (
+    "lifecycle",
+    "full",
+    "window",
+    "streaming_llm",
+    "h2o",
+    "snapkv",
+    "tova",
+    "key_norm",
+    "intent",
+)
+"""Policy names `PolicyConfig.name` accepts (see `agentkv.policies`)."""
+
+CUSTOM_EVENT_PREFIX = "custom:"
+"""Rules keys for user `Custom` events are `custom:<event name>`."""
+
+CUSTOM_EVENT_TARGETS: tuple[str, ...] = ("owner",)
+"""The only target a custom-event rule can name: the span(s) named by the event's `owner`."""
+
+_Loc = tuple[str | int, ...]
+
+# ---------------------------------------------------------------------------- bytes
+
+_BYTE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_BYTES_FORMS = (
+    "accepted: an integer >= 0 (bytes), or a number with a unit: "
+    "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+    "e.g. 1024, '512kB', '64MiB', '1.5 GB'"
+)
+
+
+def parse_bytes(value: object) -> int:
+    """Read a byte count from YAML: an int, or a string such as `"64MiB"` or `"1.5 GB"`.
+
+    Budgets are easier to read and review as `64MiB` than as `67108864`, and both
+    binary and decimal units are common, so both are accepted and spelled out.
+
+    Args:
+        value: An int >= 0, a float that is a whole number, or a string: digits with an
+            optional fraction and an optional unit (case-insensitive), e.g. `"1024"`,
+            `"512kB"`, `"64MiB"`, `"1.5 GB"`. Decimal units (kB, MB, GB, TB) are
+            powers of 1000, binary units (KiB, MiB, GiB, TiB) powers of 1024.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        ValueError: The value is negative, not a whole number of bytes, or not in one of
+            the accepted forms (the message lists them).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"cannot read {value!r} as a byte size; {_BYTES_FORMS}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size must be >= 0, got {value}; {_BYTES_FORMS}")
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")) or not value.is_integer() or value < 0:
+            raise ValueError(f"cannot read {value!r} as a byte size; {_BYTES_FORMS}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}")
+    match = _BYTES_RE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in _BYTE_UNITS):
+        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}")
+    try:
+        amount = Decimal(match.group(1)) * _BYTE_UNITS[unit or "b"]
+    except InvalidOperation as e:  # pragma: no cover - the regex only lets decimals through
+        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}") from e
+    if amount != amount.to_integral_value():
+        raise ValueError(f"{_show(value)} is not a whole number of bytes ({amount}); {_BYTES_FORMS}")
+    return int(amount)
+
+
+def _bytes_or_none(value: object) -> object:
+    return None if value is None else parse_bytes(value)
+
+
+_ByteCount = Annotated[
+    int | None,
+    BeforeValidator(_bytes_or_none, json_schema_input_type=Annotated[int, Field(gt=0)] | str | None),
+]
+_Fraction = Annotated[float, Field(gt=0, le=1, strict=True)]
+
+# ---------------------------------------------------------------------------- models
+
+
+class _Problems(ValueError):
+    """Several problems found by one validator, each at its own path below the field.
+
+    Pydantic reports a validator's error at the field it validates; rules and
+    keep-ratio tables hold many independent entries, and the user needs to know which
+    one is wrong. `_format_errors` expands this into one line per problem.
+    """
+
+    def __init__(self, problems: list[tuple[_Loc, str]]) -> None:
+        super().__init__("; ".join(f"{'.'.join(map(str, p)) or '.'}: {m}" for p, m in problems))
+        self.problems = problems
+
+
+class _Section(BaseModel):
+    """Base of every config model: unknown keys are errors, instances never change.
+
+    A container key written with nothing under it (`budget:` with every line
+    commented out) is YAML null; it means "the defaults", not an error.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_container_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        containers = {name for name, f in cls.model_fields.items() if _is_container(f.annotation)}
+        return {k: v for k, v in data.items() if not (v is None and k in containers)}
+
+
+def _is_container(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is dict:
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+class BudgetConfig(_Section):
+    """How much KV a session may hold, per tier; null limits mean unlimited.
+
+    Over `high_watermark` of a limit the manager demotes spans along the lifecycle chain
+    (archive, offload, quantize, evict) until usage is under `low_watermark`; the gap
+    between the two keeps it from demoting again on every new token.
+    """
+
+    device_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        strict=True,
+        description="Per-session KV budget on the device, in tokens; null = none.",
+    )
+    """Per-session KV budget on the device, in tokens; null = none."""
+    device_bytes: _ByteCount = Field(
+        default=None,
+        gt=0,
+        description="Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none.",
+    )
+    """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
+    host_tokens: int | None = Field(
+        default=None, gt=0, strict=True, description="Per-session archive budget on the host tier, in tokens."
+    )
+    """Per-session archive budget on the host tier, in tokens."""
+    host_bytes: _ByteCount = Field(
+        default=None, gt=0, description="Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."
+    )
+    """Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."""
+    global_device_bytes: _ByteCount = Field(
+        default=None, gt=0, description="Device KV budget across all sessions of a backend, in bytes."
+    )
+    """Device KV budget across all sessions of a backend, in bytes."""
+    high_watermark: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        strict=True,
+        description="Fraction of a limit at which demotion starts (0 < x <= 1).",
+    )
+    """Fraction of a limit at which demotion starts (0 < x <= 1)."""
+    low_watermark: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        strict=True,
+        description="Fraction of a limit demotion brings usage back under (0 < x <= high_watermark).",
+    )
+    """Fraction of a limit demotion brings usage back under (0 < x <= high_watermark)."""
+
+    @model_validator(mode="after")
+    def _low_not_above_high(self) -> BudgetConfig:
+        if self.low_watermark > self.high_watermark:
+            msg = f"must be <= high_watermark ({self.high_watermark}), got {self.low_watermark}"
+            raise _Problems([(("low_watermark",), msg)])
+        return self
+
+    @property
+    def limited(self) -> bool:
+        """True when any limit is set, i.e. the manager has to watch usage at all."""
+        limits = (
+            self.device_tokens,
+            self.device_bytes,
+            self.host_tokens,
+            self.host_bytes,
+            self.global_device_bytes,
+        )
+        return any(limit is not None for limit in limits)
+
+
+class PolicyConfig(_Section):
+    """Which policy scores tokens when a span is committed or the budget is exceeded.
+
+    Three spellings are accepted: `policy: snapkv`; `policy: {name: snapkv, window: 32}`
+    (keys other than `name` and `params` are the policy's parameters); and the full
+    `policy: {name: snapkv, params: {window: 32}}`.
+    """
+
+    name: str = Field(
+        default="lifecycle",
+        description="Policy name (case-insensitive; '-' reads as '_').",
+        json_schema_extra={"enum": list(ALLOWED_POLICIES)},
+    )
+    """Policy name (case-insensitive; '-' reads as '_')."""
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the policy's constructor."
+    )
+    """Keyword arguments for the policy's constructor."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        data = _policy_as_mapping(data)
+        if isinstance(data, Mapping) and isinstance(data.get("params"), Mapping):
+            params = data["params"]
+            both = [k for k in data if k not in ("name", "params") and k in params]
+            if both:
+                msg = "given both beside `name` and under `params`; write it once"
+                raise _Problems([(("params", str(k)), msg) for k in both])
+        return data
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _known_policy(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # the str type check reports it
+        name = value.strip().lower().replace("-", "_")
+        if name not in ALLOWED_POLICIES:
+            raise ValueError(_unknown("policy", value, ALLOWED_POLICIES))
+        return name
+
+
+class QuantizationConfig(_Section):
+    """How spans are quantized on the int8/int4 archive tiers (KIVI-style).
+
+    Keys are quantized per channel and values per token, in groups along the
+    channel/token axis; the most recent tokens stay full precision because
+    quantization error hurts most where attention is sharpest.
+    """
+
+    group_size: int = Field(
+        default=32,
+        ge=8,
+        le=256,
+        strict=True,
+        description="Elements per quantization group: a power of two from 8 to 256.",
+    )
+    """Elements per quantization group: a power of two from 8 to 256."""
+    residual_tokens: int = Field(
+        default=0, ge=0, strict=True, description="Most recent tokens of a span kept in full precision."
+    )
+    """Most recent tokens of a span kept in full precision."""
+
+    @field_validator("group_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            allowed = ", ".join(str(2**i) for i in range(3, 9))
+            raise ValueError(f"must be a power of two, got {value}; allowed: {allowed}")
+        return value
+
+
+class CommitConfig(_Section):
+    """How a span is compressed when it is committed; it is then frozen (commit then freeze).
+
+    Scores come from the attention of the last `window` queries that consumed the
+    span; re-scoring old turns later is the documented failure mode, so it never happens.
+    """
+
+    keep_ratio: dict[str, _Fraction] = Field(
+        default_factory=dict,
+        description="Per span kind, fraction of tokens kept at commit (0 < r <= 1); unlisted kinds keep all.",
+        json_schema_extra={"propertyNames": {"enum": [kind.value for kind in SpanKind]}},
+    )
+    """Per span kind, fraction of tokens kept at commit (0 < r <= 1); unlisted kinds keep all."""
+    min_keep_tokens: int = Field(
+        default=8, ge=1, strict=True, description="Never compress a span below this many tokens."
+    )
+    """Never compress a span below this many tokens."""
+    window: int = Field(
+        default=32,
+        ge=1,
+        strict=True,
+        description="Observation window: recent queries whose attention scores a span.",
+    )
+    """Observation window: recent queries whose attention scores a span."""
+
+    @field_validator("keep_ratio")
+    @classmethod
+    def _known_kinds(cls, value: dict[str, float]) -> dict[str, float]:
+        kinds = tuple(kind.value for kind in SpanKind)
+        problems: list[tuple[_Loc, str]] = [
+            ((key,), _unknown("span kind", key, kinds, in_path=True)) for key in value if key not in kinds
+        ]
+        if problems:
+            raise _Problems(problems)
+        return value
+
+
+class RecallConfig(_Section):
+    """Bringing archived spans back before the model answers a new user turn.
+
+    Archived spans whose key summaries match the new query best are restored to the
+    device; evicted ones can be recomputed from their token ids.
+    """
+
+    enabled: bool = Field(
+        default=True, strict=True, description="Recall archived spans relevant to each new user turn."
+    )
+    """Recall archived spans relevant to each new user turn."""
+    max_spans: int = Field(
+        default=4, ge=0, strict=True, description="At most this many spans recalled per turn."
+    )
+    """At most this many spans recalled per turn."""
+    min_score: float | None = Field(
+        default=None,
+        strict=True,
+        allow_inf_nan=False,
+        description="Relevance a span needs to be recalled; null = the top max_spans regardless.",
+    )
+    """Relevance a span needs to be recalled; null = the top max_spans regardless."""
+    rehydrate_evicted: bool = Field(
+        default=True, strict=True, description="Recompute evicted spans from their tokens when recalled."
+    )
+    """Recompute evicted spans from their tokens when recalled."""
+
+
+class CallbacksConfig(_Section):
+    """Behaviour of the LangChain callback handler that turns runs into events."""
+
+    raise_error: bool = Field(
+        default=False,
+        strict=True,
+        description="Let handler errors stop the run; false logs them (hints never break a run).",
+    )
+    """Let handler errors stop the run; false logs them (hints never break a run)."""
+
+
+_DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
+
+
+class AgentKVConfig(_Section):
+    """Everything agentkv reads from the `agentkv:` section of a graph YAML."""
+
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="null = the default model; or an HF id, a directory or a .gguf path.",
+    )
+    """null = the default model; or an HF id, a directory or a .gguf path."""
+    device: str | None = Field(
+        default=None,
+        description="Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto.",
+    )
+    """Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
+        default=None, description="Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."
+    )
+    """Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."""
+    budget: BudgetConfig = Field(default_factory=BudgetConfig, description="KV limits per tier.")
+    """KV limits per tier."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Token scoring policy.")
+    """Token scoring policy."""
+    archive_tier: Literal["host", "int8", "int4", "drop"] = Field(
+        default="host", description="Where archived spans go: CPU, quantized on device, or dropped."
+    )
+    """Where archived spans go: CPU, quantized on device, or dropped."""
+    quantization: QuantizationConfig = Field(
+        default_factory=QuantizationConfig, description="Settings of the int8/int4 tiers."
+    )
+    """Settings of the int8/int4 tiers."""
+    commit: CommitConfig = Field(default_factory=CommitConfig, description="Compression at commit.")
+    """Compression at commit."""
+    recall: RecallConfig = Field(default_factory=RecallConfig, description="Recall of archived spans.")
+    """Recall of archived spans."""
+    rules: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Event -> {target: action} overrides of the default rules.",
+    )
+    """Event -> {target: action} overrides of the default rules."""
+    callbacks: CallbacksConfig = Field(
+        default_factory=CallbacksConfig, description="LangChain callback handler settings."
+    )
+    """LangChain callback handler settings."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE_RE.match(value):
+            raise ValueError(f"not a torch device: {_show(value)}; e.g. cpu, cuda, cuda:1, mps")
+        return value
+
+    @field_validator("rules")
+    @classmethod
+    def _known_rules(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        problems: list[tuple[_Loc, str]] = []
+        for event, targets in value.items():
+            if event.startswith(CUSTOM_EVENT_PREFIX):
+                if not event[len(CUSTOM_EVENT_PREFIX) :].strip():
+                    problems.append(((event,), "custom event needs a name, e.g. custom:plan_approved"))
+                    continue
+                allowed = CUSTOM_EVENT_TARGETS
+            elif event in EVENT_TARGETS:
+                allowed = EVENT_TARGETS[event]
+            else:
+                events = (*EVENT_NAMES, f"{CUSTOM_EVENT_PREFIX}<name>")
+                problems.append(((event,), _unknown("event", event, events, in_path=True)))
+                continue
+            for target, action in targets.items():
+                if target not in allowed:
+                    what = f"target for {event}"
+                    problems.append(((event, target), _unknown(what, target, allowed, in_path=True)))
+                elif action not in ACTIONS:
+                    problems.append(((event, target), _unknown("action", action, ACTIONS)))
+        if problems:
+            raise _Problems(problems)
+        return value
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], section: str = "agentkv") -> AgentKVConfig:
+        """Load the `section` of any YAML file (typically a graph YAML) as a config.
+
+        Args:
+            path: The YAML file.
+            section: The top-level key holding agentkv's settings.
+
+        Returns:
+            The validated config; defaults when the section is present but empty.
+
+        Raises:
+            FileNotFoundError: `path` does not exist (the message names it).
+            ValueError: The YAML is malformed (file and line), the section is missing or
+                any value is invalid (one line per problem, with its YAML path).
+        """
+        file = Path(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError as e:
+            msg = f"agentkv config file not found: {file}"
+            raise FileNotFoundError(msg) from e
+        except UnicodeDecodeError as e:
+            msg = f"{file}: not UTF-8 text ({e.reason} at byte {e.start})"
+            raise ValueError(msg) from e
+        return cls.from_yaml_text(text, section=section, source=str(file))
+
+    @classmethod
+    def from_yaml_text(cls, text: str, section: str = "agentkv", source: str = "<string>") -> AgentKVConfig:
+        """Like `from_yaml`, for YAML already in memory; `source` names it in errors."""
+        document, lines = _load_yaml(text, source)
+        if document is None:
+            msg = f"no `{section}:` section in {source}: the document is empty"
+            raise ValueError(msg)
+        if not isinstance(document, Mapping):
+            msg = (
+                f"{source}: the top level must be a mapping with the key `{section}:`, got {_kind(document)}"
+            )
+            raise ValueError(msg)
+        if section not in document:
+            keys = ", ".join(_truncate(str(k), 40) for k in list(document)[:20]) or "(none)"
+            more = ", ..." if len(document) > 20 else ""
+            msg = f"no `{section}:` section in {source}; top-level keys: {keys}{more}"
+            raise ValueError(msg)
+        return cls._validate(
+            document[section],
+            prefix=section,
+            source=source,
+            line_of=lambda loc: lines.get((section, *map(str, loc))),
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, prefix: str = "agentkv") -> AgentKVConfig:
+        """Validate the contents of an `agentkv:` section given as Python data.
+
+        Args:
+            data: The section's mapping; None means the defaults.
+            prefix: How error messages name the section (its path in the user's document).
+
+        Raises:
+            ValueError: One line per problem, each starting with its path under `prefix`.
+        """
+        return cls._validate(data, prefix=prefix)
+
+    def with_overrides(
+        self, overrides: Mapping[str, Any] | None, prefix: str = "configurable.agentkv"
+    ) -> AgentKVConfig:
+        """A copy with `overrides` deep-merged in, validated again.
+
+        Used for per-run settings from LangGraph's `config["configurable"]["agentkv"]`:
+        nested mappings merge key by key (`{"budget": {"device_tokens": 512}}` keeps
+        the other budget keys), anything else replaces. Naming a different policy
+        starts from that policy's own parameters rather than inheriting the old ones.
+
+        Args:
+            overrides: Partial config in the same shape as the YAML section; None or
+                empty returns `self`.
+            prefix: How error messages name the overrides' location.
+
+        Raises:
+            ValueError: The merged config is invalid (one line per problem).
+        """
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping):
+            msg = f"{prefix}: must be a mapping, got {_kind(overrides)}"
+            raise ValueError(msg)
+        base = self.to_dict()
+        merged = _deep_merge(base, {k: v for k, v in overrides.items() if k != "policy"})
+        if "policy" in overrides:
+            merged["policy"] = _merge_policy(base["policy"], overrides["policy"])
+        return self._validate(merged, prefix=prefix)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts in the YAML section's shape; `from_dict` reads it back."""
+        return self.model_dump(mode="python")
+
+    @classmethod
+    def _validate(
+        cls,
+        data: object,
+        prefix: str,
+        source: str | None = None,
+        line_of: Callable[[_Loc], int | None] | None = None,
+    ) -> AgentKVConfig:
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            where = f" ({source})" if source else ""
+            msg = f"{prefix}: must be a mapping, got {_kind(data)}{where}"
+            raise ValueError(msg)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            lines = _format_errors(e, prefix, line_of)
+            head = f"invalid agentkv config in {source}:\n" if source else ""
+            raise ValueError(head + "\n".join(lines)) from None
+        except RecursionError as e:
+            msg = f"{prefix}: nested too deeply to validate"
+            raise ValueError(msg) from e
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _load_yaml(text: str, source: str) -> tuple[Any, dict[_Loc, int]]:
+    """Parse YAML safely; also map each mapping-key path to its 1-based line for errors."""
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
+        problem = " ".join(str(p) for p in (e.context, e.problem) if p) or str(e)
+        msg = f"{where}: invalid YAML: {problem}"
+        raise ValueError(msg) from None
+    except yaml.YAMLError as e:  # e.g. ReaderError: a control character in the text
+        msg = f"{source}: invalid YAML: {' '.join(str(e).split())}"
+        raise ValueError(msg) from None
+    except (ValueError, OverflowError) as e:  # constructors: impossible dates, huge ints
+        msg = f"{source}: invalid YAML value: {e}"
+        raise ValueError(msg) from None
+    except RecursionError:
+        msg = f"{source}: invalid YAML: nested too deeply"
+        raise ValueError(msg) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    lines: dict[_Loc, int] = {}
+    if node is not None:
+        _collect_lines(node, (), lines, depth=0)
+    return data, lines
+
+
+def _collect_lines(node: yaml.Node, path: _Loc, lines: dict[_Loc, int], depth: int) -> None:
+    if not isinstance(node, yaml.MappingNode) or depth > 8:  # config paths are shallow
+        return
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            sub = (*path, str(key.value))
+            lines.setdefault(sub, key.start_mark.line + 1)
+            _collect_lines(value, sub, lines, depth + 1)
+
+
+def _format_errors(
+    error: ValidationError, prefix: str, line_of: Callable[[_Loc], int | None] | None
+) -> list[str]:
+    out: list[str] = []
+    for err in error.errors():
+        loc: _Loc = tuple(err["loc"])
+        ctx = err.get("ctx") or {}
+        cause = ctx.get("error")
+        problems = cause.problems if isinstance(cause, _Problems) else [((), _message(err, loc))]
+        for sub, message in problems:
+            full = (*loc, *sub)
+            line = line_of(full) if line_of else None
+            where = f" (line {line})" if line else ""
+            text = f"{'.'.join([prefix, *map(str, full)])}: {message}{where}"
+            if text not in out:
+                out.append(text)
+    return out
+
+
+def _message(err: Any, loc: _Loc) -> str:
+    """One readable problem for one pydantic error: what was wrong, what is allowed."""
+    kind: str = err["type"]
+    ctx: dict[str, Any] = err.get("ctx") or {}
+    got = _show(err.get("input"))
+    bounds = {
+        "greater_than": ("gt", ">"),
+        "greater_than_equal": ("ge", ">="),
+        "less_than": ("lt", "<"),
+        "less_than_equal": ("le", "<="),
+    }
+    if kind in bounds:
+        key, op = bounds[kind]
+        return f"must be {op} {_number(ctx.get(key))}, got {got}"
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        allowed = tuple(model.model_fields) if model else ()
+        return _unknown("key", str(loc[-1]), allowed, in_path=True)
+    if kind == "invalid_key":
+        return f"keys must be strings, got {got}"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    if kind == "literal_error":
+        values = _literal_values(loc)
+        listed = ", ".join(map(str, values)) if values else str(ctx.get("expected"))
+        return f"unknown value {got}; allowed: {listed}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping, got {_kind(err.get('input'))}"
+    if kind.startswith("int_"):
+        return f"must be an integer, got {got}"
+    if kind.startswith("float_"):
+        return f"must be a number, got {got}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {got}"
+    if kind.startswith("bool_"):
+        return f"must be true or false, got {got}"
+    if kind.startswith("string_too_short"):
+        return f"must not be empty, got {got}"
+    if kind.startswith("string_"):
+        return f"must be a string, got {got}"
+    if kind == "recursion_loop":
+        return "refers to itself (a YAML alias cycle)"
+    return f"{err['msg']}, got {got}"
+
+
+def _model_at(loc: _Loc) -> type[BaseModel] | None:
+    """The config model reached by following `loc` from `AgentKVConfig`, if any."""
+    model: type[BaseModel] = AgentKVConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    return model
+
+
+def _literal_values(loc: _Loc) -> tuple[object, ...]:
+    """The values a `Literal` field at `loc` allows, for listing them plainly."""
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(str(loc[-1])) if model and loc else None
+    if field is None:
+        return ()
+    values: list[object] = []
+    stack = [field.annotation]
+    while stack:
+        annotation = stack.pop(0)
+        if typing.get_origin(annotation) is Literal:
+            values.extend(typing.get_args(annotation))
+        else:
+            stack.extend(typing.get_args(annotation))
+    return tuple(values)
+
+
+def _unknown(what: str, value: object, allowed: tuple[str, ...], in_path: bool = False) -> str:
+    """`unknown <what> 'x' (did you mean 'y'?); allowed: a, b, c`.
+
+    When the value is a mapping key it already ends the error's path, so `in_path`
+    leaves it out of the message.
+    """
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    shown = "" if in_path else f" {_show(value)}"
+    return f"unknown {what}{shown}{hint}; allowed: {', '.join(allowed) or '(none)'}"
+
+
+def _number(value: object) -> str:
+    """`1` rather than `1.0` for a float bound: pydantic widens bounds to the field's type."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple | set):
+        return f"a list {_truncate(repr(value), 40)}"
+    try:
+        text = repr(value)
+    except ValueError:  # ints over Python's str-conversion digit limit
+        text = f"<{type(value).__name__}>"
+    return _truncate(text, 60)
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple | set):
+        return f"a list {_truncate(repr(value), 40)}"
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {_show(value)}"
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _policy_as_mapping(data: Any) -> Any:
+    """Read the policy shorthands as `{name, params}`; anything else comes back unchanged.
+
+    `"snapkv"` becomes `{"name": "snapkv"}`; `{"name": "snapkv", "window": 32}`
+    becomes `{"name": "snapkv", "params": {"window": 32}}`. A key given both ways is
+    left in place for the validator to report.
+    """
+    if isinstance(data, str):
+        return {"name": data}
+    if not isinstance(data, Mapping):
+        return data
+    extra = {k: v for k, v in data.items() if k not in ("name", "params")}
+    params = data.get("params")
+    if params is None:
+        params = {}
+    if not extra or not isinstance(params, Mapping) or extra.keys() & params.keys():
+        return data
+    head = {"name": data["name"]} if "name" in data else {}
+    return head | {"params": {**params, **extra}}
+
+
+def _merge_policy(base: Mapping[str, Any], patch: object) -> object:
+    """Merge a policy override over the current `{name, params}`.
+
+    `{"policy": {"window": 64}}` tunes the current policy: parameters merge.
+    `{"policy": "h2o"}` over a SnapKV config must not hand SnapKV's parameters to
+    H2O, so naming a different policy replaces the whole policy section.
+    """
+    patch = _policy_as_mapping(patch)
+    if not isinstance(patch, Mapping):
+        return patch
+    name = patch.get("name", base.get("name"))
+    if not isinstance(name, str) or name.strip().lower().replace("-", "_") != base.get("name"):
+        return patch
+    return _deep_merge(base, patch)

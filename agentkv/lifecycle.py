@@ -1,0 +1,116 @@
+"""Lifecycle states, the allowed moves between them, the rules table, and pin leases.
+
+    ACTIVE ──commit──► COMMITTED ──archive──► ARCHIVED
+      │                   │  ▲                  │
+      └──release──► EVICTABLE ◄──release────────┘
+                          │        (recall: ARCHIVED/EVICTED → COMMITTED)
+                        evict ─────► EVICTED  (KV dropped, token ids kept)
+
+`pinned` is not a state but a set of leases on a span: a pinned span is never
+demoted by budget pressure. Rules map an event's targets to actions; an action
+leads to a state through `ACTION_STATES`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agentkv.events import ACTIONS, EVENT_TARGETS
+from agentkv.spans import SpanState
+
+TRANSITIONS: dict[SpanState, frozenset[SpanState]] = {
+    SpanState.ACTIVE: frozenset(
+        {SpanState.COMMITTED, SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED}
+    ),
+    SpanState.COMMITTED: frozenset({SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED}),
+    SpanState.ARCHIVED: frozenset({SpanState.COMMITTED, SpanState.EVICTABLE, SpanState.EVICTED}),
+    SpanState.EVICTABLE: frozenset({SpanState.COMMITTED, SpanState.EVICTED}),
+    SpanState.EVICTED: frozenset({SpanState.COMMITTED}),
+}
+"""Allowed moves. EVICTED → COMMITTED is recall by recomputing the span from its token ids."""
+
+ACTION_STATES: dict[str, SpanState | None] = {
+    "keep": None,
+    "commit": SpanState.COMMITTED,
+    "release": SpanState.EVICTABLE,
+    "archive": SpanState.ARCHIVED,
+    "evict": SpanState.EVICTED,
+    "pin": None,
+    "unpin": None,
+}
+
+DEFAULT_RULES: dict[str, dict[str, str]] = {
+    "turn_ended": {
+        "user": "commit",
+        "answer": "commit",
+        "reasoning": "release",
+        "tool_calls": "release",
+        "tool_results": "commit",
+        "prompt": "release",
+    },
+    "tool_call_completed": {"result": "commit", "call": "release"},
+    "tool_call_failed": {"result": "release", "call": "release"},
+    "user_confirmed": {"target": "pin"},
+    "user_rejected": {"target": "release"},
+    "branch_opened": {},
+    "branch_pruned": {"branch": "evict"},
+    "branch_selected": {"branch": "commit", "siblings": "evict"},
+    "session_closed": {"all": "evict"},
+}
+"""What each event does by default; `AgentKVConfig.rules` overrides entries target by target."""
+
+
+def check_transition(current: SpanState, target: SpanState, event: str) -> None:
+    """Raise `ValueError` naming the state, the event and the allowed moves when a move is illegal."""
+    if target is current:
+        return
+    allowed = TRANSITIONS[current]
+    if target not in allowed:
+        names = ", ".join(sorted(s.value for s in allowed)) or "none"
+        msg = f"cannot move a {current.value} span to {target.value} on {event!r}; allowed from {current.value}: {names}"
+        raise ValueError(msg)
+
+
+class Rules:
+    """The event → target → action table, defaults merged with overrides."""
+
+    def __init__(self, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        table = {name: dict(targets) for name, targets in DEFAULT_RULES.items()}
+        for name, targets in (overrides or {}).items():
+            allowed_targets = ("owner",) if name.startswith("custom:") else EVENT_TARGETS.get(name)
+            if allowed_targets is None:
+                msg = f"rules.{name}: unknown event; allowed: {', '.join(EVENT_TARGETS)} or custom:<name>"
+                raise ValueError(msg)
+            for target, action in targets.items():
+                if target not in allowed_targets:
+                    msg = f"rules.{name}.{target}: unknown target; allowed: {', '.join(allowed_targets)}"
+                    raise ValueError(msg)
+                if action not in ACTIONS:
+                    msg = f"rules.{name}.{target}: unknown action {action!r}; allowed: {', '.join(ACTIONS)}"
+                    raise ValueError(msg)
+            table.setdefault(name, {}).update(targets)
+        self.table = table
+
+    def actions(self, event_name: str) -> dict[str, str]:
+        """Target → action for an event name (empty for an unknown custom event)."""
+        return dict(self.table.get(event_name, {}))
+
+
+_lease_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A receipt for a pin. Only `Session.release(lease)` with this receipt removes that pin."""
+
+    lease_id: int
+    session_id: str
+    span_ids: tuple[int, ...]
+    reason: str = ""
+
+    @staticmethod
+    def new(session_id: str, span_ids: tuple[int, ...], reason: str = "") -> Lease:
+        """A fresh lease with a process-unique id."""
+        return Lease(next(_lease_ids), session_id, span_ids, reason)

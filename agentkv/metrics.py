@@ -1,0 +1,90 @@
+"""Session statistics and the event log, as plain dataclasses that export to JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Counters:
+    """Running totals a session keeps (mutable; `SessionStats` is the frozen view)."""
+
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    cropped_tokens: int = 0
+    rehydrated_tokens: int = 0
+    restored_tokens: int = 0
+    compressed_tokens: int = 0
+    events_applied: int = 0
+    events_noop: int = 0
+    transitions: int = 0
+    faults: int = 0
+    budget_unmet: int = 0
+    peak_device_bytes: int = 0
+    lifecycle_seconds: float = 0.0
+    policy_seconds: float = 0.0
+    store_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """What `Session.stats()` reports (contract fields first)."""
+
+    session_id: str
+    prefill_tokens: int
+    """Tokens encoded by the model in this session so far."""
+    reused_tokens: int
+    """Tokens served from the cache instead of being re-encoded."""
+    device_bytes: int
+    """Full-precision KV bytes attended on the model's device, now."""
+    quantized_bytes: int
+    host_bytes: int
+    peak_device_bytes: int
+    tokens_by_state: dict[str, int]
+    generated_tokens: int = 0
+    cropped_tokens: int = 0
+    rehydrated_tokens: int = 0
+    restored_tokens: int = 0
+    compressed_tokens: int = 0
+    shared_device_bytes: int = 0
+    """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
+    attended_tokens: int = 0
+    logical_tokens: int = 0
+    spans: int = 0
+    turn: int = 0
+    events_applied: int = 0
+    events_noop: int = 0
+    """Events that changed nothing: unknown owner or session, duplicate, or span already evicted."""
+    transitions: int = 0
+    faults: int = 0
+    """Failures inside offload / restore / quantization / policy that were survived."""
+    budget_unmet: int = 0
+    """Times the budget could not be met without demoting pinned or active spans."""
+    budget_satisfied: bool = True
+    lifecycle_seconds: float = 0.0
+    policy_seconds: float = 0.0
+    store_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One entry of a session's event log."""
+
+    kind: str
+    """"event", "transition", "extend", "generate", "budget", "recall", "fault"."""
+    detail: dict[str, Any]
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        """One JSON object (a line of the JSONL export)."""
+        return json.dumps({"kind": self.kind, "at": self.at, **self.detail}, default=str)

@@ -1,0 +1,105 @@
+"""Composition by wrapping: a policy made of policies is still a policy.
+
+Instead of a plugin system, scorers combine the way kvpress presses do: a wrapper
+holds its parts and fills in `score`. Two needs keep recurring — "mix these
+signals" and "but never drop the sinks / the last few tokens" — so those are the
+wrappers here. `needs_attention` / `needs_query` are the union of the parts', so
+the session collects what any part reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from agentkv.policies.base import Policy, SpanView, check_count, lift, recent_mask
+
+
+def _check_policy(owner: str, value: object) -> None:
+    if not isinstance(value, Policy):
+        msg = f"{owner}: expected a Policy, got {type(value).__name__}"
+        raise TypeError(msg)
+
+
+@dataclass
+class WeightedSumPolicy(Policy):
+    """Score = Σ weight · z(part score): each part is z-normalised so scales do not matter.
+
+    Example: `WeightedSumPolicy(((KeyNormPolicy(), 0.5), (H2OPolicy(), 1.0)))`.
+    """
+
+    parts: tuple[tuple[Policy, float], ...]
+    """(policy, weight) pairs; weights may be negative to penalise a signal."""
+
+    def __post_init__(self) -> None:
+        self.parts = tuple((p, w) for p, w in self.parts)
+        if not self.parts:
+            msg = "WeightedSumPolicy needs at least one (policy, weight) part, got none"
+            raise ValueError(msg)
+        for policy, weight in self.parts:
+            _check_policy("WeightedSumPolicy", policy)
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+                name = type(policy).__name__
+                msg = f"WeightedSumPolicy: weight for {name} must be a finite number, got {weight!r}"
+                raise ValueError(msg)
+        self.needs_attention = any(p.needs_attention for p, _ in self.parts)
+        self.needs_query = any(p.needs_query for p, _ in self.parts)
+
+    def score(self, view: SpanView) -> torch.Tensor:
+        """`[n]` weighted sum of the parts' z-scores."""
+        total = torch.zeros(view.num_tokens)
+        for policy, weight in self.parts:
+            total += float(weight) * _zscore(policy.score(view).float().cpu())
+        return total
+
+
+@dataclass
+class ProtectRecentPolicy(Policy):
+    """`inner`'s scores, with the last `recent_tokens` of the conversation ranked above everything."""
+
+    inner: Policy
+    """The policy that ranks the remaining tokens."""
+    recent_tokens: int = 32
+    """Tokens within this many logical positions of the end are always ranked first."""
+
+    def __post_init__(self) -> None:
+        _check_policy("ProtectRecentPolicy", self.inner)
+        check_count("ProtectRecentPolicy", "recent_tokens", self.recent_tokens)
+        self.needs_attention = self.inner.needs_attention
+        self.needs_query = self.inner.needs_query
+
+    def score(self, view: SpanView) -> torch.Tensor:
+        """`[n]` inner scores, recent tokens lifted."""
+        return lift(self.inner.score(view).float().cpu(), recent_mask(view, self.recent_tokens))
+
+
+@dataclass
+class ProtectSinksPolicy(Policy):
+    """`inner`'s scores, with the first `sink_tokens` logical positions ranked first (StreamingLLM sinks)."""
+
+    inner: Policy
+    """The policy that ranks the remaining tokens."""
+    sink_tokens: int = 4
+    """Logical positions 0 .. sink_tokens-1 are always ranked first."""
+
+    def __post_init__(self) -> None:
+        _check_policy("ProtectSinksPolicy", self.inner)
+        check_count("ProtectSinksPolicy", "sink_tokens", self.sink_tokens)
+        self.needs_attention = self.inner.needs_attention
+        self.needs_query = self.inner.needs_query
+
+    def score(self, view: SpanView) -> torch.Tensor:
+        """`[n]` inner scores, sinks lifted."""
+        return lift(self.inner.score(view).float().cpu(), view.positions.cpu() < self.sink_tokens)
+
+
+def _zscore(scores: torch.Tensor) -> torch.Tensor:
+    """(s − mean) / std; all zeros when the scores are constant (the part then has no say)."""
+    if scores.numel() < 2:
+        return torch.zeros_like(scores)
+    std = scores.std(unbiased=False)
+    if not bool(std > 0) or not bool(torch.isfinite(std)):
+        return torch.zeros_like(scores)
+    return (scores - scores.mean()) / std

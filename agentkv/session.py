@@ -1,0 +1,627 @@
+"""A session: one conversation, one KV cache, one span table.
+
+`extend(messages)` encodes only what the cache does not already hold: it matches
+the incoming messages with the cached ones message by message (by fingerprint),
+crops from the first that differs, and prefills the new suffix. `generate()` is
+our own decode loop over a cache whose physical layout may differ from the
+logical sequence. Lifecycle events, budgets and recall live in
+`agentkv.manager.LifecycleManager`; this module only encodes and decodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentkv.backend.runner import Feed
+from agentkv.backend.sampling import SamplingParams, StopMatcher, sample_next
+from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
+from agentkv.events import Event
+from agentkv.lifecycle import Lease
+from agentkv.metrics import Counters, LogRecord, SessionStats
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.store.kvstore import KVStore
+
+if TYPE_CHECKING:
+    from agentkv.backend.transformers import TransformersBackend
+    from agentkv.manager import ApplyResult, LifecycleManager
+
+logger = logging.getLogger("agentkv.session")
+
+
+class SessionClosedError(RuntimeError):
+    """The session was closed; create a new one with `backend.session(id)`."""
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    """What `Session.extend` did."""
+
+    prefilled_tokens: int
+    """Tokens encoded by the model in this call."""
+    reused_tokens: int
+    """Tokens of the incoming history served from the cache."""
+    cropped_tokens: int
+    """Cached tokens dropped because the history was rewritten upstream."""
+    new_spans: tuple[int, ...]
+    first_changed_message: int | None
+    """Index of the first message that differed from the cache (None = pure append)."""
+    seconds: float
+
+
+class Session:
+    """One conversation's KV cache. Thread-safe: a per-session lock serialises every call."""
+
+    def __init__(
+        self,
+        backend: TransformersBackend,
+        session_id: str,
+        *,
+        parent: Session | None = None,
+        branch: str | None = None,
+    ) -> None:
+        from agentkv.manager import LifecycleManager
+
+        self.backend = backend
+        self.session_id = session_id
+        self.config = backend.config
+        self.format = backend.chat_format
+        self.runner = backend.runner
+        self.lock = threading.RLock()
+        self.store = KVStore(
+            self.runner.num_layers,
+            self.runner.device,
+            group_size=self.config.quantization.group_size,
+            residual_tokens=self.config.quantization.residual_tokens,
+            host_limit_bytes=self.config.budget.host_bytes,
+        )
+        self.spans: list[Span] = []
+        self.messages: list[ChatMessage] = []
+        self.counters = Counters()
+        self.log: deque[LogRecord] = deque(maxlen=10_000)
+        self.turn = 0
+        self.last_logits: torch.Tensor | None = None
+        self.leases: dict[int, Lease] = {}
+        self.branch = branch
+        self.parent = parent
+        self.closed = False
+        self._next_span_id = itertools.count()
+        self.lifecycle: LifecycleManager = LifecycleManager(self)
+        if parent is not None:
+            self._fork_from(parent)
+
+    # -- small helpers -------------------------------------------------------------------------
+
+    def _record(self, kind: str, **detail: Any) -> None:
+        self.log.append(LogRecord(kind, detail))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            msg = f"session {self.session_id!r} is closed; call backend.session({self.session_id!r}) for a new one"
+            raise SessionClosedError(msg)
+
+    def span(self, span_id: int) -> Span:
+        """The span with this id (KeyError naming the known range when absent)."""
+        for span in self.spans:
+            if span.span_id == span_id:
+                return span
+        msg = f"session {self.session_id!r} has no span {span_id}"
+        raise KeyError(msg)
+
+    def spans_owned_by(self, owner: str) -> list[Span]:
+        """Spans whose owner (message id, tool_call_id, branch) is `owner`."""
+        return [s for s in self.spans if s.owner == owner or s.branch == owner]
+
+    @property
+    def logical_length(self) -> int:
+        """Tokens in the logical sequence (held or not)."""
+        return self.spans[-1].end if self.spans else 0
+
+    def token_ids(self) -> list[int]:
+        """The whole logical sequence's token ids (nothing is ever lost)."""
+        return [t for span in self.spans for t in span.token_ids]
+
+    def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
+        span = Span(
+            span_id=next(self._next_span_id),
+            kind=kind,
+            token_ids=list(token_ids),
+            start=self.logical_length,
+            turn=self.turn,
+            branch=self.branch,
+            **fields,
+        )
+        self.spans.append(span)
+        return span
+
+    # -- encoding ------------------------------------------------------------------------------
+
+    def extend(self, messages: Sequence[Any]) -> ExtendResult:
+        """Bring the cache in line with `messages`, encoding only what it does not hold.
+
+        Messages are matched with the cached ones by fingerprint (role, content, tool
+        calls, tool_call_id); from the first that differs the cache is cropped and the
+        rest encoded. Inside that first changed message, tokens equal to the cached
+        ones are kept, so a rewritten middle message re-encodes from its first
+        changed token.
+        """
+        started = time.perf_counter()
+        incoming = normalize_messages(messages)
+        with self.lock:
+            self._check_open()
+            message_spans = [s for s in self.spans if s.message_index >= 0]
+            k = 0
+            while (
+                k < len(message_spans)
+                and k < len(incoming)
+                and incoming[k].fingerprint() in message_spans[k].fingerprints
+            ):
+                k += 1
+            reused = sum(s.length for s in message_spans[:k])
+            new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
+            kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
+            total = kept_end + sum(len(ids) for ids in new_ids)
+            self._check_positions(total)
+
+            cropped = 0
+            partial = 0
+            first_changed = k if k < len(message_spans) else None
+            if k < len(message_spans):
+                old = message_spans[k]
+                if new_ids and self._reusable_prefix(old):
+                    partial = _common_prefix(old.token_ids[: old.n_computed], new_ids[0])
+                cropped = self._crop(old, keep_tokens=partial)
+            reused += partial
+            new_spans: list[int] = []
+            for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
+                index = k + offset
+                if message.role == "user":
+                    self.lifecycle.on_new_user_turn()
+                    self.turn += 1
+                if offset == 0 and partial:
+                    # The rewritten message keeps its unchanged leading tokens; it is new content.
+                    span = self.spans[-1]
+                    span.token_ids = list(ids)
+                    span.state, span.frozen, span.generated = SpanState.ACTIVE, False, False
+                    span.turn = self.turn
+                    self._describe_message(span, message, index)
+                else:
+                    span = self._new_span(message.kind, ids)
+                    self._describe_message(span, message, index)
+                    self.lifecycle.on_span_created(span)
+                self.messages.append(message)
+                new_spans.append(span.span_id)
+            if any(m.role == "user" for m in incoming[k:]):
+                self.lifecycle.recall(incoming[-1])
+            prefilled = self._prefill()
+            self.counters.reused_tokens += reused
+            self.counters.cropped_tokens += cropped
+            self.lifecycle.after_operation()
+            result = ExtendResult(
+                prefilled_tokens=prefilled,
+                reused_tokens=reused,
+                cropped_tokens=cropped,
+                new_spans=tuple(new_spans),
+                first_changed_message=first_changed,
+                seconds=time.perf_counter() - started,
+            )
+            self._record("extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans))
+            return result
+
+    def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
+        span.kind = message.kind
+        span.owner = message.owner
+        span.message_index = index
+        span.fingerprints = frozenset({message.fingerprint()})
+        for call in message.tool_calls:
+            self.lifecycle.register_tool_call(call.id, span)
+
+    def _check_positions(self, total: int) -> None:
+        limit = self.runner.max_positions
+        if limit is not None and total > limit:
+            msg = (
+                f"session {self.session_id!r}: the conversation would be {total} tokens long, more than the "
+                f"model's {limit} positions; shorten the history (summarise or drop old messages)"
+            )
+            raise ValueError(msg)
+
+    def _reusable_prefix(self, span: Span) -> bool:
+        """Whether a span's leading tokens can stay when its message is rewritten."""
+        return span.tier is Tier.DEVICE and span.kept is None and span.state is not SpanState.EVICTED
+
+    def _crop(self, first: Span, *, keep_tokens: int = 0) -> int:
+        """Drop `first` (except its first `keep_tokens`) and every span after it."""
+        index = self.spans.index(first)
+        dropped = 0
+        for span in self.spans[index + 1 :]:
+            dropped += span.length
+            self.store.forget(span)
+            self.lifecycle.on_span_removed(span)
+        del self.spans[index + 1 :]
+        del self.messages[first.message_index if first.message_index >= 0 else len(self.messages) :]
+        if keep_tokens:
+            slots = self.store.physical.slots_of(first.span_id)
+            offsets = self.store.physical.slot_offset[slots]
+            self.store.physical.remove(slots[offsets >= keep_tokens])
+            dropped += first.length - keep_tokens
+            first.token_ids = first.token_ids[:keep_tokens]
+            first.n_computed = keep_tokens
+            first.fingerprints = frozenset()
+        else:
+            dropped += first.length
+            self.store.forget(first)
+            self.lifecycle.on_span_removed(first)
+            self.spans.pop()
+        if self.last_logits is not None:
+            self.last_logits = None
+        return dropped
+
+    def _pending_feed(self) -> Feed:
+        ids: list[int] = []
+        positions: list[int] = []
+        span_ids: list[int] = []
+        offsets: list[int] = []
+        for span in self.spans:
+            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
+                continue
+            for offset in range(span.n_computed, span.length):
+                ids.append(span.token_ids[offset])
+                positions.append(span.start + offset)
+                span_ids.append(span.span_id)
+                offsets.append(offset)
+        return Feed(ids, positions, span_ids, offsets)
+
+    def _prefill(self) -> int:
+        """Encode every token whose KV is pending; returns how many."""
+        feed = self._pending_feed()
+        if not len(feed):
+            return 0
+        with self.backend.model_lock:
+            self.last_logits = self._forward(feed)
+        for span in self.spans:
+            if span.tier is Tier.DEVICE and span.n_computed < span.length:
+                span.n_computed = span.length
+        self.counters.prefill_tokens += len(feed)
+        return len(feed)
+
+    def _forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
+        before = self.runner.forward_seconds
+        try:
+            return self.lifecycle.observed_forward(feed, **kwargs)
+        finally:
+            self.counters.forward_seconds += self.runner.forward_seconds - before
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        max_new_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        prefix: str = "",
+        seed: int | None = None,
+        message_id: str | None = None,
+    ) -> str:
+        """Answer as the assistant; the answer becomes a cached assistant span.
+
+        Args:
+            max_new_tokens: at most this many new tokens (>= 1).
+            temperature: 0 = greedy; otherwise sample with `top_p` / `top_k`.
+            top_p: nucleus sampling threshold.
+            top_k: keep only the k most likely tokens (0 = off).
+            stop: strings that end the answer (excluded from it).
+            prefix: the answer starts with this text (e.g. a forced tool call opening);
+                the returned text excludes it.
+            seed: seeds the sampler.
+            message_id: id of the message that will carry this answer (span owner).
+
+        Returns:
+            The generated text (without `prefix` and stop strings).
+        """
+        return "".join(
+            self.stream(
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop=stop,
+                prefix=prefix,
+                seed=seed,
+                message_id=message_id,
+            )
+        )
+
+    def stream(
+        self,
+        max_new_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        prefix: str = "",
+        seed: int | None = None,
+        message_id: str | None = None,
+    ) -> Iterator[str]:
+        """Like `generate`, but yields text pieces as they are decoded."""
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops, seed=seed
+        )
+        return self._decode(params, prefix, message_id)
+
+    def _decode(self, params: SamplingParams, prefix: str, message_id: str | None) -> Iterator[str]:
+        with self.lock:
+            self._check_open()
+            if not self.messages:
+                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
+                raise ValueError(msg)
+            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
+            self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens)
+            span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
+            span.message_index = len(self.messages)
+            self.lifecycle.on_span_created(span)
+            self._prefill()
+            logits = self.last_logits
+            if logits is None:
+                msg = "no logits after prefill"
+                raise RuntimeError(msg)
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device="cpu").manual_seed(params.seed)
+            stop_ids = self.format.stop_token_ids()
+            matcher = StopMatcher(params.stop)
+            produced: list[int] = []
+            emitted = 0
+            text = ""
+            finished_by_stop_string = False
+            try:
+                for _ in range(params.max_new_tokens):
+                    token = sample_next(logits.cpu(), params, generator)
+                    if token in stop_ids:
+                        break
+                    produced.append(token)
+                    span.token_ids.append(token)
+                    text = self.backend.tokenizer.decode(produced, skip_special_tokens=True)
+                    cut = matcher.find(text)
+                    if cut is not None:
+                        text = text[:cut]
+                        finished_by_stop_string = True
+                    safe = len(text) if finished_by_stop_string else matcher.safe_length(text)
+                    # Byte-level BPE may end mid-character: hold back a trailing replacement char.
+                    while safe > emitted and text[safe - 1] == "\ufffd" and not finished_by_stop_string:
+                        safe -= 1
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+                    if finished_by_stop_string or len(produced) >= params.max_new_tokens:
+                        break
+                    logits = self._decode_one(span)
+                if emitted < len(text):
+                    yield text[emitted:]
+            finally:
+                self._finish_answer(span, prefix, text, len(produced))
+
+    def _decode_one(self, span: Span) -> torch.Tensor:
+        """Feed the span's last (pending) token; return next-token logits `[V]`."""
+        offset = span.length - 1
+        feed = Feed([span.token_ids[offset]], [span.start + offset], [span.span_id], [offset])
+        with self.backend.model_lock:
+            logits = self._forward(feed)
+        span.n_computed = span.length
+        if logits is None:
+            msg = "no logits from decode step"
+            raise RuntimeError(msg)
+        return logits
+
+    def _finish_answer(self, span: Span, prefix: str, text: str, produced: int) -> None:
+        """Close the assistant message the way the template would, so the next turn reuses it."""
+        span.token_ids.extend(self.format.assistant_suffix_ids())
+        content = prefix + text
+        message = ChatMessage("assistant", content, message_id=span.owner)
+        span.fingerprints = frozenset(
+            {message.fingerprint(), message_fingerprint("assistant", text)}
+        )
+        self.messages.append(message)
+        self.counters.generated_tokens += produced
+        self._record("generate", span=span.span_id, tokens=produced, chars=len(text))
+        self.lifecycle.after_operation()
+
+    def bind_message(self, message: Any, span_id: int | None = None) -> None:
+        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls).
+
+        The next `extend` then matches that message to the span's produced ids
+        instead of re-encoding it.
+        """
+        normalized = normalize_messages([message])[0]
+        with self.lock:
+            generated = [s for s in self.spans if s.generated]
+            if span_id is None and not generated:
+                msg = "bind_message: this session has generated nothing yet"
+                raise ValueError(msg)
+            span = generated[-1] if span_id is None else self.span(span_id)
+            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
+            if normalized.owner:
+                span.owner = normalized.owner
+            if normalized.tool_calls:
+                span.kind = SpanKind.TOOL_CALL
+                for call in normalized.tool_calls:
+                    self.lifecycle.register_tool_call(call.id, span)
+            if 0 <= span.message_index < len(self.messages):
+                self.messages[span.message_index] = normalized
+
+    # -- scoring without changing the cache ------------------------------------------------------
+
+    def continuation_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits `[n, V]` for feeding `token_ids` after the cache; the cache is left as it was.
+
+        Row i is the distribution after token i; the row before token 0 is
+        `self.last_logits`. Used for exactness checks and teacher-forced scoring.
+        """
+        with self.lock:
+            self._check_open()
+            if self._pending_feed().input_ids:
+                self._prefill()
+            start = self.logical_length
+            ids = list(token_ids)
+            feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
+            before = self.store.physical.length
+            with self.backend.model_lock:
+                logits = self.runner.forward(self.store.physical, feed, logits="all")
+            self.store.physical.truncate(before)
+            if logits is None:
+                return torch.empty(0)
+            return logits
+
+    def answer_logprob(self, answer: str, *, prefix: str = "") -> float:
+        """Teacher-forced log-probability of an assistant answer (cache unchanged)."""
+        with self.lock:
+            prompt = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
+            target = self.format.encode(answer)
+            logits = self.continuation_logits(prompt + target)
+            if self.last_logits is None:
+                return float("nan")
+            rows = torch.cat([self.last_logits[None], logits[:-1]])  # row i predicts token i
+            logprobs = torch.log_softmax(rows.float(), dim=-1)
+            ids = torch.tensor(prompt + target)
+            picked = logprobs[torch.arange(len(ids)), ids]
+            return float(picked[len(prompt) :].sum())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def apply(self, event: Event) -> ApplyResult:
+        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
+        with self.lock:
+            self._check_open()
+            return self.lifecycle.apply(event)
+
+    def pin(self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = "") -> Lease:
+        """Pin spans (by owner or ids); returns the lease to give back with `release`."""
+        with self.lock:
+            return self.lifecycle.pin(owner=owner, span_ids=span_ids, reason=reason)
+
+    def release(self, lease: Lease) -> bool:
+        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
+        with self.lock:
+            return self.lifecycle.release(lease)
+
+    def fork(self, branch: str) -> Session:
+        """A branch session sharing this session's KV as a read-only prefix (no copy)."""
+        return self.backend.fork(self.session_id, branch)
+
+    def _fork_from(self, parent: Session) -> None:
+        with parent.lock:
+            parent._prefill()
+            self.store.physical = parent.store.physical.fork()
+            for span in parent.spans:
+                clone = Span(**{**span.__dict__, "leases": set(span.leases), "kept": None if span.kept is None else list(span.kept)})
+                clone.branch = span.branch
+                self.spans.append(clone)
+                # Archived blocks are not copied: the child sees them as dropped (recomputable).
+                if clone.tier in (Tier.HOST, Tier.QUANTIZED):
+                    clone.tier = Tier.DROPPED
+            self.messages = list(parent.messages)
+            self.turn = parent.turn
+            self.last_logits = parent.last_logits
+            self._next_span_id = itertools.count(max((s.span_id for s in parent.spans), default=-1) + 1)
+            self.lifecycle.inherit(parent.lifecycle)
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def stats(self) -> SessionStats:
+        """Counters and per-tier bytes, now."""
+        with self.lock:
+            tiers = self.store.bytes_by_tier()
+            by_state = {state.value: 0 for state in SpanState}
+            for span in self.spans:
+                by_state[span.state.value] += span.length
+            c = self.counters
+            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
+            return SessionStats(
+                session_id=self.session_id,
+                prefill_tokens=c.prefill_tokens,
+                reused_tokens=c.reused_tokens,
+                device_bytes=tiers.device,
+                quantized_bytes=tiers.quantized,
+                host_bytes=tiers.host,
+                peak_device_bytes=c.peak_device_bytes,
+                tokens_by_state=by_state,
+                generated_tokens=c.generated_tokens,
+                cropped_tokens=c.cropped_tokens,
+                rehydrated_tokens=c.rehydrated_tokens,
+                restored_tokens=c.restored_tokens,
+                compressed_tokens=c.compressed_tokens,
+                shared_device_bytes=tiers.shared,
+                attended_tokens=self.store.physical.length,
+                logical_tokens=self.logical_length,
+                spans=len(self.spans),
+                turn=self.turn,
+                events_applied=c.events_applied,
+                events_noop=c.events_noop,
+                transitions=c.transitions,
+                faults=c.faults,
+                budget_unmet=c.budget_unmet,
+                budget_satisfied=self.lifecycle.budget_satisfied,
+                lifecycle_seconds=c.lifecycle_seconds,
+                policy_seconds=c.policy_seconds,
+                store_seconds=c.store_seconds,
+                forward_seconds=c.forward_seconds,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The span map and stats as a JSON-friendly dict (what `agentkv inspect` renders)."""
+        with self.lock:
+            tokenizer = self.backend.tokenizer
+            spans = []
+            for span in self.spans:
+                entry = span.describe()
+                entry["bytes"] = self.lifecycle.span_bytes(span)
+                entry["preview"] = tokenizer.decode(span.token_ids[:48], skip_special_tokens=False)
+                spans.append(entry)
+            return {"session_id": self.session_id, "stats": self.stats().to_dict(), "spans": spans}
+
+    def export_log(self) -> str:
+        """The event log as JSON lines."""
+        with self.lock:
+            return "\n".join(record.to_json() for record in self.log)
+
+    def save_snapshot(self, path: str) -> None:
+        """Write `snapshot()` as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.snapshot(), f, indent=2)
+
+    def check(self) -> None:
+        """Verify the invariants; raise `AssertionError`-free `RuntimeError` naming the first broken one."""
+        with self.lock:
+            self.lifecycle.check()
+
+    def close(self) -> None:
+        """Free the session's KV (tokens are dropped with it)."""
+        with self.lock:
+            for span in self.spans:
+                self.store.forget(span)
+            self.store.physical.truncate(0)
+            self.spans.clear()
+            self.messages.clear()
+            self.closed = True
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

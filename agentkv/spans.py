@@ -1,0 +1,126 @@
+"""Spans: contiguous runs of tokens in a session's logical sequence.
+
+A span is the unit the lifecycle talks about. It always keeps its token ids, so
+whatever happens to its KV (compressed, quantized, offloaded, dropped) the KV can
+be recomputed from the tokens: nothing the agent said is ever lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SpanKind(str, Enum):
+    """What a span holds; rules and policies treat kinds differently."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    REASONING = "reasoning"
+    PROMPT = "prompt"  # template scaffolding such as the generation prompt
+
+
+class SpanState(str, Enum):
+    """Lifecycle state; see `agentkv.lifecycle.TRANSITIONS` for the allowed moves."""
+
+    ACTIVE = "active"
+    COMMITTED = "committed"
+    ARCHIVED = "archived"
+    EVICTABLE = "evictable"
+    EVICTED = "evicted"
+
+
+class Tier(str, Enum):
+    """Where a span's KV lives right now."""
+
+    DEVICE = "device"  # full precision, in the attended physical cache
+    QUANTIZED = "quantized"  # int8/int4 on the model's device, not attended
+    HOST = "host"  # full precision on the CPU (pinned when CUDA), not attended
+    DROPPED = "dropped"  # no KV held; recomputable from the token ids
+
+
+ATTENDED_STATES = frozenset({SpanState.ACTIVE, SpanState.COMMITTED, SpanState.EVICTABLE})
+
+
+@dataclass
+class Span:
+    """One message (or part of one) in the logical sequence.
+
+    `start` is the logical position of the first token: RoPE positions of the
+    span's keys, which never change even when the span moves in the physical cache.
+    """
+
+    span_id: int
+    kind: SpanKind
+    token_ids: list[int]
+    start: int
+    owner: str | None = None
+    """Message id, `tool_call_id`, run id or branch id that events use to name this span."""
+    fingerprints: frozenset[str] = frozenset()
+    """Fingerprints of the messages this span stands for (matched message by message)."""
+    message_index: int = -1
+    """Index of the message in the conversation; -1 for spans that are not messages."""
+    branch: str | None = None
+    turn: int = 0
+    generated: bool = False
+    """True when the model produced these ids (never re-tokenised)."""
+    state: SpanState = SpanState.ACTIVE
+    tier: Tier = Tier.DEVICE
+    kept: list[int] | None = None
+    """Offsets (within the span) whose KV is held after compression at commit; None = all."""
+    frozen: bool = False
+    """True once compressed at commit: later pressure moves the whole span, never re-scores it."""
+    score: float = 0.0
+    """Span-level importance fixed at commit; the lowest go first under pressure."""
+    leases: set[int] = field(default_factory=set)
+    n_computed: int = 0
+    """How many of `token_ids` have had their KV computed (the tail may still be pending)."""
+
+    @property
+    def length(self) -> int:
+        """Number of tokens in the span."""
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """Logical position one past the last token."""
+        return self.start + len(self.token_ids)
+
+    @property
+    def pinned(self) -> bool:
+        """A pinned span is never demoted; pins are leases (see `Session.pin`)."""
+        return bool(self.leases)
+
+    @property
+    def kept_offsets(self) -> list[int]:
+        """Offsets whose KV is held in whatever tier the span is in."""
+        return list(range(self.n_computed)) if self.kept is None else list(self.kept)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens whose KV is held (0 when dropped)."""
+        if self.tier is Tier.DROPPED:
+            return 0
+        return self.n_computed if self.kept is None else len(self.kept)
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-friendly summary, used by `inspect` and snapshots."""
+        return {
+            "span_id": self.span_id,
+            "kind": self.kind.value,
+            "owner": self.owner,
+            "branch": self.branch,
+            "turn": self.turn,
+            "start": self.start,
+            "tokens": self.length,
+            "held_tokens": self.held_tokens,
+            "state": self.state.value,
+            "tier": self.tier.value,
+            "pinned": self.pinned,
+            "frozen": self.frozen,
+            "generated": self.generated,
+            "score": self.score,
+        }

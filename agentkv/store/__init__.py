@@ -1,0 +1,24 @@
+"""Where KV lives: the attended physical cache and the archive tiers beside it."""
+
+from agentkv.store.block import KVBlock, tensor_bytes
+from agentkv.store.cache import ManagedCache, PhysicalCache, SharedPrefixLayer
+from agentkv.store.host import HostBlock, HostMemoryError
+from agentkv.store.kvstore import ARCHIVE_TIERS, KVStore, TierBytes
+from agentkv.store.quantized import QuantizedBlock, QuantizedTensor, quantize_keys, quantize_values
+
+__all__ = [
+    "ARCHIVE_TIERS",
+    "HostBlock",
+    "HostMemoryError",
+    "KVBlock",
+    "KVStore",
+    "ManagedCache",
+    "PhysicalCache",
+    "QuantizedBlock",
+    "QuantizedTensor",
+    "SharedPrefixLayer",
+    "TierBytes",
+    "quantize_keys",
+    "quantize_values",
+    "tensor_bytes",
+]

@@ -1,0 +1,285 @@
+"""The physical cache: the KV the model attends to, with per-slot bookkeeping.
+
+The *logical* sequence (spans in conversation order, with RoPE positions) and the
+*physical* cache (the tensors the model attends to) are allowed to differ:
+tokens can be removed from the middle (compaction) and restored spans are
+appended at the end. This is exact because keys carry the RoPE rotation of their
+logical position and attention over a set of cached tokens does not depend on
+their order (verified: a random permutation gives the same logits, DESIGN.md §5).
+
+Every physical slot records which span and which offset in it it holds, so the
+store can lift a span out, put it back, or drop part of it.
+
+A forked cache (tree-of-thought branch) shares its parent's tensors as a
+read-only prefix instead of copying them; it only materialises its own copy when
+it must remove a token from that prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from agentkv.store.block import KVBlock, tensor_bytes
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """A dynamic cache layer whose first tokens may live in tensors shared with another cache.
+
+    `keys` / `values` hold only this layer's *own* tokens; `prefix_keys` /
+    `prefix_values` (possibly None) are the shared, never-mutated prefix.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_keys: torch.Tensor | None = None
+        self.prefix_values: torch.Tensor | None = None
+
+    @property
+    def prefix_length(self) -> int:
+        """Tokens held in the shared prefix."""
+        return 0 if self.prefix_keys is None else int(self.prefix_keys.shape[-2])
+
+    @property
+    def own_length(self) -> int:
+        """Tokens held in this layer's own tensors."""
+        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
+            return 0
+        return int(self.keys.shape[-2])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new states to the own tensors; return prefix + own for attention."""
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.prefix_keys is None or self.prefix_values is None:
+            return keys, values
+        return torch.cat([self.prefix_keys, keys], dim=-2), torch.cat([self.prefix_values, values], dim=-2)
+
+    def get_seq_length(self) -> int:
+        """Prefix plus own tokens: what the mask must cover."""
+        return self.prefix_length + self.own_length
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All keys and values (a new tensor when a prefix is shared); None when empty."""
+        own_k = self.keys if self.own_length else None
+        own_v = self.values if self.own_length else None
+        if self.prefix_keys is None or self.prefix_values is None:
+            return None if own_k is None or own_v is None else (own_k, own_v)
+        if own_k is None or own_v is None:
+            return self.prefix_keys, self.prefix_values
+        return torch.cat([self.prefix_keys, own_k], dim=-2), torch.cat([self.prefix_values, own_v], dim=-2)
+
+    def set_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace everything with own tensors (un-shares the prefix)."""
+        self.prefix_keys = self.prefix_values = None
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def freeze_as_prefix(self) -> None:
+        """Turn everything held into a read-only prefix that forks can share without copying."""
+        full = self.full()
+        if full is None:
+            return
+        self.prefix_keys, self.prefix_values = full
+        self.keys = full[0][..., :0, :]
+        self.values = full[1][..., :0, :]
+
+    def own_tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors this layer owns (not the shared prefix)."""
+        if self.own_length:
+            assert self.keys is not None and self.values is not None
+            yield self.keys
+            yield self.values
+
+    def prefix_tensors(self) -> Iterator[torch.Tensor]:
+        """The shared prefix tensors, if any."""
+        if self.prefix_keys is not None and self.prefix_values is not None:
+            yield self.prefix_keys
+            yield self.prefix_values
+
+
+class ManagedCache(Cache):
+    """A transformers `Cache` made of `SharedPrefixLayer`s (full attention only)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[SharedPrefixLayer() for _ in range(num_layers)])
+
+    @property
+    def managed_layers(self) -> list[SharedPrefixLayer]:
+        """The layers, typed."""
+        return [layer for layer in self.layers if isinstance(layer, SharedPrefixLayer)]
+
+
+class PhysicalCache:
+    """The attended KV of one session plus, for each physical slot, its span and offset.
+
+    Bookkeeping tensors live on the CPU (they index, they are not attended):
+    `slot_span[i]`, `slot_offset[i]`, `slot_position[i]` describe physical slot i.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.cache = ManagedCache(num_layers)
+        self.slot_span = torch.empty(0, dtype=torch.long)
+        self.slot_offset = torch.empty(0, dtype=torch.long)
+        self.slot_position = torch.empty(0, dtype=torch.long)
+        self.slot_attention = torch.empty(0, dtype=torch.float32)
+        """Attention each slot has received, accumulated with an EMA (H2O-style signal)."""
+
+    # -- size and accounting -------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Physical slots held (attended tokens)."""
+        return int(self.slot_span.numel())
+
+    def own_bytes(self) -> int:
+        """Bytes of the tensors this cache owns (excludes a shared prefix)."""
+        return sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.own_tensors())
+
+    def shared_bytes(self) -> int:
+        """Bytes of the prefix tensors this cache shares with another one."""
+        return sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.prefix_tensors())
+
+    def nbytes(self) -> int:
+        """Bytes of everything this cache attends to (own + shared)."""
+        return self.own_bytes() + self.shared_bytes()
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor referenced (own and shared), for global de-duplicated accounting."""
+        for layer in self.cache.managed_layers:
+            yield from layer.prefix_tensors()
+            yield from layer.own_tensors()
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs across all layers (0 while nothing is cached)."""
+        return self.nbytes() // self.length if self.length else 0
+
+    # -- bookkeeping after a forward ---------------------------------------------------------
+
+    def record_append(self, span_ids: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record slots the model just appended (the forward already wrote their KV)."""
+        span_ids = span_ids.reshape(-1)
+        self.slot_span = torch.cat([self.slot_span, span_ids.to("cpu", torch.long)])
+        self.slot_offset = torch.cat([self.slot_offset, offsets.to("cpu", torch.long)])
+        self.slot_position = torch.cat([self.slot_position, positions.to("cpu", torch.long)])
+        self.slot_attention = torch.cat([self.slot_attention, torch.zeros(int(span_ids.numel()))])
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        lengths = {layer.get_seq_length() for layer in self.cache.managed_layers}
+        if lengths != {self.length}:
+            msg = f"physical cache out of sync: bookkeeping has {self.length} slots, layers hold {lengths}"
+            raise RuntimeError(msg)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def slots_of(self, span_id: int, offsets: Iterable[int] | None = None) -> torch.Tensor:
+        """Physical slot indices of a span (optionally only some offsets), in offset order."""
+        mask = self.slot_span == span_id
+        if offsets is not None:
+            wanted = torch.tensor(sorted(set(offsets)), dtype=torch.long)
+            mask &= torch.isin(self.slot_offset, wanted)
+        slots = mask.nonzero().flatten()
+        order = torch.argsort(self.slot_offset[slots])
+        return slots[order]
+
+    def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
+        """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty)."""
+        full = self.cache.managed_layers[layer_idx].full()
+        return None if full is None else full[0]
+
+    # -- moves ----------------------------------------------------------------------------
+
+    def extract(self, slots: torch.Tensor) -> KVBlock:
+        """Copy the KV of some slots into a block (the cache is unchanged)."""
+        offsets = self.slot_offset[slots].tolist()
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for layer in self.cache.managed_layers:
+            full = layer.full()
+            if full is None:
+                msg = "cannot extract from an empty cache"
+                raise RuntimeError(msg)
+            index = slots.to(full[0].device)
+            keys.append(full[0].index_select(-2, index))  # [B, H, n, D]
+            values.append(full[1].index_select(-2, index))
+        return KVBlock(keys=keys, values=values, offsets=offsets)
+
+    def remove(self, slots: torch.Tensor) -> int:
+        """Drop some slots: mark, then one `index_select` per layer. Returns slots removed."""
+        if slots.numel() == 0:
+            return 0
+        keep_mask = torch.ones(self.length, dtype=torch.bool)
+        keep_mask[slots] = False
+        keep = keep_mask.nonzero().flatten()
+        self._select(keep)
+        return int(slots.numel())
+
+    def permute(self, order: torch.Tensor) -> None:
+        """Reorder physical slots (tests use this to prove order does not matter)."""
+        self._select(order)
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` physical slots."""
+        if length < self.length:
+            self._select(torch.arange(length))
+
+    def accumulate_attention(self, attention: torch.Tensor, decay: float) -> None:
+        """Fold a new attention signal `[S]` into the per-slot EMA."""
+        if attention.numel() != self.length:
+            return
+        self.slot_attention = decay * self.slot_attention + attention.float().cpu()
+
+    def _select(self, keep: torch.Tensor) -> None:
+        for layer in self.cache.managed_layers:
+            full = layer.full()
+            if full is None:
+                continue
+            index = keep.to(full[0].device)
+            prefix_len = layer.prefix_length
+            # A selection that keeps the shared prefix untouched and in place only touches own tensors.
+            if prefix_len and keep.numel() >= prefix_len and torch.equal(keep[:prefix_len], torch.arange(prefix_len)):
+                own_index = (keep[prefix_len:] - prefix_len).to(full[0].device)
+                layer.keys = layer.keys.index_select(-2, own_index)
+                layer.values = layer.values.index_select(-2, own_index)
+                continue
+            layer.set_all(full[0].index_select(-2, index), full[1].index_select(-2, index))
+        self.slot_span = self.slot_span[keep]
+        self.slot_offset = self.slot_offset[keep]
+        self.slot_position = self.slot_position[keep]
+        self.slot_attention = self.slot_attention[keep]
+
+    def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
+        """Append a block's KV at the end of the physical cache (restore / recall)."""
+        for layer_idx, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
+            self.cache.layers[layer_idx].update(k, v)
+        n = block.num_tokens
+        self.record_append(
+            torch.full((n,), span_id, dtype=torch.long), torch.tensor(block.offsets, dtype=torch.long), positions
+        )
+
+    def fork(self) -> PhysicalCache:
+        """A child cache sharing this cache's current tensors as its read-only prefix."""
+        child = PhysicalCache(self.num_layers)
+        for parent_layer, child_layer in zip(self.cache.managed_layers, child.cache.managed_layers, strict=True):
+            # Parent and child both keep the current tensors as a shared prefix and grow their own
+            # suffixes: a plain DynamicLayer would copy the prefix into its next `torch.cat`.
+            parent_layer.freeze_as_prefix()
+            if parent_layer.prefix_keys is None or parent_layer.prefix_values is None:
+                continue
+            child_layer.lazy_initialization(parent_layer.prefix_keys, parent_layer.prefix_values)
+            child_layer.prefix_keys = parent_layer.prefix_keys
+            child_layer.prefix_values = parent_layer.prefix_values
+            child_layer.keys = parent_layer.prefix_keys[..., :0, :]
+            child_layer.values = parent_layer.prefix_values[..., :0, :]
+        child.slot_span = self.slot_span.clone()
+        child.slot_offset = self.slot_offset.clone()
+        child.slot_position = self.slot_position.clone()
+        child.slot_attention = self.slot_attention.clone()
+        return child

@@ -1,0 +1,139 @@
+"""The host tier: KV blocks held in CPU memory while their span is archived.
+
+A tool call pause (InferCept, Continuum) or an archived span frees device memory
+by moving its KV here; recall moves it back. The host copy always *owns* its
+memory, so the tier's byte accounting never counts storage that the device cache
+still holds (or frees) on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentkv.store.block import KVBlock
+
+
+class HostMemoryError(RuntimeError):
+    """Adding a block to the host tier would exceed its byte limit."""
+
+    def __init__(self, current: int, adding: int, limit: int) -> None:
+        self.current = current
+        """Bytes already held by the host tier."""
+        self.adding = adding
+        """Bytes that were to be added."""
+        self.limit = limit
+        """The host tier's limit in bytes."""
+        msg = (
+            f"host tier limit exceeded: {current} bytes held + {adding} bytes to add = "
+            f"{current + adding} bytes, expected at most limit_bytes={limit}"
+        )
+        super().__init__(msg)
+
+
+def check_host_limit(current: int, adding: int, limit: int | None) -> None:
+    """Raise unless `adding` more bytes fit in the host tier.
+
+    Used by the store before an offload (host budgets) and by fault injection
+    (a tiny limit makes every offload fail).
+
+    Args:
+        current: Bytes the host tier holds now.
+        adding: Bytes about to be added.
+        limit: Host byte limit; None means unlimited.
+
+    Raises:
+        HostMemoryError: `current + adding > limit`.
+        ValueError: A negative count or limit.
+    """
+    for name, value in (("current", current), ("adding", adding), ("limit", limit)):
+        if value is not None and value < 0:
+            msg = f"{name} must be >= 0 bytes, got {value}"
+            raise ValueError(msg)
+    if limit is not None and current + adding > limit:
+        raise HostMemoryError(current, adding, limit)
+
+
+@dataclass(eq=False)
+class HostBlock:
+    """A `KVBlock` whose tensors live on the CPU and own their storage."""
+
+    block: KVBlock
+    """The host copy; on CUDA machines its tensors are in pinned (page-locked) memory."""
+
+    @classmethod
+    def offload(cls, block: KVBlock) -> HostBlock:
+        """Copy a block to host memory.
+
+        From CUDA, every tensor is copied asynchronously into pinned memory (pinned
+        memory is what lets the copies run as DMA, and later lets `restore` be
+        asynchronous too), then the source streams are synchronized once: a
+        non-blocking device-to-host copy returns before the bytes have arrived, and
+        the caller is about to treat the host copy as *the* copy (read it, account
+        it, and drop the device tensors it came from). One sync after all layers'
+        copies keeps the copies back to back.
+
+        From the CPU, tensors are cloned, so the host copy does not share storage
+        with (and keep alive) the device cache's tensors or a larger tensor a block
+        tensor may be a view of.
+
+        Args:
+            block: The block to copy; it is not modified.
+
+        Returns:
+            The host block; its tensors are contiguous and own exactly their bytes.
+        """
+        devices: set[torch.device] = set()
+        keys = [_to_host(k, devices) for k in block.keys]
+        values = [_to_host(v, devices) for v in block.values]
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        return cls(KVBlock(keys=keys, values=values, offsets=list(block.offsets)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens held."""
+        return self.block.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Exact host bytes of every tensor held."""
+        return self.block.nbytes
+
+    def restore(self, device: torch.device | str, non_blocking: bool = True) -> KVBlock:
+        """Copy the block to `device`, into new tensors.
+
+        A non-blocking host-to-device copy is ordered on the current stream, so
+        kernels that later read the restored block on that stream see the data;
+        PyTorch's pinned-memory allocator keeps the source pages alive until the copy
+        is done, so this host block may be dropped right away. Restoring to the CPU
+        clones, so the result never shares storage with the host tier.
+
+        Args:
+            device: Target device.
+            non_blocking: Overlap the copy with the host (only effective from pinned memory to CUDA).
+
+        Returns:
+            A block on `device`.
+        """
+        if torch.device(device).type == "cpu":
+            return KVBlock(
+                keys=[k.clone() for k in self.block.keys],
+                values=[v.clone() for v in self.block.values],
+                offsets=list(self.block.offsets),
+            )
+        return self.block.to(device, non_blocking=non_blocking)
+
+
+def _to_host(t: torch.Tensor, cuda_devices: set[torch.device]) -> torch.Tensor:
+    """A contiguous CPU copy of `t` that owns its storage; records CUDA sources to sync."""
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        cuda_devices.add(t.device)
+        return host
+    # Other accelerators: a plain blocking copy (a new tensor, contiguous).
+    return t.to("cpu").contiguous()
