@@ -114,6 +114,7 @@ class LifecycleManager:
         self.recallable: set[int] = set()
         self.turn_state = _TurnState()
         self.system_lease: Lease | None = None
+        self.branches_seen: set[str] = set()
 
     # -- timing ---------------------------------------------------------------------------------
 
@@ -233,6 +234,25 @@ class LifecycleManager:
             return {}
         return {}
 
+    def _branch_known(self, branch: str) -> bool:
+        return branch in self.branches_seen
+
+    def _settle_branch_sessions(self, event: BranchPruned | BranchSelected) -> None:
+        """Branch sessions forked from this one: a pruned branch's session is closed (its own KV freed,
+        the shared prefix stays); selecting a branch closes its siblings' sessions."""
+        backend = self.session.backend
+        prefix = f"{self.session.session_id}/"
+        for child in list(backend.sessions()):
+            if not child.session_id.startswith(prefix) or child.parent is not self.session:
+                continue
+            branch = child.branch
+            self.branches_seen.add(branch or "")
+            pruned = isinstance(event, BranchPruned) and branch == event.branch
+            sibling = isinstance(event, BranchSelected) and branch != event.branch
+            if pruned or sibling:
+                backend.close(child.session_id)
+                self.session._record("branch", closed=child.session_id, reason=event.name)
+
     def _rules_for(self, event: Event) -> dict[str, str]:
         if isinstance(event, Custom):
             return self.rules.actions(f"custom:{event.event}")
@@ -240,10 +260,16 @@ class LifecycleManager:
 
     def _apply_targets(self, event: Event, targets: dict[str, list[Span]]) -> ApplyResult:
         if isinstance(event, BranchOpened):
+            self.branches_seen.add(event.branch)
             self.session._record("event", event=event.name, branch=event.branch)
             self.session.counters.events_applied += 1
             return ApplyResult(event.name, applied=True)
+        if isinstance(event, (BranchPruned, BranchSelected)):
+            self._settle_branch_sessions(event)
         if not any(targets.values()):
+            if isinstance(event, (BranchPruned, BranchSelected)) and self._branch_known(event.branch):
+                self.session.counters.events_applied += 1
+                return ApplyResult(event.name, applied=True, reason="branch sessions settled")
             return self._noop(event, "no span matches its target (unknown owner or already removed)")
         live = {t: [s for s in spans if s.state is not SpanState.EVICTED] for t, spans in targets.items()}
         if not any(live.values()):

@@ -102,6 +102,7 @@ class TransformersBackend:
             if existing is not None and not existing.closed:
                 return existing
         child = Session(self, child_id, parent=parent, branch=branch)
+        parent.lifecycle.branches_seen.add(branch)
         with self._table_lock:
             self._sessions[child_id] = child
         return child
