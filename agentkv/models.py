@@ -303,6 +303,8 @@ def _load_pretrained_wrapped(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
         model, tokenizer, _ = _from_pretrained(source, device, dtype)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # the model is fine, the device is too small: let callers see the real error
     except Exception as e:
         msg = (
             f"could not load model {source!r}: {e}. "
@@ -421,6 +423,8 @@ def _load_cache_entry(
         model, tokenizer, problems = _from_pretrained(entry, device, dtype)
         if problems:
             raise ValueError("; ".join(problems))
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # not the entry's fault: deleting it would only force a needless rebuild
     except Exception as e:
         logger.warning("model cache entry %s is unusable (%s); deleting and rebuilding it", entry, e)
         shutil.rmtree(entry, ignore_errors=True)
