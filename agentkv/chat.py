@@ -64,6 +64,9 @@ class ChatMessage:
     tool_call_id: str | None = None
     message_id: str | None = None
     name: str | None = None
+    tools_json: str | None = None
+    """Tool schemas (a JSON list) for a chat template with tool support. The first message
+    carries them, so a changed tool list changes its fingerprint and re-encodes from there."""
 
     @property
     def kind(self) -> SpanKind:
@@ -84,7 +87,9 @@ class ChatMessage:
 
     def fingerprint(self) -> str:
         """Identity used to match an incoming message with a cached one (ids excluded on purpose)."""
-        return message_fingerprint(self.role, self.content, self.tool_calls, self.tool_call_id)
+        return message_fingerprint(
+            self.role, self.content, self.tool_calls, self.tool_call_id, tools_json=self.tools_json
+        )
 
     def template_dict(self, *, tools_in_template: bool) -> dict[str, Any]:
         """The dict handed to the chat template."""
@@ -106,14 +111,18 @@ class ChatMessage:
 
 
 def message_fingerprint(
-    role: str, content: str, tool_calls: Sequence[ToolCall] = (), tool_call_id: str | None = None
+    role: str,
+    content: str,
+    tool_calls: Sequence[ToolCall] = (),
+    tool_call_id: str | None = None,
+    *,
+    tools_json: str | None = None,
 ) -> str:
-    """Hash of role, content, tool calls and tool_call_id."""
-    payload = json.dumps(
-        [role, content, [[c.id, c.name, dict(c.args)] for c in tool_calls], tool_call_id],
-        sort_keys=True,
-        default=str,
-    )
+    """Hash of role, content, tool calls and tool_call_id (and the tool schemas a message carries)."""
+    fields: list[Any] = [role, content, [[c.id, c.name, dict(c.args)] for c in tool_calls], tool_call_id]
+    if tools_json is not None:  # appended only when present: other messages keep their hashes
+        fields.append(tools_json)
+    payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha1(payload.encode("utf-8")).hexdigest()
 
 
@@ -200,6 +209,7 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
     if role == "tool" and not tool_call_id:
         logger.debug("%s: tool message without tool_call_id; events cannot name it", where)
     message_id = get("id")
+    tools = get("tools") if isinstance(message, Mapping) else None
     return ChatMessage(
         role=role,
         content=_content_text(get("content"), where),
@@ -207,7 +217,19 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
         tool_call_id=str(tool_call_id) if tool_call_id else None,
         message_id=str(message_id) if message_id else None,
         name=get("name") if isinstance(get("name"), str) else None,
+        tools_json=_tools_json(tools, where) if tools else None,
     )
+
+
+def _tools_json(tools: Any, where: str) -> str:
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        msg = f"{where}.tools: expected a list of tool schemas (dicts), got {type(tools).__name__}"
+        raise TypeError(msg)
+    for j, schema in enumerate(tools):
+        if not isinstance(schema, Mapping):
+            msg = f"{where}.tools[{j}]: expected a dict (OpenAI tool schema), got {type(schema).__name__}"
+            raise TypeError(msg)
+    return json.dumps(list(tools), default=str)
 
 
 def normalize_messages(messages: Any) -> list[ChatMessage]:
@@ -243,11 +265,14 @@ class ChatFormat:
         if not messages:
             return ""
         dicts = [m.template_dict(tools_in_template=self.tools_in_template) for m in messages]
+        tools_json = next((m.tools_json for m in messages if m.tools_json), None)
+        extra: dict[str, Any] = {"tools": json.loads(tools_json)} if tools_json else {}
         text = self.tokenizer.apply_chat_template(
             dicts,
             chat_template=self.template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
         return str(text)
 

@@ -111,6 +111,8 @@ class LifecycleManager:
         self.tool_calls_done: set[str] = set()
         self.applied: set[Any] = set()
         self.budget_satisfied = True
+        self.last_limit: int | None = None
+        """The device limit the last `after_operation` enforced (`check` holds usage to it)."""
         self.recallable: set[int] = set()
         self.turn_state = _TurnState()
         self.system_lease: Lease | None = None
@@ -336,6 +338,7 @@ class LifecycleManager:
         with self._timed("store_seconds"):
             if target is SpanState.COMMITTED:
                 if span.tier is not Tier.DEVICE and not self._bring_back(span):
+                    self._settle_failed_bring_back(span)
                     return None
                 if not span.frozen:
                     self._compress_at_commit(span)
@@ -355,6 +358,21 @@ class LifecycleManager:
             reason,
         )
         return Transition(span.span_id, before, target, span.tier, reason)
+
+    def _settle_failed_bring_back(self, span: Span) -> None:
+        """After a restore *and* its recompute failed, say what is true: the KV is gone.
+
+        The failed restore already dropped the archived block to fall back on
+        recomputing; when the recompute fails too, an ARCHIVED span would claim KV it
+        no longer has. It becomes EVICTED: its token ids remain, so a later recall
+        (or `move(span, COMMITTED)`) recomputes it.
+        """
+        if span.tier is Tier.DROPPED and span.state is not SpanState.EVICTED:
+            before = span.state
+            span.state = SpanState.EVICTED
+            self.session.counters.transitions += 1
+            self.session._record("transition", span=span.span_id, before=before.value, after="evicted",
+                                 reason="restore and recompute failed")
 
     def _archive(self, span: Span) -> bool:
         """Archive to the configured tier; on failure keep the span on the device (a recorded fault)."""
@@ -407,11 +425,12 @@ class LifecycleManager:
         session.counters.rehydrated_tokens += len(positions)
         return True
 
-    def _fault(self, where: str, span: Span, error: Exception) -> None:
+    def _fault(self, where: str, span: Span | None, error: Exception) -> None:
         self.session.counters.faults += 1
+        span_id = None if span is None else span.span_id
         logger.warning("session %s: %s of span %s failed (%s); kept safe", self.session.session_id, where,
-                       span.span_id, error)
-        self.session._record("fault", where=where, span=span.span_id, error=repr(error))
+                       span_id, error)
+        self.session._record("fault", where=where, span=span_id, error=repr(error))
 
     # -- commit-time compression -----------------------------------------------------------------
 
@@ -486,11 +505,19 @@ class LifecycleManager:
         else:
             wanted = set(span_ids)
             spans = [s for s in session.spans if s.span_id in wanted]
-        spans = [s for s in spans if s.state is not SpanState.EVICTED]
+        pinned: list[Span] = []
+        for span in spans:
+            if span.state is SpanState.EVICTED:
+                continue
+            # A pinned span is never demoted, so one that already was (released, archived)
+            # comes back first; one that cannot (a restore and its recompute failed) is not pinned.
+            if (commit and span.state is not SpanState.COMMITTED) or span.state in DEMOTED_STATES:
+                self.move(span, SpanState.COMMITTED, reason=reason or "pin")
+            if span.state not in DEMOTED_STATES:
+                pinned.append(span)
+        spans = pinned
         lease = Lease.new(session.session_id, tuple(s.span_id for s in spans), reason)
         for span in spans:
-            if commit and span.state is not SpanState.COMMITTED:
-                self.move(span, SpanState.COMMITTED, reason=reason or "pin")
             span.leases.add(lease.lease_id)
         session.leases[lease.lease_id] = lease
         if not spans:
@@ -538,6 +565,7 @@ class LifecycleManager:
         session = self.session
         with self._timed("lifecycle_seconds"):
             limit = None if self.full else self._effective_limit()
+            self.last_limit = limit
             if limit is not None:
                 usage = self.usage_bytes()
                 if usage > limit * self.budget.high:
@@ -611,10 +639,17 @@ class LifecycleManager:
         keep = max(0, (target - session.store.bytes_by_tier().quantized) // per_token)
         if keep >= physical.length:
             return
-        with self._timed("policy_seconds"):
-            slots = torch.arange(physical.length)
-            view = self._view(slots)
-            chosen = self.policy.select(view, int(keep))
+        slots = torch.arange(physical.length)
+        # Pins are receipts in every mode: a pinned span's tokens are never dropped.
+        pinned_ids = [s.span_id for s in session.spans if s.pinned]
+        protected = torch.isin(physical.slot_span, torch.tensor(pinned_ids, dtype=torch.long))
+        try:
+            with self._timed("policy_seconds"):
+                view = self._view(slots)
+                chosen = self.policy.select(view, max(int(keep), int(protected.sum())), protected=protected)
+        except Exception as e:  # noqa: BLE001 - a failing policy drops nothing this time
+            self._fault("policy", None, e)
+            return
         drop_mask = torch.ones(physical.length, dtype=torch.bool)
         drop_mask[chosen] = False
         with self._timed("store_seconds"):
@@ -689,17 +724,38 @@ class LifecycleManager:
         return 0 if block is None else block.nbytes
 
     def check(self) -> None:
-        """Verify accounting, positions and states; raise `RuntimeError` naming the first broken invariant."""
+        """Verify accounting, positions, states, leases and the budget.
+
+        Raises:
+            RuntimeError: Naming every broken invariant (the first ten), so a failing
+                property test says what went wrong, not just that something did.
+        """
         session = self.session
         physical = session.store.physical
         problems: list[str] = []
         by_id = {s.span_id: s for s in session.spans}
+        if len(by_id) != len(session.spans):
+            problems.append("two spans share an id")
         expected_start = 0
+        message_index = 0
         for span in session.spans:
             if span.start != expected_start:
                 problems.append(f"span {span.span_id} starts at {span.start}, expected {expected_start}")
             expected_start = span.end
-        counts: dict[int, int] = {}
+            if span.message_index >= 0:
+                if span.message_index != message_index:
+                    problems.append(f"span {span.span_id} is message {span.message_index}, expected {message_index}")
+                message_index += 1
+            if not 0 <= span.n_computed <= span.length:
+                problems.append(f"span {span.span_id} computed {span.n_computed} of {span.length} tokens")
+            if span.kept is not None and (
+                span.kept != sorted(set(span.kept)) or any(not 0 <= o < span.n_computed for o in span.kept)
+            ):
+                problems.append(f"span {span.span_id} keeps offsets outside its computed tokens")
+        if message_index != len(session.messages):
+            problems.append(f"{message_index} message spans for {len(session.messages)} messages")
+        # Slots: each belongs to a live span, sits at that span's logical position, and appears once.
+        offsets: dict[int, list[int]] = {}
         for slot_span, offset, position in zip(
             physical.slot_span.tolist(), physical.slot_offset.tolist(), physical.slot_position.tolist(), strict=True
         ):
@@ -707,23 +763,27 @@ class LifecycleManager:
             if span is None:
                 problems.append(f"physical slot holds unknown span {slot_span}")
                 continue
-            counts[slot_span] = counts.get(slot_span, 0) + 1
+            offsets.setdefault(slot_span, []).append(offset)
             if position != span.start + offset:
                 problems.append(f"span {slot_span} offset {offset} at position {position}, expected {span.start + offset}")
         for span in session.spans:
-            held = counts.get(span.span_id, 0)
+            held = sorted(offsets.get(span.span_id, []))
             block = session.store.blocks.get(span.span_id)
             if span.tier is Tier.DEVICE:
-                if held != span.held_tokens:
-                    problems.append(f"span {span.span_id} holds {held} slots, expected {span.held_tokens}")
+                if held != span.kept_offsets:
+                    problems.append(
+                        f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} (its kept offsets)"
+                    )
                 if block is not None:
                     problems.append(f"device span {span.span_id} also has an archived block")
             else:
                 if held:
-                    problems.append(f"span {span.span_id} on tier {span.tier.value} still has {held} slots")
+                    problems.append(f"span {span.span_id} on tier {span.tier.value} still has {len(held)} slots")
                 if span.tier is Tier.DROPPED and block is not None:
                     problems.append(f"dropped span {span.span_id} still has a block")
-                if span.tier in (Tier.HOST, Tier.QUANTIZED) and (block is None or block.num_tokens != span.held_tokens):
+                if span.tier in (Tier.HOST, Tier.QUANTIZED) and (
+                    block is None or sorted(block.offsets) != span.kept_offsets
+                ):
                     problems.append(f"archived span {span.span_id} block does not match its kept tokens")
             if span.state is SpanState.ARCHIVED and span.tier not in (Tier.HOST, Tier.QUANTIZED):
                 problems.append(f"archived span {span.span_id} is on tier {span.tier.value}")
@@ -733,13 +793,35 @@ class LifecycleManager:
                 problems.append(f"{span.state.value} span {span.span_id} is on tier {span.tier.value}")
             if span.pinned and span.state in DEMOTED_STATES:
                 problems.append(f"pinned span {span.span_id} is {span.state.value}")
+            for lease_id in span.leases:
+                lease = session.leases.get(lease_id)
+                if lease is None or span.span_id not in lease.span_ids:
+                    problems.append(f"span {span.span_id} is pinned by lease {lease_id}, which does not list it")
+        for block_span in session.store.blocks:
+            if block_span not in by_id:
+                problems.append(f"archived block of unknown span {block_span}")
+        for lease in session.leases.values():
+            for span_id in lease.span_ids:
+                live = by_id.get(span_id)
+                if live is not None and lease.lease_id not in live.leases:
+                    problems.append(f"lease {lease.lease_id} lists span {span_id}, which lost the pin")
+        for call_id, span_id in self.tool_calls.items():
+            if span_id not in by_id:
+                problems.append(f"tool call {call_id!r} registered to unknown span {span_id}")
+        # Accounting: what the tiers report is what their tensors hold.
+        tiers = session.store.bytes_by_tier()
         per_slot = physical.bytes_per_token()
         if physical.length and physical.nbytes() != per_slot * physical.length:
             problems.append("device bytes are not a whole number of slots")
-        if self.budget_satisfied and self.budget.limit_bytes is not None and not self.full:
-            limit = self._effective_limit()
-            if limit is not None and self.usage_bytes() > limit * self.budget.high:
-                problems.append(f"device usage {self.usage_bytes()} B over the high watermark of {limit} B")
+        if tiers.device != physical.nbytes():
+            problems.append(f"device tier reports {tiers.device} B, the cache holds {physical.nbytes()} B")
+        if self.budget_satisfied and self.last_limit is not None:
+            usage = self.usage_bytes()
+            if usage > self.last_limit * self.budget.high:
+                problems.append(
+                    f"budget reported as met but device usage {usage} B is over the high watermark "
+                    f"({self.budget.high} of {self.last_limit} B)"
+                )
         if problems:
             msg = f"session {session.session_id}: " + "; ".join(problems[:10])
             raise RuntimeError(msg)

@@ -33,6 +33,7 @@ from agentkv.store.kvstore import KVStore
 
 if TYPE_CHECKING:
     from agentkv.backend.transformers import TransformersBackend
+    from agentkv.config import AgentKVConfig
     from agentkv.manager import ApplyResult, LifecycleManager
 
 logger = logging.getLogger("agentkv.session")
@@ -68,12 +69,14 @@ class Session:
         *,
         parent: Session | None = None,
         branch: str | None = None,
+        config: AgentKVConfig | None = None,
     ) -> None:
         from agentkv.manager import LifecycleManager
 
         self.backend = backend
         self.session_id = session_id
-        self.config = backend.config
+        # A branch keeps its parent's settings: its budget and rules are the conversation's.
+        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
         self.format = backend.chat_format
         self.runner = backend.runner
         self.lock = threading.RLock()
@@ -285,13 +288,32 @@ class Session:
         feed = self._pending_feed()
         if not len(feed):
             return 0
+        physical = self.store.physical
+        mask = None
+        if physical.length and min(feed.positions) < int(physical.slot_position.max()):
+            # A span whose tail was still pending (a generated answer's last token and
+            # end-of-turn) was restored or recomputed after later messages were encoded:
+            # its tail must not attend to them. Attend by logical position instead.
+            mask = self.runner.logical_mask(physical, feed.positions)
         with self.backend.model_lock:
-            self.last_logits = self._forward(feed)
+            self.last_logits = self._forward(feed, attention_mask=mask) if mask is not None else self._forward(feed)
         for span in self.spans:
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
-                span.n_computed = span.length
+                self._mark_computed(span)
         self.counters.prefill_tokens += len(feed)
         return len(feed)
+
+    @staticmethod
+    def _mark_computed(span: Span) -> None:
+        """Record that a span's pending tail now has KV on the device.
+
+        A span compressed at commit lists the offsets it kept; tail tokens computed
+        after the commit are held too, so they join that list (they were never scored:
+        compression happens once, at commit).
+        """
+        if span.kept is not None:
+            span.kept = sorted(set(span.kept) | set(range(span.n_computed, span.length)))
+        span.n_computed = span.length
 
     def _forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         before = self.runner.forward_seconds
@@ -369,11 +391,20 @@ class Session:
                 msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
                 raise ValueError(msg)
             prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens)
+            # The answer is closed with the template's end-of-turn ids: they need positions too.
+            suffix = len(self.format.assistant_suffix_ids())
+            self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens + suffix)
             span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
             span.message_index = len(self.messages)
             self.lifecycle.on_span_created(span)
-            self._prefill()
+            try:
+                self._prefill()
+            except BaseException:
+                # No answer was started: take the prompt span back, so spans and messages stay aligned.
+                self.spans.remove(span)
+                self.lifecycle.on_span_removed(span)
+                self.store.forget(span)
+                raise
             logits = self.last_logits
             if logits is None:
                 msg = "no logits after prefill"
@@ -420,7 +451,7 @@ class Session:
         feed = Feed([span.token_ids[offset]], [span.start + offset], [span.span_id], [offset])
         with self.backend.model_lock:
             logits = self._forward(feed)
-        span.n_computed = span.length
+        self._mark_computed(span)
         if logits is None:
             msg = "no logits from decode step"
             raise RuntimeError(msg)
@@ -510,7 +541,10 @@ class Session:
     def pin(self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = "") -> Lease:
         """Pin spans (by owner or ids); returns the lease to give back with `release`."""
         with self.lock:
-            return self.lifecycle.pin(owner=owner, span_ids=span_ids, reason=reason)
+            lease = self.lifecycle.pin(owner=owner, span_ids=span_ids, reason=reason)
+            # Pinning brings back a span that was already demoted: the budget may need enforcing.
+            self.lifecycle.after_operation()
+            return lease
 
     def release(self, lease: Lease) -> bool:
         """Give a pin back. Unknown or foreign leases change nothing (returns False)."""

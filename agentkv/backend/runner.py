@@ -72,9 +72,29 @@ class ModelRunner:
 
         if len(feed) == 0:
             return None
-        outputs: list[torch.Tensor] = []
         chunk = self.prefill_chunk if attention_mask is None else len(feed)
         started = time.perf_counter()
+        before = cache.length
+        try:
+            outputs = self._forward_chunks(cache, feed, chunk, logits, attention_mask)
+        except BaseException:
+            # A forward that fails half way has grown some layers and not others: cut back,
+            # so the session stays usable and the feed's tokens simply remain pending.
+            cache.rollback(before)
+            raise
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_tokens += len(feed)
+        if logits == "none" or not outputs:
+            return None
+        if logits == "last":
+            return outputs[-1][-1]
+        return torch.cat(outputs, dim=0)
+
+    def _forward_chunks(
+        self, cache: PhysicalCache, feed: Feed, chunk: int, logits: str, attention_mask: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """The chunked forwards of `forward`; returns the logits rows it was asked to keep."""
+        outputs: list[torch.Tensor] = []
         for begin in range(0, len(feed), chunk):
             part = feed.chunk(begin, begin + chunk)
             last_chunk = begin + chunk >= len(feed)
@@ -94,13 +114,7 @@ class ModelRunner:
             )
             if want:
                 outputs.append(out.logits[0].float())  # [n or 1, V]
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_tokens += len(feed)
-        if logits == "none" or not outputs:
-            return None
-        if logits == "last":
-            return outputs[-1][-1]
-        return torch.cat(outputs, dim=0)
+        return outputs
 
     def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
         """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.

@@ -61,8 +61,13 @@ class TransformersBackend:
 
     # -- session table -------------------------------------------------------------------------
 
-    def session(self, session_id: str, *, create: bool = True) -> Session:
-        """The session with this id, created on first use (`create=False` raises when absent)."""
+    def session(self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None) -> Session:
+        """The session with this id, created on first use (`create=False` raises when absent).
+
+        `config` applies only when the session is created here (per-run overrides such as
+        LangGraph's `configurable.agentkv`); None = the backend's config. An existing
+        session keeps the config it was created with.
+        """
         if not isinstance(session_id, str) or not session_id:
             msg = f"session id: expected a non-empty string, got {session_id!r}"
             raise ValueError(msg)
@@ -72,7 +77,7 @@ class TransformersBackend:
                 return existing
             if not create:
                 raise UnknownSessionError(self._unknown(session_id))
-            session = Session(self, session_id)
+            session = Session(self, session_id, config=config)
             self._sessions[session_id] = session
             return session
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from transformers.models.llama.modeling_llama import rotate_half
 
 from agentkv.policies.base import Policy
 
@@ -213,9 +212,15 @@ def _head_dim(module: Any) -> int:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as in `modeling_llama.apply_rotary_pos_emb`; x: [B, H, T, D], cos/sin: [B, T, D]."""
+    """RoPE exactly as transformers' `apply_rotary_pos_emb` (half-split rotation); x: [B, H, T, D].
+
+    Written out rather than imported from `modeling_llama` so the probe does not tie
+    itself to one architecture's module; cos/sin `[B, T, D]` come from the model.
+    """
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-    return (x * cos) + (rotate_half(x) * sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
+    return (x * cos) + (rotated * sin)
 
 
 def _project(

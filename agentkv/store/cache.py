@@ -256,13 +256,46 @@ class PhysicalCache:
         self.slot_attention = self.slot_attention[keep]
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
-        """Append a block's KV at the end of the physical cache (restore / recall)."""
-        for layer_idx, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
-            self.cache.layers[layer_idx].update(k, v)
-        n = block.num_tokens
-        self.record_append(
-            torch.full((n,), span_id, dtype=torch.long), torch.tensor(block.offsets, dtype=torch.long), positions
-        )
+        """Append a block's KV at the end of the physical cache (restore / recall).
+
+        All or nothing: if a layer fails half way (out of memory while copying back),
+        the layers already written are cut back, so the caller can fall back to
+        recomputing the span on a cache that is still in sync.
+        """
+        before = self.length
+        try:
+            for layer_idx, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
+                self.cache.layers[layer_idx].update(k, v)
+            n = block.num_tokens
+            self.record_append(
+                torch.full((n,), span_id, dtype=torch.long), torch.tensor(block.offsets, dtype=torch.long), positions
+            )
+        except BaseException:
+            self.rollback(before)
+            raise
+
+    def rollback(self, length: int) -> None:
+        """Undo a partly applied append: cut every layer and the bookkeeping back to `length` slots.
+
+        A forward or a restore writes its KV layer after layer; when it fails half way,
+        the first layers have grown and the others have not, and every later forward
+        would fail on mismatched lengths. Appends only ever add at the end, so cutting
+        each layer's own tensors back to `length` restores the state before the append.
+        The cut tensors are copies: a slice would keep the discarded tail's storage
+        alive behind byte accounting that no longer counts it.
+        """
+        for layer in self.cache.managed_layers:
+            own = max(0, length - layer.prefix_length)
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[-2] > own:
+                    setattr(layer, name, tensor[..., :own, :].clone())
+        if self.length > length:
+            self.slot_span = self.slot_span[:length]
+            self.slot_offset = self.slot_offset[:length]
+            self.slot_position = self.slot_position[:length]
+            self.slot_attention = self.slot_attention[:length]
+        self._check_lengths()
 
     def fork(self) -> PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""

@@ -97,6 +97,11 @@ class HostBlock:
         return self.block.num_tokens
 
     @property
+    def offsets(self) -> list[int]:
+        """Offsets within the span of the tokens held (same as `QuantizedBlock.offsets`)."""
+        return self.block.offsets
+
+    @property
     def nbytes(self) -> int:
         """Exact host bytes of every tensor held."""
         return self.block.nbytes

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -99,6 +100,16 @@ def first_load(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FirstLoad]:
     (gguf_model, gguf_tokenizer) = captured[0]
     gguf_model.eval()
     yield FirstLoad(model, tokenizer, gguf_model, gguf_tokenizer, cache, seconds, reads)
+    shutil.rmtree(cache, ignore_errors=True)  # ~0.5 GB; pytest keeps old temp dirs around
+
+
+@pytest.fixture
+def scratch_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty cache root of the test's own, deleted afterwards (entries are ~0.5 GB)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -271,14 +282,13 @@ def test_corrupt_cache_entry_is_deleted_and_rebuilt(
     first_load: FirstLoad,
     reuse_gguf: list[Path],
     corrupt: Any,
-    tmp_path: Path,
+    scratch_cache: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path))
     load_model()
     assert len(reuse_gguf) == 1
-    (entry,) = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
+    (entry,) = [p for p in (scratch_cache / "models").iterdir() if p.is_dir()]
     corrupt(entry)
 
     with caplog.at_level(logging.WARNING, logger="agentkv.models"):
@@ -296,12 +306,10 @@ def test_corrupt_cache_entry_is_deleted_and_rebuilt(
 def test_unwritable_cache_falls_back_to_the_gguf_model(
     first_load: FirstLoad,
     reuse_gguf: list[Path],
-    tmp_path: Path,
+    scratch_cache: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path))
-
     def read_only(*args: object, **kwargs: object) -> Path:
         raise PermissionError("read-only file system")
 
@@ -310,7 +318,7 @@ def test_unwritable_cache_falls_back_to_the_gguf_model(
         model, _ = load_model()
     assert model is first_load.gguf_model
     assert any("could not write the model cache" in r.getMessage() for r in caplog.records)
-    assert not [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
+    assert not [p for p in (scratch_cache / "models").iterdir() if p.is_dir()]
 
 
 # ---------------------------------------------------------------------------- tokenizer

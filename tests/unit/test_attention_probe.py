@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from agentkv.policies import (
     AttentionProbe,
@@ -25,7 +26,7 @@ WINDOW = 8
 TOL = 1e-5
 
 
-def _variant(model: torch.nn.Module, **overrides: object) -> torch.nn.Module:
+def _variant(model: PreTrainedModel, **overrides: object) -> PreTrainedModel:
     """A fresh random tiny Llama like the fixture's, with some config fields changed."""
     values = model.config.to_dict()
     values.update(overrides)
@@ -35,14 +36,14 @@ def _variant(model: torch.nn.Module, **overrides: object) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-def _eager_copy(model: torch.nn.Module) -> torch.nn.Module:
+def _eager_copy(model: PreTrainedModel) -> PreTrainedModel:
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     return eager
 
 
 def _eager_window_attention(
-    model: torch.nn.Module, ids: torch.Tensor, prefix: int, mask: torch.Tensor | None = None
+    model: PreTrainedModel, ids: torch.Tensor, prefix: int, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`[S]` eager attention of the last WINDOW rows of the second forward, mean over heads/rows/layers."""
     eager = _eager_copy(model)
@@ -51,13 +52,17 @@ def _eager_window_attention(
         if prefix:
             eager(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
         out = eager(
-            input_ids=ids[:, prefix:], cache=cache, use_cache=True, output_attentions=True, attention_mask=mask
+            input_ids=ids[:, prefix:],
+            cache=cache,
+            use_cache=True,
+            output_attentions=True,
+            attention_mask=mask,
         )
     rows = [a[..., -WINDOW:, :].float().mean(dim=(0, 1, 2)) for a in out.attentions]  # each [S]
     return torch.stack(rows).mean(dim=0)
 
 
-def _probe_attention(model: torch.nn.Module, ids: torch.Tensor, prefix: int, **kwargs: object) -> torch.Tensor:
+def _probe_attention(model: PreTrainedModel, ids: torch.Tensor, prefix: int, **kwargs: Any) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         if prefix:
@@ -75,7 +80,7 @@ def ids() -> torch.Tensor:
 # -- hooks ---------------------------------------------------------------------------------------
 
 
-def test_hook_count_returns_to_zero(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_hook_count_returns_to_zero(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     probe = AttentionProbe(tiny_model, WINDOW)
     assert probe.hook_count == 0
     with probe:
@@ -86,7 +91,7 @@ def test_hook_count_returns_to_zero(tiny_model: torch.nn.Module, ids: torch.Tens
     assert all(not m._forward_hooks for m in attention_modules(tiny_model))
 
 
-def test_hook_count_returns_to_zero_after_exception(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_hook_count_returns_to_zero_after_exception(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     probe = AttentionProbe(tiny_model, WINDOW)
     with pytest.raises(RuntimeError, match="boom"), probe:
         with torch.no_grad():
@@ -101,14 +106,14 @@ def test_hook_count_returns_to_zero_after_exception(tiny_model: torch.nn.Module,
     assert probe.attention().shape == (ids.shape[1],)
 
 
-def test_probe_is_not_reentrant(tiny_model: torch.nn.Module) -> None:
+def test_probe_is_not_reentrant(tiny_model: PreTrainedModel) -> None:
     probe = AttentionProbe(tiny_model, WINDOW)
     with probe, pytest.raises(RuntimeError, match="already attached"):
         probe.__enter__()
     assert probe.hook_count == 0
 
 
-def test_invalid_window_and_empty_results(tiny_model: torch.nn.Module) -> None:
+def test_invalid_window_and_empty_results(tiny_model: PreTrainedModel) -> None:
     for bad in (0, -1, True, 2.5):
         with pytest.raises(ValueError, match="window"):
             AttentionProbe(tiny_model, bad)  # type: ignore[arg-type]
@@ -124,7 +129,7 @@ def test_invalid_window_and_empty_results(tiny_model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("prefix", [0, 30], ids=["prefill", "over-cache"])
-def test_matches_eager_attention(tiny_model: torch.nn.Module, ids: torch.Tensor, prefix: int) -> None:
+def test_matches_eager_attention(tiny_model: PreTrainedModel, ids: torch.Tensor, prefix: int) -> None:
     expected = _eager_window_attention(tiny_model, ids, prefix)
     got = _probe_attention(tiny_model, ids, prefix)
     assert got.dtype == torch.float32 and got.device.type == "cpu"
@@ -133,14 +138,14 @@ def test_matches_eager_attention(tiny_model: torch.nn.Module, ids: torch.Tensor,
     assert got.sum().item() == pytest.approx(1.0, abs=1e-5)
 
 
-def test_matches_eager_when_probing_the_eager_model(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_matches_eager_when_probing_the_eager_model(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     """The eager path hands the hook a float 4D mask; the probe must use it the same way."""
     expected = _eager_window_attention(tiny_model, ids, 30)
     got = _probe_attention(_eager_copy(tiny_model), ids, 30)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
 
 
-def test_without_cache_recomputes_keys(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_without_cache_recomputes_keys(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     expected = _eager_window_attention(tiny_model, ids, 0)
     with AttentionProbe(tiny_model, WINDOW) as probe, torch.no_grad():
         tiny_model(input_ids=ids, use_cache=False)
@@ -148,7 +153,7 @@ def test_without_cache_recomputes_keys(tiny_model: torch.nn.Module, ids: torch.T
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
-def test_gqa(tiny_model: torch.nn.Module, ids: torch.Tensor, kv_heads: int) -> None:
+def test_gqa(tiny_model: PreTrainedModel, ids: torch.Tensor, kv_heads: int) -> None:
     model = _variant(tiny_model, num_attention_heads=4, num_key_value_heads=kv_heads)
     expected = _eager_window_attention(model, ids, 30)
     got = _probe_attention(model, ids, 30)
@@ -175,13 +180,13 @@ def test_q_norm_models(ids: torch.Tensor) -> None:
     model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
     with torch.no_grad():  # make q_norm matter: a non-trivial weight
         for module in attention_modules(model):
-            module.q_norm.weight.uniform_(0.5, 1.5)
+            module.q_norm.weight.uniform_(0.5, 1.5)  # type: ignore[union-attr, operator]
     expected = _eager_window_attention(model, ids, 30)
     got = _probe_attention(model, ids, 30)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
 
 
-def test_custom_bool_mask_is_honoured(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_custom_bool_mask_is_honoured(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     """A logical 4D mask (rehydration, branches) hides slots; the probe must hide them too."""
     new = ids.shape[1] - 30
     slots = torch.arange(ids.shape[1])
@@ -197,7 +202,7 @@ def test_custom_bool_mask_is_honoured(tiny_model: torch.nn.Module, ids: torch.Te
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
 
 
-def test_shared_prefix_cache_uses_full(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_shared_prefix_cache_uses_full(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     """With our ManagedCache the prefix lives outside `.keys`: the probe must read `.full()`."""
     expected = _eager_window_attention(tiny_model, ids, 30)
     cache = ManagedCache(tiny_model.config.num_hidden_layers)
@@ -215,7 +220,7 @@ def test_shared_prefix_cache_uses_full(tiny_model: torch.nn.Module, ids: torch.T
     torch.testing.assert_close(probe.attention(), expected, atol=TOL, rtol=0)
 
 
-def test_keeps_queries_only_when_asked(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_keeps_queries_only_when_asked(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     with AttentionProbe(tiny_model, WINDOW) as plain, torch.no_grad():
         tiny_model(input_ids=ids)
     assert plain.query_states is None
@@ -227,7 +232,7 @@ def test_keeps_queries_only_when_asked(tiny_model: torch.nn.Module, ids: torch.T
     assert len(probe.layer_attention) == tiny_model.config.num_hidden_layers
 
 
-def test_short_forward_uses_its_own_tokens(tiny_model: torch.nn.Module, ids: torch.Tensor) -> None:
+def test_short_forward_uses_its_own_tokens(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
     """A decode step (1 token) is a window of 1, whatever the probe's window."""
     cache = DynamicCache(config=tiny_model.config)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from agentkv.policies import (
     POLICY_NAMES,
@@ -51,13 +51,13 @@ def _span_layout() -> tuple[torch.Tensor, dict[int, SpanKind]]:
 
 
 @pytest.fixture(scope="module")
-def view(tiny_model: torch.nn.Module) -> SpanView:
+def view(tiny_model: PreTrainedModel) -> SpanView:
     """A view over 60 real cached tokens: keys from a DynamicCache, attention from the probe."""
     ids = torch.randint(3, 512, (1, N_TOKENS), generator=torch.Generator().manual_seed(11))
     cache = DynamicCache(config=tiny_model.config)
     with torch.no_grad(), AttentionProbe(tiny_model, QUERY_TOKENS, keep_queries=True) as probe:
         tiny_model(input_ids=ids, cache=cache, use_cache=True)
-    keys = tuple(layer.keys for layer in cache.layers)  # each [1, H_kv, n, D]
+    keys: tuple[torch.Tensor, ...] = tuple(layer.keys for layer in cache.layers)  # type: ignore[union-attr, misc]
     attention = probe.attention()
     span_ids, kinds = _span_layout()
     return SpanView(
@@ -102,7 +102,9 @@ def _permute(view: SpanView, perm: torch.Tensor) -> SpanView:
         positions=view.positions[perm],
         span_ids=view.span_ids[perm],
         attention=None if view.attention is None else view.attention[perm],
-        accumulated_attention=None if view.accumulated_attention is None else view.accumulated_attention[perm],
+        accumulated_attention=None
+        if view.accumulated_attention is None
+        else view.accumulated_attention[perm],
     )
 
 
@@ -132,7 +134,7 @@ def test_select_returns_k_sorted_unique(policy: Policy, view: SpanView, keep: in
     assert torch.equal(kept, torch.sort(kept).values)
     assert torch.unique(kept).numel() == expected
     if expected:
-        assert 0 <= int(kept.min()) and int(kept.max()) < view.num_tokens
+        assert int(kept.min()) >= 0 and int(kept.max()) < view.num_tokens
 
 
 def test_protected_tokens_always_kept(policy: Policy, view: SpanView) -> None:
@@ -156,7 +158,9 @@ def test_scores_follow_a_permutation(policy: Policy, view: SpanView) -> None:
 
 
 def test_attention_policies_say_so(view: SpanView) -> None:
-    bare = dataclasses.replace(view, attention=None, accumulated_attention=None, query_keys=None, query_states=None)
+    bare = dataclasses.replace(
+        view, attention=None, accumulated_attention=None, query_keys=None, query_states=None
+    )
     for name in MATRIX_NAMES:
         policy = _policy(name)
         if policy.needs_attention and not isinstance(policy, LifecyclePolicy):

@@ -1,0 +1,727 @@
+"""`KVLifecycleCallbackHandler`: LangChain / LangGraph runs become agentkv lifecycle events.
+
+The agent framework already knows the moments that matter to a KV cache — a tool
+returned, a turn ended, the user approved a plan, a branch lost — and reports them
+as callbacks. This handler translates each into an `agentkv.events` event and
+applies it with `backend.apply(session_id, event)`; it never touches the cache
+itself (the rules table decides what an event does).
+
+| callback | event |
+|---|---|
+| `on_tool_end` (its `ToolMessage`, or the call id seen at start) | `ToolCallCompleted` |
+| `on_tool_end` with a `ToolMessage(status="error")`, `on_tool_error` | `ToolCallFailed` |
+| `on_chain_end` of a top-level run that was not interrupted | `TurnEnded` |
+| LangGraph `Command(resume=...)`, then `on_resume` | `UserConfirmed` / `UserRejected` |
+| custom events `agentkv.*` (see `agentkv_langchain.helpers`) | the matching event |
+| the first call inside a branch | `BranchOpened` on the parent session |
+
+How a resume value reads as confirm or reject: `resume_decision`.
+
+Which session an event goes to is decided exactly as `ChatAgentKV` decides it, with
+`agentkv_langchain.sessions.SessionKey.from_metadata`: start events carry the run
+metadata (`thread_id`, `agentkv_branch`, LangGraph's `langgraph_*` keys), end and
+error events do not, so a `run_id → context` map is filled at start and children
+inherit their parent's context. Parallel branches call the handler from worker
+threads: one lock guards the map.
+
+Hints never break a run: by default every exception inside the handler is logged
+(logger `agentkv.callbacks`), counted in `errors` and swallowed; with
+`raise_error=True` (or `callbacks.raise_error: true` in the config) it propagates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, ToolMessage
+
+from agentkv import (
+    AgentKVConfig,
+    BranchOpened,
+    BranchPruned,
+    BranchSelected,
+    Custom,
+    Event,
+    Lease,
+    ToolCallCompleted,
+    ToolCallFailed,
+    TransformersBackend,
+    TurnEnded,
+    UserConfirmed,
+    UserRejected,
+)
+from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey
+
+if TYPE_CHECKING:
+    # LangGraph delivers `on_interrupt` / `on_resume` only to `GraphCallbackHandler`s;
+    # without LangGraph installed there are no interrupts, and the plain base suffices.
+    _HandlerBase = BaseCallbackHandler
+else:
+    try:
+        from langgraph.callbacks import GraphCallbackHandler as _HandlerBase
+    except ImportError:  # pragma: no cover - langgraph is an optional extra
+        _HandlerBase = BaseCallbackHandler
+
+__all__ = [
+    "CONFIRM_EVENT",
+    "CUSTOM_EVENTS",
+    "GENERIC_EVENT",
+    "OWNER_KEY",
+    "PIN_EVENT",
+    "PRUNE_BRANCH_EVENT",
+    "REJECT_EVENT",
+    "SELECT_BRANCH_EVENT",
+    "KVLifecycleCallbackHandler",
+    "resume_decision",
+]
+
+logger = logging.getLogger("agentkv.callbacks")
+
+CONFIRM_EVENT = "agentkv.confirm"
+"""Custom event: the user confirmed `data["owner"]` (None = the latest answer) → `UserConfirmed`."""
+REJECT_EVENT = "agentkv.reject"
+"""Custom event: the user rejected `data["owner"]` → `UserRejected`."""
+PRUNE_BRANCH_EVENT = "agentkv.prune_branch"
+"""Custom event: branch `data["branch"]` lost → `BranchPruned` on the parent (closes the branch's session)."""
+SELECT_BRANCH_EVENT = "agentkv.select_branch"
+"""Custom event: branch `data["branch"]` won → `BranchSelected` on the parent (closes its siblings)."""
+PIN_EVENT = "agentkv.pin"
+"""Custom event: pin the spans owned by `data["owner"]`; the lease is kept in `handler.leases`."""
+GENERIC_EVENT = "agentkv.event"
+"""Custom event: `data` is an `agentkv.Event` or `{"event": name, "owner": ..., "payload": {}}` → `Custom`."""
+CUSTOM_EVENTS: tuple[str, ...] = (
+    CONFIRM_EVENT,
+    REJECT_EVENT,
+    PRUNE_BRANCH_EVENT,
+    SELECT_BRANCH_EVENT,
+    PIN_EVENT,
+    GENERIC_EVENT,
+)
+"""Every custom event name the handler understands; other names are ignored (they belong to someone else)."""
+
+OWNER_KEY = "agentkv_owner"
+"""Key of an `interrupt()` value naming the span a confirmation is about (e.g. the plan's message id)."""
+
+_BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
+"""LangGraph's control-flow exceptions: an interrupt is a pause, not a failure."""
+
+_CONFIRM_WORDS = frozenset(
+    {
+        "approve",
+        "approved",
+        "accept",
+        "accepted",
+        "yes",
+        "y",
+        "ok",
+        "okay",
+        "confirm",
+        "confirmed",
+        "true",
+        "edit",
+        "edited",
+        "respond",
+    }
+)
+_REJECT_WORDS = frozenset(
+    {"reject", "rejected", "no", "n", "deny", "denied", "decline", "declined", "cancel", "false"}
+)
+
+Decision = Literal["confirm", "reject"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+H = TypeVar("H", bound="KVLifecycleCallbackHandler")
+
+
+def resume_decision(value: Any) -> Decision | None:
+    """Read a human's answer (a `Command(resume=...)` value, a HITL decision) as confirm / reject.
+
+    Confirm: `True`, "approve", "accept", "yes", "ok", "confirm", "edit", "respond",
+    or a mapping whose `type` (or `decision` / `action`) is one of those, or
+    `{"approved": True}`. Reject: `False`, "reject", "no", "deny", "decline",
+    "cancel", or a mapping saying so. Words are matched case-insensitively.
+
+    "edit" confirms because the human kept the proposal and changed its details
+    (it runs, edited); "respond" (`HumanInTheLoopMiddleware`: the human answers in
+    the tool's place) confirms because the human engaged with the call rather than
+    dismissing it, and the answer becomes the call's result.
+
+    Args:
+        value: The resume value.
+
+    Returns:
+        "confirm", "reject", or None for anything else (free text, None): no event,
+        since guessing would pin or drop the wrong thing.
+    """
+    if isinstance(value, bool):
+        return "confirm" if value else "reject"
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _CONFIRM_WORDS:
+            return "confirm"
+        if word in _REJECT_WORDS:
+            return "reject"
+        return None
+    if isinstance(value, Mapping):
+        approved = value.get("approved")
+        if isinstance(approved, bool):
+            return "confirm" if approved else "reject"
+        for key in ("type", "decision", "action"):
+            kind = value.get(key)
+            if isinstance(kind, (str, bool)):
+                return resume_decision(kind)
+    return None
+
+
+@dataclass
+class _RunContext:
+    """What a run's start told us, for the end/error callbacks that carry no metadata."""
+
+    thread: str
+    branch: str | None
+    root: UUID
+    node: str | None = None
+    checkpoint_ns: str | None = None
+    triggers: tuple[str, ...] = ()
+    tool_call_id: str | None = None
+    interrupted: bool = False
+    resume: list[Any] = field(default_factory=list)
+    """A top-level run's pending `Command(resume=...)` value (at most one), applied at `on_resume`."""
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.thread}/{self.branch}" if self.branch else self.thread
+
+
+@dataclass(frozen=True)
+class _ToolCallRecord:
+    """A tool call the model made: which message (span owner) holds it."""
+
+    tool_call_id: str
+    name: str
+    args: Mapping[str, Any]
+    message_id: str | None
+
+
+def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P], R | None]:
+    """Catch, log and count errors in a callback; re-raise only when the handler says so."""
+
+    @functools.wraps(method)
+    def wrapper(self: H, *args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            self._failed(method.__name__, e)
+            return None
+
+    return wrapper
+
+
+class KVLifecycleCallbackHandler(_HandlerBase):
+    """Turns agent runs into lifecycle events on a `TransformersBackend`'s sessions.
+
+    Register it like any LangChain callback (`config={"callbacks": [handler]}`), or
+    let `agentkv_langgraph.with_kv_lifecycle` attach it to a compiled graph.
+
+    Args:
+        backend: The backend whose sessions `ChatAgentKV` uses.
+        config: Where `callbacks.raise_error` is read; None = the backend's config.
+        raise_error: Overrides `config.callbacks.raise_error`: True lets handler errors
+            stop the run (tests, debugging); False logs and counts them.
+        session_id: A fixed session, for a `ChatAgentKV(session_id=...)`; None = from
+            the run metadata, as the chat model does.
+        end_turn_on_root: Send `TurnEnded` when a top-level chain ends (a graph
+            invocation, or the runnable wrapping one agent turn). Turn it off when a
+            top-level chain is smaller than a turn and call `end_turn` yourself.
+    """
+
+    run_inline = True
+    """Called on the event loop's thread in async runs, so start/end order is kept."""
+
+    def __init__(
+        self,
+        backend: TransformersBackend,
+        *,
+        config: AgentKVConfig | None = None,
+        raise_error: bool | None = None,
+        session_id: str | None = None,
+        end_turn_on_root: bool = True,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.config = config or backend.config
+        self.raise_error = self.config.callbacks.raise_error if raise_error is None else raise_error
+        self.session_id = session_id
+        self.end_turn_on_root = end_turn_on_root
+        self.events: list[tuple[str, Event]] = []
+        """Every event sent, in order, as `(session_id, event)`, duplicates included (sessions skip them)."""
+        self.leases: dict[tuple[str, str], Lease] = {}
+        """Pins made by `agentkv.pin` events, by `(session_id, owner)`; give them back with `release`."""
+        self.errors = 0
+        """Exceptions caught inside callbacks (each one logged)."""
+        self._lock = threading.RLock()
+        self._runs: dict[UUID, _RunContext] = {}
+        self._interrupts: dict[str, dict[str, Any]] = {}
+        """Per thread: pending interrupt id → its value (what a resume answers)."""
+        self._tool_calls: dict[str, list[_ToolCallRecord]] = {}
+        """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
+        self._branches: set[tuple[str, str]] = set()
+
+    # -- public helpers --------------------------------------------------------------------------
+
+    def send(self, session_id: str, event: Event) -> Any:
+        """Record and apply one event (what every callback ends in); returns the `ApplyResult` or None."""
+        with self._lock:
+            self.events.append((session_id, event))
+        logger.debug("session %s <- %r", session_id, event)
+        return self.backend.apply(session_id, event)
+
+    def end_turn(self, thread_id: str | None = None) -> Any:
+        """Send `TurnEnded` to a thread's session yourself (see `end_turn_on_root`)."""
+        return self.send(self._thread(thread_id), TurnEnded())
+
+    def release(self, session_id: str, owner: str) -> bool:
+        """Give back a pin made by an `agentkv.pin` event; False when there was none."""
+        with self._lock:
+            lease = self.leases.pop((session_id, owner), None)
+        if lease is None or session_id not in self.backend:
+            return False
+        return self.backend.get(session_id).release(lease)
+
+    def events_for(self, session_id: str) -> list[Event]:
+        """The events sent to one session, in order."""
+        with self._lock:
+            return [event for sid, event in self.events if sid == session_id]
+
+    # -- runs: starts fill the context map, ends use it -------------------------------------------
+
+    @_guarded
+    def on_chain_start(
+        self,
+        serialized: dict[str, Any] | None,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Remember the run; a top-level `Command(resume=...)` is held until LangGraph confirms the resume."""
+        context = self._enter(run_id, parent_run_id, metadata)
+        if parent_run_id is None and _is_resume_command(inputs):
+            with self._lock:
+                context.resume[:] = [inputs.resume]
+
+    @_guarded
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any] | None,
+        messages: list[list[Any]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Remember the model call (its end reports the tool calls a HITL decision refers to)."""
+        self._enter(run_id, parent_run_id, metadata)
+
+    @_guarded
+    def on_llm_start(
+        self,
+        serialized: dict[str, Any] | None,
+        prompts: list[str],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Remember a completion-model call (same as a chat model's)."""
+        self._enter(run_id, parent_run_id, metadata)
+
+    @_guarded
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        """Record which message holds which tool call (human review names calls, events name messages)."""
+        context = self._exit(run_id)
+        if context is None:
+            return
+        for generations in getattr(response, "generations", None) or []:
+            for generation in generations:
+                message = getattr(generation, "message", None)
+                if isinstance(message, AIMessage) and message.tool_calls:
+                    records = [
+                        _ToolCallRecord(
+                            str(call.get("id") or ""), call["name"], call.get("args") or {}, message.id
+                        )
+                        for call in message.tool_calls
+                    ]
+                    with self._lock:
+                        self._tool_calls[context.session_id] = records
+
+    @_guarded
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        """Forget the model call."""
+        self._exit(run_id)
+
+    @_guarded
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any] | None,
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Remember the tool run and its `tool_call_id` (the end may report a bare string)."""
+        context = self._enter(run_id, parent_run_id, metadata)
+        call_id = kwargs.get("tool_call_id")
+        if not call_id and isinstance(inputs, Mapping):
+            call_id = inputs.get("tool_call_id")
+        context.tool_call_id = str(call_id) if call_id else None
+
+    @_guarded
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        """A tool returned: commit its result, release the call (or release both when it reports an error)."""
+        context = self._exit(run_id)
+        message = _tool_message(output, context.tool_call_id if context else None)
+        call_id = message.tool_call_id if message is not None else context.tool_call_id if context else None
+        if not call_id or context is None:
+            logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
+            return
+        if message is not None and message.status == "error":
+            self.send(context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
+        else:
+            self.send(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+
+    @_guarded
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        """A tool raised: release the call and its output; an interrupt raised inside a tool is a pause."""
+        context = self._exit(run_id)
+        if context is None:
+            return
+        if _is_bubble_up(error):
+            self._mark_interrupted(context.root)
+            return
+        if context.tool_call_id:
+            self.send(
+                context.session_id, ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
+            )
+
+    @_guarded
+    def on_chain_end(
+        self, outputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any
+    ) -> None:
+        """The end of a top-level run ends the turn, unless the run stopped at an interrupt."""
+        context = self._exit(run_id)
+        if parent_run_id is not None or context is None:
+            return
+        self._forget_root(run_id)
+        interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
+        if interrupted:
+            logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
+        elif self.end_turn_on_root:
+            self.send(context.session_id, TurnEnded())
+
+    @_guarded
+    def on_chain_error(
+        self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any
+    ) -> None:
+        """A failed run changes nothing (the next user turn ends it); an interrupt marks the turn paused."""
+        context = self._exit(run_id)
+        if context is not None and _is_bubble_up(error):
+            self._mark_interrupted(context.root)
+        if parent_run_id is None:
+            self._forget_root(run_id)
+
+    # -- LangGraph: interrupt and resume -------------------------------------------------------
+
+    @_guarded
+    def on_interrupt(self, event: Any) -> None:
+        """LangGraph paused: remember the interrupts (their values say what a resume answers)."""
+        context = self._context(getattr(event, "run_id", None))
+        if context is None:
+            return
+        self._mark_interrupted(context.root)
+        with self._lock:
+            pending = self._interrupts.setdefault(context.thread, {})
+            for item in getattr(event, "interrupts", ()) or ():
+                pending[str(getattr(item, "id", len(pending)))] = getattr(item, "value", None)
+
+    @_guarded
+    def on_resume(self, event: Any) -> None:
+        """LangGraph resumed from a checkpoint: the held `Command(resume=...)` becomes confirm/reject."""
+        context = self._context(getattr(event, "run_id", None))
+        if context is None:
+            return
+        with self._lock:
+            root = self._runs.get(context.root, context)
+            if not root.resume:
+                return
+            resume = root.resume.pop()
+            pending = self._interrupts.get(context.thread, {})
+            answered = self._answers(resume, pending)
+            for interrupt_id, _, _ in answered:
+                pending.pop(interrupt_id, None)
+            session_id = root.session_id
+            records = list(self._tool_calls.get(session_id, ()))
+        for event_ in self._decision_events(answered, records):
+            self.send(session_id, event_)
+
+    # -- custom events ---------------------------------------------------------------------------
+
+    @_guarded
+    def on_custom_event(
+        self,
+        name: str,
+        data: Any,
+        *,
+        run_id: UUID,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`agentkv.*` events dispatched by `agentkv_langchain.helpers` (or by hand)."""
+        if name not in CUSTOM_EVENTS:
+            return
+        context = self._context(run_id) or self._context_from(run_id, None, metadata)
+        data = data if data is not None else {}
+        if name == GENERIC_EVENT:
+            self.send(context.session_id, _generic_event(data))
+            return
+        if not isinstance(data, Mapping):
+            msg = f"{name}: data must be a mapping, got {type(data).__name__}"
+            raise TypeError(msg)
+        owner = data.get("owner")
+        owner = str(owner) if owner is not None else None
+        if name == CONFIRM_EVENT:
+            self.send(context.session_id, UserConfirmed(owner=owner))
+        elif name == REJECT_EVENT:
+            self.send(context.session_id, UserRejected(owner=owner))
+        elif name == PIN_EVENT:
+            self._pin(context.session_id, owner)
+        else:
+            branch = data.get("branch")
+            if not isinstance(branch, str) or not branch:
+                msg = f"{name}: data['branch'] must be a non-empty string, got {branch!r}"
+                raise ValueError(msg)
+            event = (
+                BranchPruned(branch=branch) if name == PRUNE_BRANCH_EVENT else BranchSelected(branch=branch)
+            )
+            # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
+            self.send(context.thread, event)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _failed(self, where: str, error: Exception) -> None:
+        with self._lock:
+            self.errors += 1
+        if self.raise_error:
+            raise error
+        logger.warning("agentkv callback %s failed (the run goes on): %r", where, error, exc_info=error)
+
+    def _thread(self, thread_id: str | None) -> str:
+        return SessionKey.from_metadata({THREAD_KEY: thread_id} if thread_id else {}, self.session_id).thread
+
+    def _context(self, run_id: UUID | None) -> _RunContext | None:
+        if run_id is None:
+            return None
+        with self._lock:
+            return self._runs.get(run_id)
+
+    def _context_from(
+        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+    ) -> _RunContext:
+        """A run's context: its own metadata where it says something, its parent's otherwise."""
+        metadata = metadata or {}
+        parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+        key = SessionKey.from_metadata(metadata, self.session_id)
+        thread = (
+            key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread
+        )
+        branch = key.branch
+        if branch is None and BRANCH_KEY not in metadata and parent is not None and parent.thread == thread:
+            branch = parent.branch
+        triggers = metadata.get("langgraph_triggers") or (parent.triggers if parent else ())
+        return _RunContext(
+            thread=thread,
+            branch=branch,
+            root=parent.root if parent is not None else run_id,
+            node=metadata.get("langgraph_node") or (parent.node if parent else None),
+            checkpoint_ns=metadata.get("langgraph_checkpoint_ns")
+            or (parent.checkpoint_ns if parent else None),
+            triggers=tuple(triggers)
+            if isinstance(triggers, Sequence) and not isinstance(triggers, str)
+            else (),
+        )
+
+    def _enter(
+        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+    ) -> _RunContext:
+        with self._lock:
+            context = self._context_from(run_id, parent_run_id, metadata)
+            self._runs[run_id] = context
+            opened = context.branch is not None and (context.thread, context.branch) not in self._branches
+            if opened and context.branch is not None:
+                self._branches.add((context.thread, context.branch))
+        if opened and context.branch is not None:
+            self.send(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
+        return context
+
+    def _exit(self, run_id: UUID) -> _RunContext | None:
+        with self._lock:
+            return self._runs.pop(run_id, None)
+
+    def _forget_root(self, root: UUID) -> None:
+        """Drop what is left of a finished top-level run (children that never reported an end)."""
+        with self._lock:
+            for run_id in [r for r, c in self._runs.items() if c.root == root]:
+                del self._runs[run_id]
+
+    def _mark_interrupted(self, root: UUID) -> None:
+        with self._lock:
+            context = self._runs.get(root)
+            if context is not None:
+                context.interrupted = True
+
+    def _pin(self, session_id: str, owner: str | None) -> None:
+        if owner is None:
+            msg = f"{PIN_EVENT}: data['owner'] is required (the span owner to pin)"
+            raise ValueError(msg)
+        with self._lock:
+            if (session_id, owner) in self.leases or session_id not in self.backend:
+                return  # already pinned (a re-run node pins again), or no such session: a no-op hint
+            self.events.append((session_id, Custom(event="pin", owner=owner)))
+            self.leases[(session_id, owner)] = self.backend.get(session_id).pin(owner, reason=PIN_EVENT)
+
+    @staticmethod
+    def _answers(resume: Any, pending: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """Pair a resume value with the interrupts it answers: `(interrupt id, interrupt value, answer)`."""
+        if isinstance(resume, Mapping) and resume and pending and all(str(k) in pending for k in resume):
+            return [(str(k), pending[str(k)], v) for k, v in resume.items()]
+        if pending:  # one value answers the oldest pending interrupt, as LangGraph resumes it
+            interrupt_id = next(iter(pending))
+            return [(interrupt_id, pending[interrupt_id], resume)]
+        return [("", None, resume)]
+
+    @staticmethod
+    def _decision_events(
+        answered: Sequence[tuple[str, Any, Any]], records: Sequence[_ToolCallRecord]
+    ) -> list[Event]:
+        """Confirm/reject events for answered interrupts.
+
+        A `HumanInTheLoopMiddleware` request reviews tool calls; its decisions are
+        grouped by the message that made the calls: the message is confirmed when any
+        of its calls was approved, edited or answered, rejected when all were rejected.
+        Any other interrupt is about `value["agentkv_owner"]` (None = the latest
+        assistant message).
+        """
+        by_owner: dict[str | None, list[Decision]] = {}
+        for _, value, answer in answered:
+            for owner, decision in _decisions(value, answer, records):
+                by_owner.setdefault(owner, []).append(decision)
+        events: list[Event] = []
+        for owner, decisions in by_owner.items():
+            if "confirm" in decisions:
+                events.append(UserConfirmed(owner=owner))
+            else:
+                events.append(UserRejected(owner=owner))
+        return events
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _decisions(
+    value: Any, answer: Any, records: Sequence[_ToolCallRecord]
+) -> list[tuple[str | None, Decision]]:
+    """`(owner, decision)` pairs for one answered interrupt."""
+    if isinstance(value, Mapping) and value.get("type") == "tool_approval":  # HITL per-call mode
+        decision = resume_decision(answer)
+        owner = _owner_of_call(str(value.get("tool_call_id")), records)
+        return [(owner, decision)] if decision else []
+    if isinstance(value, Mapping) and "action_requests" in value and isinstance(answer, Mapping):
+        requests = list(value.get("action_requests") or [])
+        out: list[tuple[str | None, Decision]] = []
+        unused = list(records)
+        for request, item in zip(requests, answer.get("decisions") or [], strict=False):
+            decision = resume_decision(item)
+            record = _match_request(request, unused)
+            if record is not None:
+                unused.remove(record)
+            if decision:
+                out.append((record.message_id if record is not None else None, decision))
+        return out
+    decision = resume_decision(answer)
+    owner = value.get(OWNER_KEY) if isinstance(value, Mapping) else None
+    return [(str(owner) if owner is not None else None, decision)] if decision else []
+
+
+def _owner_of_call(call_id: str, records: Sequence[_ToolCallRecord]) -> str | None:
+    return next((r.message_id for r in records if r.tool_call_id == call_id), None)
+
+
+def _match_request(request: Any, records: Sequence[_ToolCallRecord]) -> _ToolCallRecord | None:
+    """The tool call a HITL action request shows (requests carry name and args, not the call id)."""
+    if not isinstance(request, Mapping):
+        return None
+    same_name = [r for r in records if r.name == request.get("name")]
+    exact = [r for r in same_name if dict(r.args) == dict(request.get("args") or {})]
+    candidates = exact or same_name
+    return candidates[0] if candidates else None
+
+
+def _generic_event(data: Any) -> Event:
+    if isinstance(data, Event):
+        return data
+    if not isinstance(data, Mapping):
+        kind = type(data).__name__
+        msg = f"{GENERIC_EVENT}: data must be an agentkv Event or a mapping with 'event', got {kind}"
+        raise TypeError(msg)
+    name = data.get("event") or data.get("name")
+    if not isinstance(name, str) or not name:
+        msg = f"{GENERIC_EVENT}: data['event'] must name the event (rules key custom:<name>), got {name!r}"
+        raise ValueError(msg)
+    owner = data.get("owner")
+    payload = data.get("payload") or {}
+    if not isinstance(payload, Mapping):
+        msg = f"{GENERIC_EVENT}: data['payload'] must be a mapping, got {type(payload).__name__}"
+        raise TypeError(msg)
+    return Custom(event=name, owner=str(owner) if owner is not None else None, payload=dict(payload))
+
+
+def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:
+    """The `ToolMessage` a tool run produced: itself, or inside a `Command(update={"messages": [...]})`."""
+    if isinstance(output, ToolMessage):
+        return output
+    update = getattr(output, "update", None)
+    messages = update.get("messages") if isinstance(update, Mapping) else None
+    for message in messages or []:
+        if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
+            return message
+    return None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return str(content)
+
+
+def _is_bubble_up(error: BaseException) -> bool:
+    return any(cls.__name__ in _BUBBLE_UPS for cls in type(error).__mro__)
+
+
+def _is_resume_command(inputs: Any) -> bool:
+    """A LangGraph `Command` carrying a resume value (checked by shape: LangGraph is optional)."""
+    return type(inputs).__name__ == "Command" and getattr(inputs, "resume", None) is not None

@@ -1,0 +1,656 @@
+"""`ChatAgentKV`: a LangChain chat model over an agentkv session.
+
+Every call hands the **whole** message list to `Session.extend`; the session
+matches it with what its KV cache already holds, message by message, and encodes
+only the new suffix. So an agent that re-sends its growing history each turn pays
+only for the new messages, not for the history (what `langchain-huggingface`
+re-encodes every time).
+
+Three things keep that match exact, call after call:
+
+- The tool prompt (for chat templates without tool support) is a pure function of
+  the bound tools (`tools.render_tool_prompt`), so the system message renders to
+  the same tokens each time.
+- The answer is bound to the session as the exact `AIMessage` the caller gets back
+  (content, tool calls with their fresh ids), so when the agent sends it back the
+  session recognises it and keeps the token ids the model produced instead of
+  re-tokenising its text.
+- The `AIMessage.id` is LangChain's own run id (`lc_run--<run_id>`), assigned before
+  binding, so the span that holds the answer is owned by an id the callback handler
+  can also compute from the run.
+
+Which session a call uses is decided in `agentkv_langchain.sessions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    InvalidToolCall,
+    SystemMessage,
+    ToolCall,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.json import parse_partial_json
+from langchain_core.utils.utils import LC_ID_PREFIX
+from pydantic import ConfigDict, Field, model_validator
+
+from agentkv import Session, TransformersBackend
+from agentkv.chat import normalize_messages
+from agentkv_langchain.sessions import session_for
+from agentkv_langchain.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCallStreamFilter,
+    forced_call_prefix,
+    parse_tool_calls,
+    render_tool_prompt,
+    resolve_tool_choice,
+    tool_names,
+)
+
+__all__ = ["ChatAgentKV", "to_chat_dicts"]
+
+_SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
+_IGNORED_KWARGS = ("strict", "parallel_tool_calls")
+"""Accepted and ignored: the `<tool_call>` protocol has no strict mode; parallel calls are always allowed."""
+_SKIPPED_BLOCKS = frozenset(
+    {
+        "tool_use",
+        "tool_call",
+        "tool_call_chunk",
+        "invalid_tool_call",
+        "server_tool_call",
+        "reasoning",
+        "thinking",
+    }
+)
+"""Content blocks a text model does not read: tool calls travel in `tool_calls`; past reasoning is dropped."""
+
+
+class ChatAgentKV(BaseChatModel):
+    """A local Transformers model whose KV cache lives across an agent's calls.
+
+    Setup:
+        ```python
+        from agentkv import TransformersBackend, load_model
+        from agentkv_langchain import ChatAgentKV
+
+        model, tokenizer = load_model()  # SmolLM2-135M-Instruct by default
+        llm = ChatAgentKV(backend=TransformersBackend(model, tokenizer), max_new_tokens=128)
+        ```
+
+    Sessions: inside a LangGraph graph each `thread_id` gets its own session (KV
+    cache); outside one, pass `config={"metadata": {"thread_id": "..."}}`, or fix one
+    with `session_id=`. Calls without either share the session "default".
+
+    Usage: `usage_metadata["input_token_details"]["cache_read"]` counts the history
+    tokens served from the cache in this call; `response_metadata` also has
+    `prefill_tokens` (encoded by the model in this call), `reused_tokens` and
+    `session_id`.
+
+    Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
+    chat template that supports tools, they are passed to the template; otherwise
+    they are described in the system prompt with the `<tool_call>{json}</tool_call>`
+    protocol (see `agentkv_langchain.tools`). A forced `tool_choice` prefills the
+    call's opening, so even a tiny model writes a call to the right tool.
+    """
+
+    backend: TransformersBackend
+    """The in-process model and its sessions (one KV cache per conversation)."""
+    session_id: str | None = None
+    """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
+    max_new_tokens: int = Field(default=256, alias="max_tokens")
+    """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
+    temperature: float = 0.0
+    """0 = greedy decoding (reproducible); above 0, sampling with `top_p` / `top_k`."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (used only when `temperature > 0`)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling (0 = off)."""
+    stop: list[str] | None = None
+    """Strings that end an answer (excluded from it); a call's own `stop` replaces these."""
+    seed: int | None = None
+    """Seeds the sampler, for reproducible sampled answers."""
+    model_name: str | None = None
+    """Name reported in traces and `response_metadata`; defaults to the model's `name_or_path`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _default_model_name(self) -> Self:
+        if not self.model_name:
+            config = getattr(self.backend.model, "config", None)
+            name = str(getattr(config, "name_or_path", "") or "")
+            self.model_name = name.rstrip("/").rsplit("/", 2)[-1] if "/" in name else name
+            self.model_name = self.model_name or type(self.backend.model).__name__
+        return self
+
+    # -- LangChain plumbing ------------------------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "session_id": self.session_id,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="agentkv",
+            ls_model_name=str(kwargs.get("model") or self.model_name),
+            ls_model_type="chat",
+            ls_temperature=float(kwargs.get("temperature", self.temperature)),
+            ls_max_tokens=int(kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens))),
+        )
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or [])
+        return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        profile = ModelProfile(
+            open_weights=True,
+            text_inputs=True,
+            image_inputs=False,
+            audio_inputs=False,
+            pdf_inputs=False,
+            video_inputs=False,
+            text_outputs=True,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=False,
+        )
+        limit = self.backend.runner.max_positions
+        if limit:
+            profile["max_input_tokens"] = int(limit)
+        return profile
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` with the model's own tokenizer (used by `get_num_tokens`)."""
+        return self.backend.chat_format.encode(text)
+
+    def get_num_tokens_from_messages(
+        self,
+        messages: list[BaseMessage],
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool] | None = None,
+    ) -> int:
+        """Exact prompt length: the messages (and tool prompt) as the chat template renders them.
+
+        Trimming and summarisation middleware count with this, so it must count what
+        the session will encode, not an approximation.
+        """
+        chat = to_chat_dicts(messages)
+        if tools:
+            chat = self._with_tools(chat, [convert_to_openai_tool(t) for t in tools])
+        fmt = self.backend.chat_format
+        return len(fmt.encode(fmt.render(normalize_messages(chat))))
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (anything `convert_to_openai_tool` accepts) for the model to call.
+
+        Args:
+            tools: the tools, in the order they are described to the model.
+            tool_choice: None / "auto": the model decides; "none": no call (generation
+                stops at a `<tool_call>` tag); "any" / "required" / True: a call is
+                forced, to the **first** listed tool when there are several (a prefilled
+                call must name one); a tool name, or a dict naming a function: a call
+                to that tool is forced.
+            **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
+
+        Raises:
+            ValueError: a tool cannot be converted, or `tool_choice` names no bound tool.
+        """
+        formatted: list[dict[str, Any]] = []
+        for i, tool in enumerate(tools):
+            try:
+                formatted.append(convert_to_openai_tool(tool))
+            except (TypeError, ValueError, KeyError) as e:
+                msg = (
+                    f"bind_tools: tools[{i}] ({tool!r:.80}): not a tool, function, schema or OpenAI dict: {e}"
+                )
+                raise ValueError(msg) from e
+        resolve_tool_choice(tool_choice, tool_names(formatted))  # fail at bind time, not at the first call
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        return super().bind(tools=formatted, **kwargs)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        message_id = _message_id(_run_id(run_manager))
+        with closing(self._answer(messages, stop, _metadata(run_manager), message_id, kwargs)) as answer:
+            final = next(item for item in answer if isinstance(item, _Answer))
+        message = AIMessage(
+            content=final.content,
+            id=final.message_id,
+            tool_calls=final.tool_calls,
+            invalid_tool_calls=final.invalid_tool_calls,
+            usage_metadata=final.usage,
+            response_metadata=final.response_metadata,
+        )
+        return ChatResult(
+            generations=[ChatGeneration(message=message, generation_info=final.generation_info)]
+        )
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        with closing(
+            self._chunks(messages, stop, _metadata(run_manager), _run_id(run_manager), kwargs)
+        ) as chunks:
+            for chunk in chunks:
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # The model runs on a worker thread; the session lock serialises calls on one session.
+        sync_manager = run_manager.get_sync() if run_manager else None
+        return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        # The whole generation runs on ONE worker thread: the session lock is held
+        # across the decode loop and must be released by the thread that took it
+        # (LangChain's default `_astream` would step the iterator from pool threads).
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[ChatGenerationChunk | BaseException | None] = asyncio.Queue()
+        stopped = threading.Event()
+        chunks = self._chunks(messages, stop, _metadata(run_manager), _run_id(run_manager), kwargs)
+
+        def produce() -> None:
+            try:
+                with closing(chunks):
+                    for chunk in chunks:
+                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                        if stopped.is_set():
+                            break
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        worker = asyncio.ensure_future(asyncio.to_thread(produce))
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                if run_manager:
+                    await run_manager.on_llm_new_token(item.text, chunk=item)
+                yield item
+        finally:
+            stopped.set()
+            await worker
+
+    def _chunks(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        metadata: Mapping[str, Any],
+        run_id: uuid.UUID | None,
+        kwargs: Mapping[str, Any],
+    ) -> Generator[ChatGenerationChunk, None, None]:
+        """The answer as stream chunks: content as it is decoded; the last carries calls and usage."""
+        message_id = _message_id(run_id)
+        with closing(self._answer(messages, stop, metadata, message_id, kwargs)) as answer:
+            for item in answer:
+                if isinstance(item, str):
+                    yield ChatGenerationChunk(message=AIMessageChunk(content=item, id=message_id))
+                    continue
+                calls = [
+                    tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                    for i, c in enumerate(item.tool_calls)
+                ]
+                calls += [
+                    tool_call_chunk(
+                        name=c["name"], args=_unparseable(c["args"]), id=c["id"], index=len(calls) + i
+                    )
+                    for i, c in enumerate(item.invalid_tool_calls)
+                ]
+                yield ChatGenerationChunk(
+                    message=AIMessageChunk(
+                        content=item.rest,
+                        id=item.message_id,
+                        tool_call_chunks=calls,
+                        chunk_position="last",
+                        usage_metadata=item.usage,
+                        response_metadata=item.response_metadata,
+                    ),
+                    generation_info=item.generation_info,
+                )
+
+    def _answer(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        metadata: Mapping[str, Any],
+        message_id: str,
+        kwargs: Mapping[str, Any],
+    ) -> Generator[str | _Answer, None, None]:
+        """Extend the session, decode, bind the answer; yield content text, then the `_Answer`."""
+        plan = self._plan(messages, stop, kwargs)
+        session = session_for(self.backend, metadata, self.session_id)
+        visible = ToolCallStreamFilter() if plan.tools else None
+        if visible is not None:
+            visible.feed(plan.prefix)
+        raw: list[str] = []
+        with session.lock:  # extend + decode + bind are one step for this session
+            before = session.stats()
+            extended = session.extend(plan.messages)
+            pieces = session.stream(**plan.sampling, prefix=plan.prefix, message_id=message_id)
+            try:
+                for piece in pieces:
+                    raw.append(piece)
+                    text = visible.feed(piece) if visible is not None else piece
+                    if text:
+                        yield text
+            finally:
+                _close(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
+            after = session.stats()
+            if visible is not None:
+                content, calls, invalid = parse_tool_calls(plan.prefix + "".join(raw))
+                rest = visible.rest(content)
+            else:
+                content, calls, invalid, rest = "".join(raw), [], [], ""
+            # The caller gets exactly this message back; binding it lets the next call
+            # match it to the produced token ids instead of re-encoding it.
+            session.bind_message(
+                {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in calls],
+                    "id": message_id,
+                }
+            )
+            output_tokens = after.generated_tokens - before.generated_tokens
+            input_tokens = _history_before_answer(session, output_tokens)
+        finish = (
+            "tool_calls"
+            if calls
+            else "length"
+            if output_tokens >= plan.sampling["max_new_tokens"]
+            else "stop"
+        )
+        yield _Answer(
+            message_id=message_id,
+            content=content,
+            rest=rest,
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            usage=UsageMetadata(
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                total_tokens=input_tokens + output_tokens,
+                input_token_details={"cache_read": extended.reused_tokens},
+            ),
+            response_metadata={
+                "model_name": self.model_name,
+                "finish_reason": finish,
+                "session_id": session.session_id,
+                "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                "reused_tokens": extended.reused_tokens,
+                "cropped_tokens": extended.cropped_tokens,
+            },
+            generation_info={"finish_reason": finish},
+        )
+
+    # -- one call's plan ----------------------------------------------------------------------
+
+    def _plan(
+        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
+    ) -> _Plan:
+        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs."""
+        options = dict(kwargs)
+        tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
+        choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))
+        requested = options.pop("model", None)
+        if requested is not None and requested != self.model_name:
+            msg = (
+                f"model={requested!r}: ChatAgentKV serves the in-process model {self.model_name!r}; "
+                "build another ChatAgentKV (with its own backend) for another model"
+            )
+            raise ValueError(msg)
+        for key in _IGNORED_KWARGS:
+            options.pop(key, None)
+        sampling: dict[str, Any] = {
+            "max_new_tokens": options.pop("max_tokens", options.pop("max_new_tokens", self.max_new_tokens)),
+            "temperature": options.pop("temperature", self.temperature),
+            "top_p": options.pop("top_p", self.top_p),
+            "top_k": options.pop("top_k", self.top_k),
+            "seed": options.pop("seed", self.seed),
+            "stop": list(stop if stop is not None else self.stop or []),
+        }
+        if options:
+            allowed = ", ".join(("tools", "tool_choice", "model", *_SAMPLING_KWARGS, *_IGNORED_KWARGS))
+            msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
+            raise ValueError(msg)
+        chat = to_chat_dicts(messages)
+        prefix = ""
+        if tools:
+            chat = self._with_tools(chat, tools)
+            if choice == "none":
+                sampling["stop"].append(TOOL_CALL_OPEN)
+            elif choice is not None:
+                prefix = forced_call_prefix(choice)
+                sampling["stop"].append(TOOL_CALL_CLOSE)
+        return _Plan(messages=chat, tools=tools, prefix=prefix, sampling=sampling)
+
+    def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Describe the tools: through the chat template when it can, else in the system prompt.
+
+        The tool prompt goes *after* the system prompt's own text, so a conversation that
+        starts without tools and gains them later keeps its system prompt's tokens cached.
+        """
+        chat = list(chat)
+        if self.backend.chat_format.tools_in_template:
+            chat[0] = {**chat[0], "tools": tools}
+            return chat
+        prompt = render_tool_prompt(tools)
+        index = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
+        if index is None:
+            chat.insert(0, {"role": "system", "content": prompt})
+        else:
+            own = chat[index]["content"]
+            chat[index] = {**chat[index], "content": f"{own}\n\n{prompt}" if own else prompt}
+        return chat
+
+
+@dataclass
+class _Answer:
+    """One finished answer, already bound to its session."""
+
+    message_id: str
+    content: str
+    rest: str
+    """The part of `content` a stream had not shown yet (held back around tool calls)."""
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    usage: UsageMetadata
+    response_metadata: dict[str, Any]
+    generation_info: dict[str, Any]
+
+
+@dataclass
+class _Plan:
+    """What one call hands the session."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    prefix: str
+    """Text the answer starts with (a forced call's opening), prefilled, not generated."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as the plain dicts `Session.extend` reads.
+
+    Ids become span owners (a `ToolMessage` is owned by its `tool_call_id`), tool
+    calls travel in `tool_calls`, and content is reduced to its text: tool-call and
+    reasoning blocks are skipped, and media blocks are refused (a text model cannot
+    read them; better an error than an answer about an image it never saw).
+
+    Raises:
+        ValueError: a message has image, audio or file content, or an unknown type.
+    """
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": _role(message, i), "content": _text(message.content, i)}
+        if message.id:
+            entry["id"] = message.id
+        if isinstance(message.name, str) and message.name:
+            entry["name"] = message.name
+        if isinstance(message, AIMessage) and message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.get("id"), "name": c["name"], "args": c["args"]} for c in message.tool_calls
+            ]
+        if isinstance(message, ToolMessage):
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def _role(message: BaseMessage, index: int) -> str:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(message, ChatMessage):
+        return message.role
+    msg = f"messages[{index}]: unsupported message type {type(message).__name__}"
+    raise ValueError(msg)
+
+
+def _text(content: str | list[str | dict[str, Any]], index: int) -> str:
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+            continue
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(str(block.get("text", "")))
+        elif kind not in _SKIPPED_BLOCKS:
+            msg = (
+                f"messages[{index}].content: a {kind!r} block cannot be read by a text-only local model; "
+                f"allowed: text blocks (skipped: {', '.join(sorted(_SKIPPED_BLOCKS))})"
+            )
+            raise ValueError(msg)
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def _metadata(
+    run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+) -> Mapping[str, Any]:
+    return run_manager.metadata if run_manager is not None else {}
+
+
+def _message_id(run_id: uuid.UUID | None) -> str:
+    """The answer's id: LangChain's own `lc_run--<run_id>`, so the callback handler can name the span."""
+    return f"{LC_ID_PREFIX}-{run_id or uuid.uuid4()}"
+
+
+def _run_id(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> uuid.UUID | None:
+    return run_manager.run_id if run_manager is not None else None
+
+
+def _history_before_answer(session: Session, output_tokens: int) -> int:
+    """Tokens in the session's logical history before the answer's first generated token.
+
+    The answer's span holds the generation prompt (and any prefilled call opening),
+    the generated tokens and the template's end-of-turn suffix.
+    """
+    span = next(s for s in reversed(session.spans) if s.generated)
+    return span.end - output_tokens - len(session.format.assistant_suffix_ids())
+
+
+def _close(iterator: Iterator[Any]) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+
+
+def _unparseable(args: str | None) -> str:
+    """An invalid call's raw text, in a form that chunk merging will not "repair" into a valid call.
+
+    Merged stream chunks re-parse their `args` leniently (`parse_partial_json`); raw text
+    that happens to parse that way is sent as a JSON string literal instead.
+    """
+    raw = args or ""
+    try:
+        repaired = parse_partial_json(raw)
+    except (ValueError, TypeError):
+        return raw
+    return json.dumps(raw) if isinstance(repaired, dict) else raw

@@ -1,0 +1,197 @@
+"""`with_kv_lifecycle`: a compiled LangGraph graph whose runs drive the KV lifecycle.
+
+The graph returned is still the compiled graph (same class underneath, so
+`invoke`, `stream`, `get_state`, interrupts, use as a subgraph all work): it is
+`graph.with_config(callbacks=[handler])` — LangGraph's `with_config` returns a copy
+of the graph, not a `RunnableBinding` — with one addition: before each run it reads
+the per-run settings from `config["configurable"]["agentkv"]`.
+
+Per-run settings (`configurable.agentkv`, same shape as the YAML section) are
+merged over the graph's config (`AgentKVConfig.with_overrides`) and apply to the
+sessions that run **creates**: the thread's session on its first run, and the
+branch sessions forked from it (a fork keeps its parent's config). Everything a
+session reads at creation is honoured — `budget`, `policy`, `archive_tier`,
+`quantization`, `commit`, `recall`, `rules`. A thread whose session already exists
+keeps the settings it started with (a cache cannot be re-budgeted mid-conversation
+without demoting under the agent's feet; close the session to start over).
+`model`, `device` and `dtype` belong to the backend and `callbacks` to the handler:
+per run they are ignored, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langchain.sessions import DEFAULT_THREAD
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import merge_configs
+from langgraph.pregel import Pregel
+
+from agentkv import AgentKVConfig, Session, TransformersBackend, load_model
+from agentkv_langgraph.config import load_config
+
+__all__ = ["KVLifecycle", "shared_backend", "with_kv_lifecycle"]
+
+logger = logging.getLogger("agentkv.langgraph")
+
+G = TypeVar("G", bound=Pregel)
+
+_BACKEND_WIDE = ("model", "device", "dtype", "callbacks")
+"""Config keys a run cannot change: they belong to the backend (model, device, dtype) or the handler."""
+
+_backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def shared_backend(config: AgentKVConfig | None = None) -> TransformersBackend:
+    """The process-wide backend for `config.model` on `config.device` / `config.dtype` (loaded once).
+
+    `with_kv_lifecycle(graph)` without a backend uses it; build the graph's models on
+    the same one, `ChatAgentKV(backend=shared_backend(config))`, so that the model
+    calls and the lifecycle events meet in one session table.
+
+    Args:
+        config: Which model to load, and the default settings of its sessions (the
+            first caller's config wins for a given model). None = the default model.
+    """
+    config = config or AgentKVConfig()
+    key = (config.model, config.device, config.dtype)
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
+            backend = _backends[key] = TransformersBackend(model, tokenizer, config)
+        return backend
+
+
+@dataclass
+class KVLifecycle:
+    """What `with_kv_lifecycle` attached to a graph: the backend, the handler and the base config."""
+
+    backend: TransformersBackend
+    """Where the sessions live."""
+    handler: KVLifecycleCallbackHandler
+    """The callback handler that turns the graph's runs into events."""
+    config: AgentKVConfig
+    """Settings of the sessions this graph's runs create (before per-run overrides)."""
+    _warned: set[str] = field(default_factory=set, repr=False)
+
+    def config_for(self, run_config: RunnableConfig | None) -> AgentKVConfig:
+        """The settings a run's new sessions get: `config` with `configurable.agentkv` merged in.
+
+        Raises:
+            ValueError: The overrides are invalid (the message names `configurable.agentkv.<key>`).
+        """
+        overrides = ((run_config or {}).get("configurable") or {}).get("agentkv")
+        if not overrides:
+            return self.config
+        if not isinstance(overrides, Mapping):
+            msg = f"configurable.agentkv: must be a mapping, got {type(overrides).__name__}"
+            raise ValueError(msg)
+        ignored = ", ".join(sorted(k for k in overrides if k in _BACKEND_WIDE))
+        if ignored and ignored not in self._warned:
+            self._warned.add(ignored)
+            logger.warning(
+                "configurable.agentkv: %s cannot change per run (backend- or handler-wide); ignored", ignored
+            )
+        merged = self.config.with_overrides({k: v for k, v in overrides.items() if k not in _BACKEND_WIDE})
+        return merged
+
+    def prepare(self, run_config: RunnableConfig | None) -> Session | None:
+        """Create the run's thread session with the run's settings, if it does not exist yet.
+
+        Returns:
+            The thread's session when this run's settings differ from the backend's
+            (created now, or existing), else None (the chat model creates it on first use).
+        """
+        config = self.config_for(run_config)
+        if config == self.backend.config:
+            return None
+        configurable = (run_config or {}).get("configurable") or {}
+        thread = str(configurable.get("thread_id") or DEFAULT_THREAD)
+        session = self.backend.session(thread, config=config)
+        if session.config != config and thread not in self._warned:
+            self._warned.add(thread)
+            logger.info(
+                "session %r already exists: per-run agentkv settings apply to new sessions only", thread
+            )
+        return session
+
+    def session(self, thread_id: str = DEFAULT_THREAD) -> Session:
+        """A thread's session (created with the graph's settings if absent)."""
+        return self.backend.session(thread_id, config=self.config)
+
+
+class _KVLifecycleGraph:
+    """Mixin over a compiled graph's class: prepares the run's sessions, then runs as usual.
+
+    `invoke`, `batch` and `stream_events` go through `stream`; `ainvoke` and
+    `astream_events` through `astream`, so these two overrides cover every entry point.
+    """
+
+    agentkv: KVLifecycle
+
+    def __init__(self, *args: Any, agentkv: KVLifecycle, **kwargs: Any) -> None:
+        # Pregel.copy() rebuilds the graph from its __dict__, so the binding travels as a kwarg.
+        super().__init__(*args, **kwargs)
+        self.agentkv = agentkv
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        self.agentkv.prepare(merge_configs(cast(Pregel, self).config, config))
+        return super().stream(input, config, **kwargs)  # type: ignore[misc]
+
+    def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        self.agentkv.prepare(merge_configs(cast(Pregel, self).config, config))
+        return super().astream(input, config, **kwargs)  # type: ignore[misc]
+
+
+@functools.cache
+def _lifecycle_class(base: type[Pregel]) -> type[Pregel]:
+    if issubclass(base, _KVLifecycleGraph):
+        return base
+    return cast(type[Pregel], type(f"KVLifecycle{base.__name__}", (_KVLifecycleGraph, base), {}))
+
+
+def with_kv_lifecycle(
+    graph: G,
+    *,
+    backend: TransformersBackend | None = None,
+    config: AgentKVConfig | str | os.PathLike[str] | None = None,
+    raise_error: bool | None = None,
+) -> G:
+    """Attach the KV lifecycle to a compiled graph.
+
+    One session per `thread_id` (the chat model's choice, see
+    `agentkv_langchain.sessions`); `Send` branches fork it when their model calls use
+    `agentkv_langgraph.branch_config`. Tool results, turn ends, interrupts and resumes
+    and the `agentkv_langchain.helpers` events reach the sessions through the handler.
+
+    Args:
+        graph: A compiled graph (`StateGraph(...).compile(...)`, `create_agent(...)`).
+        backend: The backend the graph's `ChatAgentKV` models use; None = `shared_backend(config)`.
+        config: Session settings: an `AgentKVConfig`, or a graph YAML path whose
+            `agentkv:` section is read; None = the backend's config.
+        raise_error: Let handler errors stop runs (default: `config.callbacks.raise_error`).
+
+    Returns:
+        The same graph (a copy, of a subclass of its class) with the handler attached;
+        `graph.agentkv` holds the backend, the handler and the config.
+    """
+    if config is not None and not isinstance(config, AgentKVConfig):
+        config = load_config(config)
+    if backend is None:
+        backend = shared_backend(config)
+    base = config or backend.config
+    handler = KVLifecycleCallbackHandler(backend, config=base, raise_error=raise_error)
+    binding = KVLifecycle(backend=backend, handler=handler, config=base)
+    bound = graph.with_config(callbacks=[handler])
+    attrs = {k: v for k, v in bound.__dict__.items() if k not in ("__orig_class__", "agentkv")}
+    cls: Any = _lifecycle_class(type(graph))
+    return cast(G, cls(**attrs, agentkv=binding))
