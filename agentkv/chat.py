@@ -26,7 +26,13 @@ from agentkv.spans import SpanKind
 logger = logging.getLogger("agentkv.chat")
 
 ROLES = ("system", "user", "assistant", "tool")
-_LANGCHAIN_TYPES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "developer": "system"}
+_LANGCHAIN_TYPES = {
+    "system": "system",
+    "human": "user",
+    "ai": "assistant",
+    "tool": "tool",
+    "developer": "system",
+}
 _ROLE_ALIASES = {"human": "user", "ai": "assistant", "developer": "system", "function": "tool"}
 
 FALLBACK_CHAT_TEMPLATE = (
@@ -95,7 +101,9 @@ class ChatMessage:
         """The dict handed to the chat template."""
         content = self.content
         if self.tool_calls and not tools_in_template:
-            calls = "\n".join(f"{TOOL_CALL_OPEN}{call.as_json()}{TOOL_CALL_CLOSE}" for call in self.tool_calls)
+            calls = "\n".join(
+                f"{TOOL_CALL_OPEN}{call.as_json()}{TOOL_CALL_CLOSE}" for call in self.tool_calls
+            )
             content = f"{content}\n{calls}" if content else calls
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls and tools_in_template:
@@ -187,7 +195,9 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
     elif hasattr(message, "type") and hasattr(message, "content"):
         role = _LANGCHAIN_TYPES.get(str(message.type))
         if role is None:
-            msg = f"{where}: unsupported message type {message.type!r}; allowed: {', '.join(_LANGCHAIN_TYPES)}"
+            msg = (
+                f"{where}: unsupported message type {message.type!r}; allowed: {', '.join(_LANGCHAIN_TYPES)}"
+            )
             raise ValueError(msg)
         obj = message
 
@@ -195,7 +205,9 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
             return getattr(obj, "id" if key == "id" else key, default)
 
     else:
-        msg = f"{where}: expected a dict with 'role' and 'content', a (role, content) tuple or a chat message, "
+        msg = (
+            f"{where}: expected a dict with 'role' and 'content', a (role, content) tuple or a chat message, "
+        )
         msg += f"got {type(message).__name__}"
         raise TypeError(msg)
     if not isinstance(role, str):
@@ -303,7 +315,7 @@ class ChatFormat:
         return [self.encode(text) for text in self.message_texts(messages, start)]
 
     def generation_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Ids the template adds to ask for an assistant answer (e.g. `<|im_start|>assistant\\n`)."""
+        """Ids the template adds to ask for an assistant answer (e.g. `<|im_start|>assistant` + newline)."""
         plain = self.render(messages)
         prompted = self.render(messages, add_generation_prompt=True)
         if not prompted.startswith(plain):
@@ -312,7 +324,7 @@ class ChatFormat:
         return self.encode(prompted[len(plain) :])
 
     def assistant_suffix_ids(self) -> list[int]:
-        """Ids the template writes after an assistant message's content (e.g. `<|im_end|>\\n`)."""
+        """Ids the template writes after an assistant message's content (e.g. `<|im_end|>` + newline)."""
         if self._suffix_ids is None:
             marker = "\x1fAGENTKV\x1f"
             probe = [ChatMessage("user", "u"), ChatMessage("assistant", marker)]

@@ -31,6 +31,7 @@ def _config(path: str | None) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`agentkv demo`."""
     from agentkv.demo import run_demo
 
     config = _config(args.config)
@@ -38,8 +39,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     budget = None if args.budget in (None, 0) else args.budget
     if config.budget.limited and args.budget is not None:
         config = config.with_overrides({"budget": {"device_tokens": args.budget, "device_bytes": None}})
-    run_demo(model, tokenizer, config=config, turns=args.turns, budget_tokens=budget,
-             max_new_tokens=args.max_new_tokens, out_dir=args.out)
+    run_demo(
+        model,
+        tokenizer,
+        config=config,
+        turns=args.turns,
+        budget_tokens=budget,
+        max_new_tokens=args.max_new_tokens,
+        out_dir=args.out,
+    )
     return 0
 
 
@@ -53,22 +61,39 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """`agentkv bench reuse|memory|soak`."""
     console = Console()
     model, tokenizer = _load(args)
     out = Path(args.out) / args.which
     if args.which == "reuse":
         from agentkv.bench.reuse import run_reuse_bench
 
-        result = run_reuse_bench(model, tokenizer, turns=args.turns or 22, out_dir=out,
-                                 progress=lambda m: console.log(m))
+        result = run_reuse_bench(
+            model, tokenizer, turns=args.turns or 22, out_dir=out, progress=lambda m: console.log(m)
+        )
         table = Table(title="agentkv bench reuse: per turn (reuse | re-encode)")
-        for name in ("turn", "history", "prefill reuse", "prefill re-enc", "TTFT reuse ms", "TTFT re-enc ms",
-                     "decode tok/s reuse", "decode tok/s re-enc"):
+        for name in (
+            "turn",
+            "history",
+            "prefill reuse",
+            "prefill re-enc",
+            "TTFT reuse ms",
+            "TTFT re-enc ms",
+            "decode tok/s reuse",
+            "decode tok/s re-enc",
+        ):
             table.add_column(name, justify="right")
         for a, b in zip(result["reuse"], result["reencode"], strict=True):
-            table.add_row(str(a["turn"]), str(a["history_tokens"]), str(a["prefill_tokens"]), str(b["prefill_tokens"]),
-                          f"{a['ttft_s'] * 1000:,.0f}", f"{b['ttft_s'] * 1000:,.0f}", f"{a['decode_tok_s']:.1f}",
-                          f"{b['decode_tok_s']:.1f}")
+            table.add_row(
+                str(a["turn"]),
+                str(a["history_tokens"]),
+                str(a["prefill_tokens"]),
+                str(b["prefill_tokens"]),
+                f"{a['ttft_s'] * 1000:,.0f}",
+                f"{b['ttft_s'] * 1000:,.0f}",
+                f"{a['decode_tok_s']:.1f}",
+                f"{b['decode_tok_s']:.1f}",
+            )
         console.print(table)
         summary = dict(result["summary"])
         decode = summary.pop("decode")
@@ -77,8 +102,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "memory":
         from agentkv.bench.memory import run_memory_bench
 
-        run_memory_bench(model, tokenizer, out_dir=out, progress=lambda m: console.log(m),
-                         **({"budgets": (0.25,)} if args.quick else {}))
+        run_memory_bench(
+            model,
+            tokenizer,
+            out_dir=out,
+            progress=lambda m: console.log(m),
+            **({"budgets": (0.25,)} if args.quick else {}),
+        )
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -89,6 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """`agentkv inspect SNAPSHOT`."""
     from agentkv.inspect import plot_span_strip, print_inspection
 
     print_inspection(args.snapshot)
@@ -99,27 +130,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (its `--help` is the CLI reference)."""
     parser = argparse.ArgumentParser(
         prog="agentkv",
         description="KV-cache lifecycle middleware for agents on local Transformers models.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info logs, -vv debug (one per transition)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="-v info logs, -vv debug (one per transition)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the tool-using agent with and without agentkv, side by side")
     demo.add_argument("--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)")
-    demo.add_argument("--budget", type=int, default=512,
-                      help="per-session device KV budget in tokens (0 = unlimited; default 512)")
+    demo.add_argument(
+        "--budget",
+        type=int,
+        default=512,
+        help="per-session device KV budget in tokens (0 = unlimited; default 512)",
+    )
     demo.add_argument("--config", help="a graph YAML file with an `agentkv:` section")
     demo.add_argument("--turns", type=int, default=12, help="user turns to run (default 12)")
     demo.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default 16)")
-    demo.add_argument("--out", default="agentkv-out", help="folder for demo.json and the PNGs (default agentkv-out)")
+    demo.add_argument(
+        "--out", default="agentkv-out", help="folder for demo.json and the PNGs (default agentkv-out)"
+    )
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON + PNG")
-    bench.add_argument("which", choices=["reuse", "memory", "soak"],
-                       help="reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns")
-    bench.add_argument("--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)")
+    bench.add_argument(
+        "which",
+        choices=["reuse", "memory", "soak"],
+        help="reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns",
+    )
+    bench.add_argument(
+        "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
+    )
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
     bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")

@@ -57,14 +57,33 @@ def _table(rows: list[DemoTurn], budget_bytes: int | None) -> Table:
     if budget_bytes:
         title += f" (device budget {budget_bytes / 1024:,.0f} KiB)"
     table = Table(title=title)
-    for name in ("run", "turn", "prefilled", "reused", "TTFT ms", "device KiB", "int KiB", "host KiB", "states",
-                 "events"):
+    for name in (
+        "run",
+        "turn",
+        "prefilled",
+        "reused",
+        "TTFT ms",
+        "device KiB",
+        "int KiB",
+        "host KiB",
+        "states",
+        "events",
+    ):
         table.add_column(name, justify="left" if name in ("run", "states", "events") else "right")
     for row in rows[-24:]:
         states = " ".join(f"{k[:3]}={v}" for k, v in row.tokens_by_state.items() if v)
-        table.add_row(row.run, str(row.turn), str(row.prefilled), str(row.reused), f"{row.ttft_ms:,.0f}",
-                      _kib(row.device_bytes), _kib(row.quantized_bytes), _kib(row.host_bytes), states,
-                      ", ".join(row.events))
+        table.add_row(
+            row.run,
+            str(row.turn),
+            str(row.prefilled),
+            str(row.reused),
+            f"{row.ttft_ms:,.0f}",
+            _kib(row.device_bytes),
+            _kib(row.quantized_bytes),
+            _kib(row.host_bytes),
+            states,
+            ", ".join(row.events),
+        )
     return table
 
 
@@ -86,12 +105,14 @@ def run_demo(
     if budget_tokens is not None and not base.budget.limited:
         base = base.with_overrides({"budget": {"device_tokens": budget_tokens}})
     lifecycle_backend = TransformersBackend(model, tokenizer, base)
-    full_backend = TransformersBackend(model, tokenizer, AgentKVConfig(policy="full"))
+    full_backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
     conversation = build_conversation(turns, tool_words=80)
     rows: list[DemoTurn] = []
     answers: list[str] = []
     budget_bytes = base.budget.device_bytes or (
-        base.budget.device_tokens * lifecycle_backend.runner.bytes_per_token if base.budget.device_tokens else None
+        base.budget.device_tokens * lifecycle_backend.runner.bytes_per_token
+        if base.budget.device_tokens
+        else None
     )
     session = lifecycle_backend.session("demo")
 
@@ -117,9 +138,21 @@ def run_demo(
             session.apply(TurnEnded())
             events.append("turn_ended")
             stats = session.stats()
-            record(DemoTurn("agentkv", index + 1, result.prefilled_tokens, result.reused_tokens, ttft * 1000,
-                            stats.device_bytes, stats.quantized_bytes, stats.host_bytes, dict(stats.tokens_by_state),
-                            events), live)
+            record(
+                DemoTurn(
+                    "agentkv",
+                    index + 1,
+                    result.prefilled_tokens,
+                    result.reused_tokens,
+                    ttft * 1000,
+                    stats.device_bytes,
+                    stats.quantized_bytes,
+                    stats.host_bytes,
+                    dict(stats.tokens_by_state),
+                    events,
+                ),
+                live,
+            )
         for index, history in enumerate(iter_histories(conversation, answers)):
             fresh = full_backend.session(f"full-{index}")
             started = time.perf_counter()
@@ -130,13 +163,29 @@ def run_demo(
             for _ in stream:
                 pass
             stats = fresh.stats()
-            record(DemoTurn("full", index + 1, result.prefilled_tokens, result.reused_tokens, ttft * 1000,
-                            stats.device_bytes, 0, 0, dict(stats.tokens_by_state), []), live)
+            record(
+                DemoTurn(
+                    "full",
+                    index + 1,
+                    result.prefilled_tokens,
+                    result.reused_tokens,
+                    ttft * 1000,
+                    stats.device_bytes,
+                    0,
+                    0,
+                    dict(stats.tokens_by_state),
+                    [],
+                ),
+                live,
+            )
             if index < len(conversation) - 1:
                 full_backend.close(fresh.session_id)
 
-    final_history = [*history, {"role": "assistant", "content": answers[-1]},
-                     {"role": "user", "content": RECALL_QUESTION}]
+    final_history = [
+        *history,
+        {"role": "assistant", "content": answers[-1]},
+        {"role": "user", "content": RECALL_QUESTION},
+    ]
     session.extend(final_history)
     ours = session.generate(max_new_tokens=12, prefix=RECALL_PREFIX)
     reference = full_backend.session(f"full-{len(conversation) - 1}")
@@ -149,20 +198,26 @@ def run_demo(
         "turns": turns,
         "budget_bytes": budget_bytes,
         "final_device_bytes": {"agentkv": agentkv_rows[-1].device_bytes, "full": full_rows[-1].device_bytes},
-        "peak_device_bytes": {"agentkv": session.stats().peak_device_bytes,
-                              "full": max(r.device_bytes for r in full_rows)},
+        "peak_device_bytes": {
+            "agentkv": session.stats().peak_device_bytes,
+            "full": max(r.device_bytes for r in full_rows),
+        },
         "memory_saved": 1 - agentkv_rows[-1].device_bytes / max(full_rows[-1].device_bytes, 1),
         "last_turn_ttft_ms": {"agentkv": agentkv_rows[-1].ttft_ms, "full": full_rows[-1].ttft_ms},
         "ttft_speedup_last_turn": full_rows[-1].ttft_ms / max(agentkv_rows[-1].ttft_ms, 1e-9),
-        "total_prefilled": {"agentkv": sum(r.prefilled for r in agentkv_rows),
-                            "full": sum(r.prefilled for r in full_rows)},
+        "total_prefilled": {
+            "agentkv": sum(r.prefilled for r in agentkv_rows),
+            "full": sum(r.prefilled for r in full_rows),
+        },
         "recall_question": RECALL_QUESTION,
         "recall_answer": {"agentkv": RECALL_PREFIX + ours, "full": RECALL_PREFIX + theirs},
         "recall_matches_full_cache": ours.strip() == theirs.strip(),
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2))
+    (out / "demo.json").write_text(
+        json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2)
+    )
     _plot_bytes(agentkv_rows, full_rows, budget_bytes, out / "device_bytes.png")
     plot_span_strip(session, out / "spans.png")
     session.save_snapshot(str(out / "session.json"))
@@ -173,12 +228,14 @@ def run_demo(
 def _summary_text(summary: dict[str, Any], out: Path) -> str:
     final = summary["final_device_bytes"]
     ttft = summary["last_turn_ttft_ms"]
+    prefilled = summary["total_prefilled"]
     lines = [
-        f"device KV at the end: agentkv {final['agentkv'] / 1024:,.0f} KiB vs full {final['full'] / 1024:,.0f} KiB "
+        f"device KV at the end: agentkv {final['agentkv'] / 1024:,.0f} KiB "
+        f"vs full {final['full'] / 1024:,.0f} KiB "
         f"({summary['memory_saved']:.0%} saved)",
         f"time to first token, last turn: {ttft['agentkv']:,.0f} ms vs {ttft['full']:,.0f} ms "
         f"({summary['ttft_speedup_last_turn']:.1f}x faster)",
-        f"tokens prefilled in total: {summary['total_prefilled']['agentkv']:,} vs {summary['total_prefilled']['full']:,}",
+        f"tokens prefilled in total: {prefilled['agentkv']:,} vs {prefilled['full']:,}",
         f"recall: {summary['recall_question']!r}",
         f"  agentkv: {summary['recall_answer']['agentkv']!r}",
         f"  full:    {summary['recall_answer']['full']!r}",
@@ -195,7 +252,9 @@ def _plot_bytes(ours: list[DemoTurn], full: list[DemoTurn], budget: int | None, 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([r.turn for r in full], [r.device_bytes / 1024 for r in full], "o-", label="full cache (re-encoded)")
+    ax.plot(
+        [r.turn for r in full], [r.device_bytes / 1024 for r in full], "o-", label="full cache (re-encoded)"
+    )
     ax.plot([r.turn for r in ours], [r.device_bytes / 1024 for r in ours], "o-", label="agentkv lifecycle")
     ax.plot([r.turn for r in ours], [r.host_bytes / 1024 for r in ours], "--", label="agentkv host tier")
     if budget:

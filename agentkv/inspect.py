@@ -84,7 +84,9 @@ def stats_table(snapshot: dict[str, Any]) -> Table:
         table.add_row(key, str(stats.get(key)))
     for key in ("device_bytes", "quantized_bytes", "host_bytes", "peak_device_bytes"):
         table.add_row(key, _human(int(stats.get(key, 0))))
-    table.add_row("tokens_by_state", ", ".join(f"{k}={v}" for k, v in stats.get("tokens_by_state", {}).items()))
+    table.add_row(
+        "tokens_by_state", ", ".join(f"{k}={v}" for k, v in stats.get("tokens_by_state", {}).items())
+    )
     table.add_row("events applied / no-op", f"{stats.get('events_applied')} / {stats.get('events_noop')}")
     table.add_row("budget satisfied", str(stats.get("budget_satisfied")))
     return table
@@ -99,7 +101,7 @@ def print_inspection(source: Session | dict[str, Any] | str | Path, console: Con
 
 
 def plot_span_strip(source: Session | dict[str, Any] | str | Path, path: str | Path) -> Path:
-    """A PNG strip: each span a bar as wide as its tokens, coloured by state, hatched when not on the device."""
+    """A PNG strip: one bar per span, as wide as its tokens, coloured by state, hatched off the device."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,13 +120,23 @@ def plot_span_strip(source: Session | dict[str, Any] | str | Path, path: str | P
             color=STATE_COLOURS.get(span["state"], "#999999"),
             edgecolor="black",
             linewidth=0.3,
-            hatch=None if tier == "device" else ("//" if tier == "host" else ".." if tier == "quantized" else "xx"),
+            hatch=None
+            if tier == "device"
+            else ("//" if tier == "host" else ".." if tier == "quantized" else "xx"),
         )
     ax.set_yticks([])
     ax.set_xlabel("logical position (tokens)")
-    ax.set_title(f"session {snapshot.get('session_id', '?')}: spans by state (hatched: host //, quantized .., dropped xx)")
-    ax.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLOURS.items()], ncol=5, loc="upper center",
-              bbox_to_anchor=(0.5, -0.45), frameon=False)
+    ax.set_title(
+        f"session {snapshot.get('session_id', '?')}: spans by state "
+        "(hatched: host //, quantized .., dropped xx)"
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=s) for s, c in STATE_COLOURS.items()],
+        ncol=5,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.45),
+        frameon=False,
+    )
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

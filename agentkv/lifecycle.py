@@ -69,7 +69,10 @@ def check_transition(current: SpanState, target: SpanState, event: str) -> None:
     allowed = TRANSITIONS[current]
     if target not in allowed:
         names = ", ".join(sorted(s.value for s in allowed)) or "none"
-        msg = f"cannot move a {current.value} span to {target.value} on {event!r}; allowed from {current.value}: {names}"
+        msg = (
+            f"cannot move a {current.value} span to {target.value} on {event!r}; "
+            f"allowed from {current.value}: {names}"
+        )
         raise ValueError(msg)
 
 

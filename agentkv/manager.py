@@ -102,11 +102,17 @@ class LifecycleManager:
         self.archive_tier = config.archive_tier
         bpt = session.runner.bytes_per_token
         b = config.budget
-        limit = b.device_bytes if b.device_bytes is not None else (b.device_tokens * bpt if b.device_tokens else None)
+        limit = (
+            b.device_bytes
+            if b.device_bytes is not None
+            else (b.device_tokens * bpt if b.device_tokens else None)
+        )
         host = b.host_bytes if b.host_bytes is not None else (b.host_tokens * bpt if b.host_tokens else None)
         self.budget = _Budget(limit, b.high_watermark, b.low_watermark, host, b.global_device_bytes)
         if self.full and limit is not None:
-            logger.warning("policy 'full' keeps every token: the device budget is reported but never enforced")
+            logger.warning(
+                "policy 'full' keeps every token: the device budget is reported but never enforced"
+            )
         self.tool_calls: dict[str, int] = {}
         self.tool_calls_done: set[str] = set()
         self.applied: set[Any] = set()
@@ -240,8 +246,11 @@ class LifecycleManager:
         return branch in self.branches_seen
 
     def _settle_branch_sessions(self, event: BranchPruned | BranchSelected) -> None:
-        """Branch sessions forked from this one: a pruned branch's session is closed (its own KV freed,
-        the shared prefix stays); selecting a branch closes its siblings' sessions."""
+        """Close the branch sessions an event settles.
+
+        A pruned branch's session is closed (its own KV freed, the shared prefix stays);
+        selecting a branch closes its siblings' sessions.
+        """
         backend = self.session.backend
         prefix = f"{self.session.session_id}/"
         for child in list(backend.sessions()):
@@ -297,7 +306,10 @@ class LifecycleManager:
                     transitions.append(moved)
         self.session.counters.events_applied += 1
         self.session._record(
-            "event", event=event.name, applied=True, transitions=[(t.span_id, t.after.value) for t in transitions]
+            "event",
+            event=event.name,
+            applied=True,
+            transitions=[(t.span_id, t.after.value) for t in transitions],
         )
         return ApplyResult(event.name, applied=True, transitions=tuple(transitions), leases=tuple(leases))
 
@@ -354,7 +366,12 @@ class LifecycleManager:
         self.session.counters.transitions += 1
         logger.debug(
             "session %s span %s (%s): %s -> %s [%s] on %s",
-            self.session.session_id, span.span_id, span.kind.value, before.value, target.value, span.tier.value,
+            self.session.session_id,
+            span.span_id,
+            span.kind.value,
+            before.value,
+            target.value,
+            span.tier.value,
             reason,
         )
         return Transition(span.span_id, before, target, span.tier, reason)
@@ -371,8 +388,13 @@ class LifecycleManager:
             before = span.state
             span.state = SpanState.EVICTED
             self.session.counters.transitions += 1
-            self.session._record("transition", span=span.span_id, before=before.value, after="evicted",
-                                 reason="restore and recompute failed")
+            self.session._record(
+                "transition",
+                span=span.span_id,
+                before=before.value,
+                after="evicted",
+                reason="restore and recompute failed",
+            )
 
     def _archive(self, span: Span) -> bool:
         """Archive to the configured tier; on failure keep the span on the device (a recorded fault)."""
@@ -410,8 +432,12 @@ class LifecycleManager:
         if not positions:
             span.tier = Tier.DEVICE
             return True
-        feed = Feed(span.token_ids[: span.n_computed], positions, [span.span_id] * len(positions),
-                    list(range(len(positions))))
+        feed = Feed(
+            span.token_ids[: span.n_computed],
+            positions,
+            [span.span_id] * len(positions),
+            list(range(len(positions))),
+        )
         try:
             mask = session.runner.logical_mask(session.store.physical, positions)
             with session.backend.model_lock:
@@ -428,8 +454,9 @@ class LifecycleManager:
     def _fault(self, where: str, span: Span | None, error: Exception) -> None:
         self.session.counters.faults += 1
         span_id = None if span is None else span.span_id
-        logger.warning("session %s: %s of span %s failed (%s); kept safe", self.session.session_id, where,
-                       span_id, error)
+        logger.warning(
+            "session %s: %s of span %s failed (%s); kept safe", self.session.session_id, where, span_id, error
+        )
         self.session._record("fault", where=where, span=span_id, error=repr(error))
 
     # -- commit-time compression -----------------------------------------------------------------
@@ -579,7 +606,10 @@ class LifecycleManager:
                 if not satisfied and self.budget_satisfied:
                     logger.warning(
                         "session %s: device budget %d B cannot be met (%d B held) without demoting pinned "
-                        "or active spans", session.session_id, limit, usage,
+                        "or active spans",
+                        session.session_id,
+                        limit,
+                        usage,
                     )
                 if not satisfied:
                     session.counters.budget_unmet += 1
@@ -606,9 +636,9 @@ class LifecycleManager:
         for span in sorted(committed, key=lambda s: (s.score, s.start)):
             if self.usage_bytes() <= target:
                 return
-            if self._demotable(span) and self.move(span, SpanState.ARCHIVED, reason="budget") is not None:
-                if span.state is SpanState.ARCHIVED or span.state is SpanState.EVICTED:
-                    self.recallable.add(span.span_id)
+            moved = self._demotable(span) and self.move(span, SpanState.ARCHIVED, reason="budget") is not None
+            if moved and span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
+                self.recallable.add(span.span_id)
         # 3. Quantized archives still count on the device: the lowest-scored go.
         quantized = [s for s in spans if s.state is SpanState.ARCHIVED and s.tier is Tier.QUANTIZED]
         for span in sorted(quantized, key=lambda s: (s.score, s.start)):
@@ -655,7 +685,9 @@ class LifecycleManager:
         with self._timed("store_seconds"):
             dropped_by_span: dict[int, set[int]] = {}
             for slot in drop_mask.nonzero().flatten().tolist():
-                dropped_by_span.setdefault(int(physical.slot_span[slot]), set()).add(int(physical.slot_offset[slot]))
+                dropped_by_span.setdefault(int(physical.slot_span[slot]), set()).add(
+                    int(physical.slot_offset[slot])
+                )
             physical.remove(drop_mask.nonzero().flatten())
             for span in session.spans:
                 dropped = dropped_by_span.get(span.span_id)
@@ -677,7 +709,8 @@ class LifecycleManager:
         if not config.enabled or not self.span_mode:
             return []
         candidates = [
-            s for s in session.spans
+            s
+            for s in session.spans
             if s.span_id in self.recallable
             and (s.state is SpanState.ARCHIVED or (config.rehydrate_evicted and s.state is SpanState.EVICTED))
         ]
@@ -744,7 +777,9 @@ class LifecycleManager:
             expected_start = span.end
             if span.message_index >= 0:
                 if span.message_index != message_index:
-                    problems.append(f"span {span.span_id} is message {span.message_index}, expected {message_index}")
+                    problems.append(
+                        f"span {span.span_id} is message {span.message_index}, expected {message_index}"
+                    )
                 message_index += 1
             if not 0 <= span.n_computed <= span.length:
                 problems.append(f"span {span.span_id} computed {span.n_computed} of {span.length} tokens")
@@ -757,7 +792,10 @@ class LifecycleManager:
         # Slots: each belongs to a live span, sits at that span's logical position, and appears once.
         offsets: dict[int, list[int]] = {}
         for slot_span, offset, position in zip(
-            physical.slot_span.tolist(), physical.slot_offset.tolist(), physical.slot_position.tolist(), strict=True
+            physical.slot_span.tolist(),
+            physical.slot_offset.tolist(),
+            physical.slot_position.tolist(),
+            strict=True,
         ):
             span = by_id.get(slot_span)
             if span is None:
@@ -765,7 +803,9 @@ class LifecycleManager:
                 continue
             offsets.setdefault(slot_span, []).append(offset)
             if position != span.start + offset:
-                problems.append(f"span {slot_span} offset {offset} at position {position}, expected {span.start + offset}")
+                problems.append(
+                    f"span {slot_span} offset {offset} at position {position}, expected {span.start + offset}"
+                )
         for span in session.spans:
             held = sorted(offsets.get(span.span_id, []))
             block = session.store.blocks.get(span.span_id)
@@ -778,7 +818,9 @@ class LifecycleManager:
                     problems.append(f"device span {span.span_id} also has an archived block")
             else:
                 if held:
-                    problems.append(f"span {span.span_id} on tier {span.tier.value} still has {len(held)} slots")
+                    problems.append(
+                        f"span {span.span_id} on tier {span.tier.value} still has {len(held)} slots"
+                    )
                 if span.tier is Tier.DROPPED and block is not None:
                     problems.append(f"dropped span {span.span_id} still has a block")
                 if span.tier in (Tier.HOST, Tier.QUANTIZED) and (
@@ -796,7 +838,9 @@ class LifecycleManager:
             for lease_id in span.leases:
                 lease = session.leases.get(lease_id)
                 if lease is None or span.span_id not in lease.span_ids:
-                    problems.append(f"span {span.span_id} is pinned by lease {lease_id}, which does not list it")
+                    problems.append(
+                        f"span {span.span_id} is pinned by lease {lease_id}, which does not list it"
+                    )
         for block_span in session.store.blocks:
             if block_span not in by_id:
                 problems.append(f"archived block of unknown span {block_span}")
@@ -825,4 +869,3 @@ class LifecycleManager:
         if problems:
             msg = f"session {session.session_id}: " + "; ".join(problems[:10])
             raise RuntimeError(msg)
-

@@ -109,7 +109,9 @@ class Session:
 
     def _check_open(self) -> None:
         if self.closed:
-            msg = f"session {self.session_id!r} is closed; call backend.session({self.session_id!r}) for a new one"
+            msg = (
+                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
+            )
             raise SessionClosedError(msg)
 
     def span(self, span_id: int) -> Span:
@@ -296,7 +298,9 @@ class Session:
             # its tail must not attend to them. Attend by logical position instead.
             mask = self.runner.logical_mask(physical, feed.positions)
         with self.backend.model_lock:
-            self.last_logits = self._forward(feed, attention_mask=mask) if mask is not None else self._forward(feed)
+            self.last_logits = (
+                self._forward(feed, attention_mask=mask) if mask is not None else self._forward(feed)
+            )
         for span in self.spans:
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
                 self._mark_computed(span)
@@ -380,7 +384,12 @@ class Session:
         """Like `generate`, but yields text pieces as they are decoded."""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops, seed=seed
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stops,
+            seed=seed,
         )
         return self._decode(params, prefix, message_id)
 
@@ -462,9 +471,7 @@ class Session:
         span.token_ids.extend(self.format.assistant_suffix_ids())
         content = prefix + text
         message = ChatMessage("assistant", content, message_id=span.owner)
-        span.fingerprints = frozenset(
-            {message.fingerprint(), message_fingerprint("assistant", text)}
-        )
+        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
         self.messages.append(message)
         self.counters.generated_tokens += produced
         self._record("generate", span=span.span_id, tokens=produced, chars=len(text))
@@ -538,7 +545,9 @@ class Session:
             self._check_open()
             return self.lifecycle.apply(event)
 
-    def pin(self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = "") -> Lease:
+    def pin(
+        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
+    ) -> Lease:
         """Pin spans (by owner or ids); returns the lease to give back with `release`."""
         with self.lock:
             lease = self.lifecycle.pin(owner=owner, span_ids=span_ids, reason=reason)
@@ -560,7 +569,13 @@ class Session:
             parent._prefill()
             self.store.physical = parent.store.physical.fork()
             for span in parent.spans:
-                clone = Span(**{**span.__dict__, "leases": set(span.leases), "kept": None if span.kept is None else list(span.kept)})
+                clone = Span(
+                    **{
+                        **span.__dict__,
+                        "leases": set(span.leases),
+                        "kept": None if span.kept is None else list(span.kept),
+                    }
+                )
                 clone.branch = span.branch
                 self.spans.append(clone)
                 # Archived blocks are not copied: the child sees them as dropped (recomputable).

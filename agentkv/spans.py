@@ -8,10 +8,10 @@ be recomputed from the tokens: nothing the agent said is ever lost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class SpanKind(str, Enum):
+class SpanKind(StrEnum):
     """What a span holds; rules and policies treat kinds differently."""
 
     SYSTEM = "system"
@@ -23,7 +23,7 @@ class SpanKind(str, Enum):
     PROMPT = "prompt"  # template scaffolding such as the generation prompt
 
 
-class SpanState(str, Enum):
+class SpanState(StrEnum):
     """Lifecycle state; see `agentkv.lifecycle.TRANSITIONS` for the allowed moves."""
 
     ACTIVE = "active"
@@ -33,7 +33,7 @@ class SpanState(str, Enum):
     EVICTED = "evicted"
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where a span's KV lives right now."""
 
     DEVICE = "device"  # full precision, in the attended physical cache

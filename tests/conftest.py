@@ -65,7 +65,10 @@ def tiny_tokenizer():  # noqa: ANN201 - a PreTrainedTokenizerFast
     ] * 20
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
         additional_special_tokens=["<|im_start|>"],
     )
     from agentkv.chat import FALLBACK_CHAT_TEMPLATE

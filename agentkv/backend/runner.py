@@ -9,6 +9,7 @@ loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,10 @@ class Feed:
     def chunk(self, start: int, stop: int) -> Feed:
         """A slice of the feed."""
         return Feed(
-            self.input_ids[start:stop], self.positions[start:stop], self.span_ids[start:stop], self.offsets[start:stop]
+            self.input_ids[start:stop],
+            self.positions[start:stop],
+            self.span_ids[start:stop],
+            self.offsets[start:stop],
         )
 
 
@@ -40,7 +44,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, prefill_chunk: int = 1024) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
-        config = model.config
+        config: Any = model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.num_layers: int = int(text_config.num_hidden_layers)
         self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
@@ -48,7 +52,8 @@ class ModelRunner:
         self.dtype: torch.dtype = next(model.parameters()).dtype
         kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
         head_dim = int(
-            getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+            getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads
         )
         self.bytes_per_token: int = 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
         """Full-precision KV bytes one token costs across all layers (keys and values)."""
@@ -57,7 +62,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, cache: PhysicalCache, feed: Feed, *, logits: str = "last", attention_mask: torch.Tensor | None = None
+        self,
+        cache: PhysicalCache,
+        feed: Feed,
+        *,
+        logits: str = "last",
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Run `feed` through the model, appending its KV to `cache`.
 

@@ -51,7 +51,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-        drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > params.top_p  # keep the first over p
+        drop_sorted = (
+            cumulative - torch.softmax(sorted_scores, dim=-1) > params.top_p
+        )  # keep the first over p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

@@ -61,7 +61,9 @@ class TransformersBackend:
 
     # -- session table -------------------------------------------------------------------------
 
-    def session(self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None) -> Session:
+    def session(
+        self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None
+    ) -> Session:
         """The session with this id, created on first use (`create=False` raises when absent).
 
         `config` applies only when the session is created here (per-run overrides such as
@@ -139,7 +141,7 @@ class TransformersBackend:
         for session in self.sessions():
             with session.lock:
                 for tensor in session.store.physical.tensors():
-                    key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+                    key = (int(tensor.untyped_storage().data_ptr()), int(tensor.storage_offset()))
                     if key in seen or tensor.numel() == 0:
                         continue
                     seen.add(key)

@@ -19,11 +19,45 @@ SYSTEM_PROMPT = (
 
 _CITIES = ["Paris", "Lisbon", "Osaka", "Quito", "Tallinn", "Nairobi", "Hobart", "Bergen", "Cusco", "Tbilisi"]
 _TOPICS = ["weather", "train times", "hotel prices", "museum hours", "ferry schedule", "visa rules"]
-_WORDS = (
-    "route station platform delay ticket fare window seat luggage transfer terminal gate harbour "
-    "forecast humidity breeze showers sunny cloudy north south coastal valley market square bridge "
-    "opening closing holiday season discount booking reference desk counter express regional"
-).split()
+_WORDS = [
+    "route",
+    "station",
+    "platform",
+    "delay",
+    "ticket",
+    "fare",
+    "window",
+    "seat",
+    "luggage",
+    "transfer",
+    "terminal",
+    "gate",
+    "harbour",
+    "forecast",
+    "humidity",
+    "breeze",
+    "showers",
+    "sunny",
+    "cloudy",
+    "north",
+    "south",
+    "coastal",
+    "valley",
+    "market",
+    "square",
+    "bridge",
+    "opening",
+    "closing",
+    "holiday",
+    "season",
+    "discount",
+    "booking",
+    "reference",
+    "desk",
+    "counter",
+    "express",
+    "regional",
+]
 
 
 @dataclass(frozen=True)
@@ -56,11 +90,15 @@ def noisy_document(rng: random.Random, topic: str, city: str, words: int) -> str
     lines = [f"# {topic} for {city} (source: search, {rng.randint(3, 12)} results)"]
     while sum(len(line.split()) for line in lines) < words:
         picked = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 16)))
-        lines.append(f"- [{rng.randint(100, 999)}] {picked} ({rng.randint(1, 59)} min, {rng.randint(5, 95)} EUR)")
+        lines.append(
+            f"- [{rng.randint(100, 999)}] {picked} ({rng.randint(1, 59)} min, {rng.randint(5, 95)} EUR)"
+        )
     return "\n".join(lines)
 
 
-def build_conversation(turns: int = 22, *, seed: int = 0, tool_every: int = 2, tool_words: int = 90) -> list[Turn]:
+def build_conversation(
+    turns: int = 22, *, seed: int = 0, tool_every: int = 2, tool_words: int = 90
+) -> list[Turn]:
     """A reproducible conversation of `turns` user turns; every `tool_every`-th turn calls a tool."""
     rng = random.Random(seed)
     out: list[Turn] = []
@@ -77,7 +115,11 @@ def build_conversation(turns: int = 22, *, seed: int = 0, tool_every: int = 2, t
                 )
             )
         else:
-            out.append(Turn(user=f"Note for later: my booking {i} is for {city}, reference {rng.randint(1000, 9999)}."))
+            out.append(
+                Turn(
+                    user=f"Note for later: my booking {i} is for {city}, reference {rng.randint(1000, 9999)}."
+                )
+            )
     return out
 
 

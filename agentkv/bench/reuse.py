@@ -68,7 +68,7 @@ def timed_answer(session: Session, history: list[dict[str, Any]], max_new_tokens
     )
 
 
-def decode_rate_ratio(model: torch.nn.Module, ids: list[int], new_tokens: int = 48) -> dict[str, float]:
+def decode_rate_ratio(model: Any, ids: list[int], new_tokens: int = 48) -> dict[str, float]:
     """Decode tokens/s of agentkv's loop vs `model.generate` from the same prefilled full cache."""
     from transformers import DynamicCache
 
@@ -114,7 +114,7 @@ def run_reuse_bench(
 ) -> dict[str, Any]:
     """Run both modes and write `reuse.json` and `reuse.png` under `out_dir`."""
     conversation = build_conversation(turns, tool_words=tool_words)
-    backend = TransformersBackend(model, tokenizer, AgentKVConfig(policy="full"))
+    backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
     session = backend.session("reuse")
     answers: list[str] = []
     reuse_rows: list[TurnRow] = []

@@ -244,7 +244,11 @@ class PhysicalCache:
             index = keep.to(full[0].device)
             prefix_len = layer.prefix_length
             # A selection that keeps the shared prefix untouched and in place only touches own tensors.
-            if prefix_len and keep.numel() >= prefix_len and torch.equal(keep[:prefix_len], torch.arange(prefix_len)):
+            if (
+                prefix_len
+                and keep.numel() >= prefix_len
+                and torch.equal(keep[:prefix_len], torch.arange(prefix_len))
+            ):
                 own_index = (keep[prefix_len:] - prefix_len).to(full[0].device)
                 layer.keys = layer.keys.index_select(-2, own_index)
                 layer.values = layer.values.index_select(-2, own_index)
@@ -268,7 +272,9 @@ class PhysicalCache:
                 self.cache.layers[layer_idx].update(k, v)
             n = block.num_tokens
             self.record_append(
-                torch.full((n,), span_id, dtype=torch.long), torch.tensor(block.offsets, dtype=torch.long), positions
+                torch.full((n,), span_id, dtype=torch.long),
+                torch.tensor(block.offsets, dtype=torch.long),
+                positions,
             )
         except BaseException:
             self.rollback(before)
@@ -300,7 +306,9 @@ class PhysicalCache:
     def fork(self) -> PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""
         child = PhysicalCache(self.num_layers)
-        for parent_layer, child_layer in zip(self.cache.managed_layers, child.cache.managed_layers, strict=True):
+        for parent_layer, child_layer in zip(
+            self.cache.managed_layers, child.cache.managed_layers, strict=True
+        ):
             # Parent and child both keep the current tensors as a shared prefix and grow their own
             # suffixes: a plain DynamicLayer would copy the prefix into its next `torch.cat`.
             parent_layer.freeze_as_prefix()

@@ -96,7 +96,9 @@ class KVStore:
             new_tier = Tier.HOST
         else:
             stored = QuantizedBlock.from_block(
-                block, bits=8 if tier == "int8" else 4, group_size=self.group_size,
+                block,
+                bits=8 if tier == "int8" else 4,
+                group_size=self.group_size,
                 residual_tokens=self.residual_tokens,
             )
             new_tier = Tier.QUANTIZED
@@ -139,5 +141,7 @@ class KVStore:
 
     def _require(self, span: Span, tier: Tier, action: str) -> None:
         if span.tier is not tier:
-            msg = f"cannot {action} span {span.span_id}: it is on tier {span.tier.value}, expected {tier.value}"
+            msg = (
+                f"cannot {action} span {span.span_id}: it is on tier {span.tier.value}, expected {tier.value}"
+            )
             raise ValueError(msg)

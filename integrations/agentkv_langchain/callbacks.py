@@ -17,6 +17,14 @@ itself (the rules table decides what an event does).
 
 How a resume value reads as confirm or reject: `resume_decision`.
 
+A tool's outcome is sent when its result is in the cache, not when the tool
+returns: `ChatAgentKV` encodes a `ToolMessage` only at the next model call, and an
+event that names a span the session does not hold yet would miss it (a failed
+call's error output would then be committed with the turn). So `ToolCallCompleted`
+/ `ToolCallFailed` wait for the end of the session's next model call (which also
+means the result is compressed with the attention of the answer that read it), or
+for the end of the top-level run, whichever comes first; `flush()` sends them now.
+
 Which session an event goes to is decided exactly as `ChatAgentKV` decides it, with
 `agentkv_langchain.sessions.SessionKey.from_metadata`: start events carry the run
 metadata (`thread_id`, `agentkv_branch`, LangGraph's `langgraph_*` keys), end and
@@ -274,6 +282,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self._tool_calls: dict[str, list[_ToolCallRecord]] = {}
         """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
         self._branches: set[tuple[str, str]] = set()
+        self._pending: dict[str, list[Event]] = {}
+        """Per session: tool outcomes waiting for the result to be encoded."""
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -283,6 +293,25 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self.events.append((session_id, event))
         logger.debug("session %s <- %r", session_id, event)
         return self.backend.apply(session_id, event)
+
+    def flush(self, session_id: str | None = None, *, thread: str | None = None) -> None:
+        """Send the tool outcomes still waiting for their results to be encoded (see the module doc).
+
+        Args:
+            session_id: Only this session's; None = every session's (or `thread`'s).
+            thread: Only the sessions of this thread (its own and its branches').
+        """
+        with self._lock:
+            if session_id is not None:
+                wanted = [session_id] if session_id in self._pending else []
+            elif thread is not None:
+                wanted = [s for s in self._pending if s == thread or s.startswith(f"{thread}/")]
+            else:
+                wanted = list(self._pending)
+            batches = [(sid, self._pending.pop(sid)) for sid in wanted]
+        for sid, events in batches:
+            for event in events:
+                self.send(sid, event)
 
     def end_turn(self, thread_id: str | None = None) -> Any:
         """Send `TurnEnded` to a thread's session yourself (see `end_turn_on_root`)."""
@@ -366,6 +395,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                     ]
                     with self._lock:
                         self._tool_calls[context.session_id] = records
+        self.flush(context.session_id)
 
     @_guarded
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -401,9 +431,11 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
         if message is not None and message.status == "error":
-            self.send(context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
+            self._defer(
+                context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content))
+            )
         else:
-            self.send(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+            self._defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -415,9 +447,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._mark_interrupted(context.root)
             return
         if context.tool_call_id:
-            self.send(
-                context.session_id, ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            )
+            error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
+            self._defer(context.session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -428,6 +459,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if parent_run_id is not None or context is None:
             return
         self._forget_root(run_id)
+        self.flush(thread=context.thread)
         interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
@@ -444,6 +476,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._mark_interrupted(context.root)
         if parent_run_id is None:
             self._forget_root(run_id)
+            if context is not None:
+                self.flush(thread=context.thread)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------
 
@@ -522,6 +556,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self.send(context.thread, event)
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _defer(self, session_id: str, event: Event) -> None:
+        with self._lock:
+            self._pending.setdefault(session_id, []).append(event)
 
     def _failed(self, where: str, error: Exception) -> None:
         with self._lock:

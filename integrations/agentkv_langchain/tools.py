@@ -73,8 +73,12 @@ def render_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
 
 
 def forced_call_prefix(name: str) -> str:
-    """The opening of a call to `name`, prefilled so that even a tiny model emits a parseable call."""
-    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+    """The opening of a call to `name`, prefilled so that even a tiny model emits a parseable call.
+
+    It ends inside the arguments object (`"arguments": {`): arguments are always an
+    object, and a small model left at `"arguments": ` often writes a bare value.
+    """
+    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": {{'
 
 
 def new_tool_call_id() -> str:

@@ -177,7 +177,9 @@ def test_budget_archives_lowest_committed_spans_and_recall_restores(tiny_model, 
     archived = [s for s in session.spans if s.state is SpanState.ARCHIVED]
     # A question naming an archived fact recalls it.
     target = next(s for s in archived if s.kind is SpanKind.USER)
-    fact = backend.tokenizer.decode(target.token_ids, skip_special_tokens=True).split("code is ")[1].split()[0]
+    fact = (
+        backend.tokenizer.decode(target.token_ids, skip_special_tokens=True).split("code is ")[1].split()[0]
+    )
     history.append({"role": "user", "content": f"which note had code {fact}?"})
     session.extend(history)
     assert target.state is SpanState.COMMITTED and target.tier is Tier.DEVICE
@@ -212,7 +214,9 @@ def test_rehydrated_span_equals_original_when_prefix_is_intact(tiny_model, tiny_
 
 
 def test_commit_compression_keeps_ratio_and_freezes(tiny_model, tiny_tokenizer):
-    backend = make(tiny_model, tiny_tokenizer, commit={"keep_ratio": {"tool_result": 0.5}, "min_keep_tokens": 4})
+    backend = make(
+        tiny_model, tiny_tokenizer, commit={"keep_ratio": {"tool_result": 0.5}, "min_keep_tokens": 4}
+    )
     session = backend.session("t")
     session.extend(TOOL_TURN)
     session.generate(max_new_tokens=3)
@@ -247,7 +251,9 @@ def test_token_mode_baselines_respect_the_budget(tiny_model, tiny_tokenizer, pol
     session.check()
 
 
-@pytest.mark.parametrize("policy", ["lifecycle", "full", "window", "streaming_llm", "h2o", "snapkv", "key_norm"])
+@pytest.mark.parametrize(
+    "policy", ["lifecycle", "full", "window", "streaming_llm", "h2o", "snapkv", "key_norm"]
+)
 def test_unlimited_budget_leaves_logits_identical(tiny_model, tiny_tokenizer, policy):
     backend = make(tiny_model, tiny_tokenizer, policy=policy)
     session = backend.session("t")

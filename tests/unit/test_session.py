@@ -22,14 +22,18 @@ HISTORY = [
         "content": "",
         "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
     },
-    {"role": "tool", "content": "search results: sunny skies, lorem ipsum dolor sit amet", "tool_call_id": "call_1"},
+    {
+        "role": "tool",
+        "content": "search results: sunny skies, lorem ipsum dolor sit amet",
+        "tool_call_id": "call_1",
+    },
     {"role": "user", "content": "Thanks. And the code?"},
 ]
 
 
 @pytest.fixture()
 def backend(tiny_model, tiny_tokenizer) -> TransformersBackend:
-    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
 
 
 def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -188,7 +192,9 @@ def test_generated_answer_is_reused_next_turn(backend, tiny_model):
     session.extend(HISTORY)
     text = session.generate(max_new_tokens=8)
     logical_before = len(session.token_ids())
-    result = session.extend([*HISTORY, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}])
+    result = session.extend(
+        [*HISTORY, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+    )
     assert result.first_changed_message is None
     suffix = len(backend.chat_format.assistant_suffix_ids())
     new_user = len(session.spans[-1].token_ids)
