@@ -55,6 +55,8 @@ class FaultInjection:
     """The fault site, one of `FAULT_SITES`."""
     times: int | None
     """How many faults to raise; None = every time the site is reached."""
+    skip: int = 0
+    """Arrivals at the site let through before the first fault (e.g. fail the 3rd forward)."""
     injected: int = 0
     """Faults raised so far."""
     reached: int = 0
@@ -63,26 +65,31 @@ class FaultInjection:
     def fire(self) -> bool:
         """Count one arrival at the site; True when this one must fail."""
         self.reached += 1
-        if self.times is not None and self.injected >= self.times:
+        if self.reached <= self.skip or (self.times is not None and self.injected >= self.times):
             return False
         self.injected += 1
         return True
 
 
 @contextmanager
-def inject_faults(session: Session, where: str, *, times: int | None = 1) -> Iterator[FaultInjection]:
+def inject_faults(
+    session: Session, where: str, *, times: int | None = 1, skip: int = 0
+) -> Iterator[FaultInjection]:
     """Make one step of one session's cache machinery fail, `times` times, inside the block.
 
     Args:
         session: The session whose store, cache layers or policy are patched.
         where: One of `FAULT_SITES`.
         times: Faults to raise before the site works again; None = every time.
+        skip: Arrivals at the site to let through first (`forward` with `skip=1` fails
+            the first decode step after a prefill, not the prefill).
 
     Yields:
         A `FaultInjection` counting the faults raised.
 
     Raises:
-        ValueError: Unknown `where`, a negative `times`, or `policy` on a session without a policy.
+        ValueError: Unknown `where`, a negative `times` or `skip`, or `policy` on a session
+            without a policy.
     """
     if where not in FAULT_SITES:
         msg = f"inject_faults: unknown site {where!r}; allowed: {', '.join(FAULT_SITES)}"
@@ -90,7 +97,10 @@ def inject_faults(session: Session, where: str, *, times: int | None = 1) -> Ite
     if times is not None and (isinstance(times, bool) or not isinstance(times, int) or times < 0):
         msg = f"inject_faults: times must be an int >= 0 or None, got {times!r}"
         raise ValueError(msg)
-    fault = FaultInjection(where, times)
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        msg = f"inject_faults: skip must be an int >= 0, got {skip!r}"
+        raise ValueError(msg)
+    fault = FaultInjection(where, times, skip)
     undo: list[Callable[[], None]] = []
     try:
         if where in ("offload", "host_limit", "quantize"):

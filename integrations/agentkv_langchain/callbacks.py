@@ -39,6 +39,7 @@ Hints never break a run: by default every exception inside the handler is logged
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -142,6 +143,9 @@ _REJECT_WORDS = frozenset(
     {"reject", "rejected", "no", "n", "deny", "denied", "decline", "declined", "cancel", "false"}
 )
 
+_REPORTED = "_agentkv_reported"
+"""Marks an exception already counted, so an outer guard does not count it again."""
+
 Decision = Literal["confirm", "reject"]
 
 P = ParamSpec("P")
@@ -227,6 +231,8 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
+            if getattr(e, _REPORTED, False):  # counted where it happened; raise_error lets it through
+                raise
             self._failed(method.__name__, e)
             return None
 
@@ -294,6 +300,13 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         logger.debug("session %s <- %r", session_id, event)
         return self.backend.apply(session_id, event)
 
+    def _emit(self, session_id: str, event: Event) -> None:
+        """`send` from inside a callback: one failing event is logged and counted, the others still go."""
+        try:
+            self.send(session_id, event)
+        except Exception as e:
+            self._failed(f"{event.name} for session {session_id!r}", e)
+
     def flush(self, session_id: str | None = None, *, thread: str | None = None) -> None:
         """Send the tool outcomes still waiting for their results to be encoded (see the module doc).
 
@@ -311,7 +324,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             batches = [(sid, self._pending.pop(sid)) for sid in wanted]
         for sid, events in batches:
             for event in events:
-                self.send(sid, event)
+                self._emit(sid, event)
 
     def end_turn(self, thread_id: str | None = None) -> Any:
         """Send `TurnEnded` to a thread's session yourself (see `end_turn_on_root`)."""
@@ -464,7 +477,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
         elif self.end_turn_on_root:
-            self.send(context.session_id, TurnEnded())
+            self._emit(context.session_id, TurnEnded())
 
     @_guarded
     def on_chain_error(
@@ -511,7 +524,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             session_id = root.session_id
             records = list(self._tool_calls.get(session_id, ()))
         for event_ in self._decision_events(answered, records):
-            self.send(session_id, event_)
+            self._emit(session_id, event_)
 
     # -- custom events ---------------------------------------------------------------------------
 
@@ -531,7 +544,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         context = self._context(run_id) or self._context_from(run_id, None, metadata)
         data = data if data is not None else {}
         if name == GENERIC_EVENT:
-            self.send(context.session_id, _generic_event(data))
+            self._emit(context.session_id, _generic_event(data))
             return
         if not isinstance(data, Mapping):
             msg = f"{name}: data must be a mapping, got {type(data).__name__}"
@@ -539,9 +552,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         owner = data.get("owner")
         owner = str(owner) if owner is not None else None
         if name == CONFIRM_EVENT:
-            self.send(context.session_id, UserConfirmed(owner=owner))
+            self._emit(context.session_id, UserConfirmed(owner=owner))
         elif name == REJECT_EVENT:
-            self.send(context.session_id, UserRejected(owner=owner))
+            self._emit(context.session_id, UserRejected(owner=owner))
         elif name == PIN_EVENT:
             self._pin(context.session_id, owner)
         else:
@@ -553,7 +566,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                 BranchPruned(branch=branch) if name == PRUNE_BRANCH_EVENT else BranchSelected(branch=branch)
             )
             # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
-            self.send(context.thread, event)
+            self._emit(context.thread, event)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -565,6 +578,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         with self._lock:
             self.errors += 1
         if self.raise_error:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, _REPORTED, True)
             raise error
         logger.warning("agentkv callback %s failed (the run goes on): %r", where, error, exc_info=error)
 
@@ -613,7 +628,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             if opened and context.branch is not None:
                 self._branches.add((context.thread, context.branch))
         if opened and context.branch is not None:
-            self.send(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
+            self._emit(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
         return context
 
     def _exit(self, run_id: UUID) -> _RunContext | None:

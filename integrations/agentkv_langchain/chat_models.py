@@ -31,6 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Self
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -65,12 +66,14 @@ from agentkv_langchain.sessions import session_for
 from agentkv_langchain.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    CallEnd,
     ToolCallStreamFilter,
     forced_call_prefix,
     parse_tool_calls,
     render_tool_prompt,
     resolve_tool_choice,
     tool_names,
+    tool_parameters,
 )
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
@@ -144,10 +147,7 @@ class ChatAgentKV(BaseChatModel):
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
         if not self.model_name:
-            config = getattr(self.backend.model, "config", None)
-            name = str(getattr(config, "name_or_path", "") or "")
-            self.model_name = name.rstrip("/").rsplit("/", 2)[-1] if "/" in name else name
-            self.model_name = self.model_name or type(self.backend.model).__name__
+            self.model_name = _model_name(self.backend.model)
         return self
 
     # -- LangChain plumbing ------------------------------------------------------------------
@@ -394,6 +394,7 @@ class ChatAgentKV(BaseChatModel):
         visible = ToolCallStreamFilter() if plan.tools else None
         if visible is not None:
             visible.feed(plan.prefix)
+        call_end = CallEnd(plan.prefix) if plan.prefix else None
         raw: list[str] = []
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
@@ -405,6 +406,8 @@ class ChatAgentKV(BaseChatModel):
                     text = visible.feed(piece) if visible is not None else piece
                     if text:
                         yield text
+                    if call_end is not None and call_end.feed(piece):
+                        break  # the forced call is complete; what follows would be noise
             finally:
                 _close(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
@@ -492,7 +495,7 @@ class ChatAgentKV(BaseChatModel):
             if choice == "none":
                 sampling["stop"].append(TOOL_CALL_OPEN)
             elif choice is not None:
-                prefix = forced_call_prefix(choice)
+                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
                 sampling["stop"].append(TOOL_CALL_CLOSE)
         return _Plan(messages=chat, tools=tools, prefix=prefix, sampling=sampling)
 
@@ -615,6 +618,26 @@ def _metadata(
     run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
 ) -> Mapping[str, Any]:
     return run_manager.metadata if run_manager is not None else {}
+
+
+def _model_name(model: Any) -> str:
+    """A readable name for a loaded model: its hub id or directory name.
+
+    `load_model()` serves a GGUF from a converted copy named by the file's hash; the
+    copy's manifest (written by `agentkv.models`) names the GGUF, whose stem is used.
+    """
+    path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    manifest = Path(path, "agentkv-cache.json") if path else None
+    if manifest is not None and manifest.is_file():
+        try:
+            source = json.loads(manifest.read_text()).get("source")
+        except (OSError, ValueError):
+            source = None
+        if isinstance(source, str) and source:
+            return Path(source).name.removesuffix(".gguf")
+    if path:
+        return path if not Path(path).is_dir() else Path(path).name
+    return type(model).__name__
 
 
 def _message_id(run_id: uuid.UUID | None) -> str:

@@ -26,6 +26,7 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call
 from agentkv.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 __all__ = [
+    "CallEnd",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ToolCallStreamFilter",
@@ -34,6 +35,8 @@ __all__ = [
     "parse_tool_calls",
     "render_tool_prompt",
     "resolve_tool_choice",
+    "tool_names",
+    "tool_parameters",
 ]
 
 TOOL_PROMPT_HEADER = (
@@ -43,7 +46,8 @@ TOOL_PROMPT_FOOTER = (
     "\n</tools>\n"
     "To call a tool, reply with its name and its arguments as JSON inside tool_call tags, "
     "one block per call:\n"
-    f'{TOOL_CALL_OPEN}{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}{TOOL_CALL_CLOSE}\n'
+    f'{TOOL_CALL_OPEN}{{"name": "<tool name>", "arguments": {{"<argument name>": <argument value>}}}}'
+    f"{TOOL_CALL_CLOSE}\n"
     "The result comes back in the next message. If no tool is needed, answer directly."
 )
 
@@ -72,13 +76,30 @@ def render_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     return TOOL_PROMPT_HEADER + "\n".join(lines) + TOOL_PROMPT_FOOTER
 
 
-def forced_call_prefix(name: str) -> str:
+def forced_call_prefix(name: str, parameters: Mapping[str, Any] | None = None) -> str:
     """The opening of a call to `name`, prefilled so that even a tiny model emits a parseable call.
 
-    It ends inside the arguments object (`"arguments": {`): arguments are always an
-    object, and a small model left at `"arguments": ` often writes a bare value.
+    The opening reaches into the arguments object: up to the first argument's name
+    (a required one when the schema has any) and, for a string, its opening quote;
+    or `{}` for a tool without arguments. Small models left at `"arguments": ` write
+    bare values or copy the prompt's placeholder; given the key, they only have to
+    write its value.
+
+    Args:
+        name: the tool to call.
+        parameters: its JSON schema (`function.parameters` of the OpenAI format), if known.
     """
-    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": {{'
+    opening = f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+    if parameters is None:
+        return opening
+    properties = parameters.get("properties") or {}
+    if not properties:
+        return opening + "}"
+    required = [key for key in parameters.get("required") or [] if key in properties]
+    first = required[0] if required else next(iter(properties))
+    schema = properties[first]
+    quote = '"' if isinstance(schema, Mapping) and schema.get("type") == "string" else ""
+    return f"{opening}{json.dumps(first, ensure_ascii=False)}: {quote}"
 
 
 def new_tool_call_id() -> str:
@@ -89,6 +110,16 @@ def new_tool_call_id() -> str:
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     """The function names of OpenAI-format tool schemas, in order."""
     return [str(schema.get("function", {}).get("name", "")) for schema in tools]
+
+
+def tool_parameters(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
+    """The parameters schema of the tool called `name` (None when absent)."""
+    for schema in tools:
+        function = schema.get("function", {})
+        if function.get("name") == name:
+            parameters = function.get("parameters")
+            return parameters if isinstance(parameters, Mapping) else None
+    return None
 
 
 def resolve_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
@@ -218,6 +249,43 @@ def _load_object(raw: str) -> tuple[dict[str, Any] | None, str | None]:
 
 
 # ---------------------------------------------------------------------------- streaming
+
+
+class CallEnd:
+    """Tells when a prefilled call's JSON object is complete, so decoding can stop right there.
+
+    A forced call stops at `</tool_call>`, but a small model often closes the object
+    and then rambles on instead of writing the tag; counting brackets (outside
+    strings) ends the call at its last `}` and saves those tokens.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+        self.feed(prefix.removeprefix(TOOL_CALL_OPEN))
+
+    def feed(self, text: str) -> bool:
+        """Add generated text; True once the call's outermost object has closed."""
+        for char in text:
+            if self.done:
+                break
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                self.done = self.depth <= 0
+        return self.done
 
 
 class ToolCallStreamFilter:

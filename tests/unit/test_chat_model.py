@@ -11,23 +11,24 @@ import asyncio
 import copy
 import json
 
-import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import START, MessagesState, StateGraph
-
 import agentkv_langchain.chat_models as chat_models_module
-from agentkv import AgentKVConfig, Session, TransformersBackend
-from agentkv.spans import SpanKind
+import pytest
 from agentkv_langchain import ChatAgentKV, parse_tool_calls, render_tool_prompt
 from agentkv_langchain.chat_models import to_chat_dicts
 from agentkv_langchain.sessions import SessionKey, session_for
 from agentkv_langchain.tools import (
     TOOL_CALL_OPEN,
+    CallEnd,
     ToolCallStreamFilter,
     forced_call_prefix,
     resolve_tool_choice,
 )
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+
+from agentkv import AgentKVConfig, Session, TransformersBackend
+from agentkv.spans import SpanKind
 
 NEW_TOKENS = 10
 HISTORY = [
@@ -173,7 +174,9 @@ def test_tool_prompt_is_added_to_the_system_message_deterministically(llm, backe
     # Same tools, same system prompt: the whole history is a cache hit.
     assert again.response_metadata["cropped_tokens"] > 0  # only the previous answer is replaced
     assert again.usage_metadata is not None
-    assert again.usage_metadata["input_token_details"]["cache_read"] == sum(s.length for s in session.spans[:2])
+    assert again.usage_metadata["input_token_details"]["cache_read"] == sum(
+        s.length for s in session.spans[:2]
+    )
 
 
 def test_tool_prompt_becomes_a_system_message_when_there_is_none(llm, backend):
@@ -237,7 +240,10 @@ def valid_calls(monkeypatch):
 
     def parse(text: str):
         content, calls, invalid = real(text)
-        repaired = [{"name": c["name"], "args": {"city": "Paris"}, "id": c["id"], "type": "tool_call"} for c in invalid]
+        repaired = [
+            {"name": c["name"], "args": {"city": "Paris"}, "id": c["id"], "type": "tool_call"}
+            for c in invalid
+        ]
         return content, [*calls, *repaired], []
 
     monkeypatch.setattr(chat_models_module, "parse_tool_calls", parse)
@@ -270,12 +276,14 @@ def test_answer_with_tool_calls_is_matched_on_the_next_call(llm, backend, valid_
 def test_tool_message_span_is_owned_by_its_tool_call_id(llm, backend):
     conversation = [
         *HISTORY,
-        AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_abc"}], id="ai1"),
+        AIMessage(
+            "", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_abc"}], id="ai1"
+        ),
         ToolMessage("sunny", tool_call_id="call_abc", id="tool1"),
     ]
     llm.bind_tools([get_weather]).invoke(conversation)
     spans = backend.get("default").spans
-    call = next(s for s in spans if s.owner == "ai1")
+    call = next(s for s in spans if s.owner == "a1")
     result = next(s for s in spans if s.kind is SpanKind.TOOL_RESULT)
     assert call.kind is SpanKind.TOOL_CALL
     assert result.owner == "call_abc"
@@ -286,7 +294,10 @@ def test_history_with_tool_use_blocks_and_v1_content(llm):
     conversation = [
         HumanMessage("What is 1 + 2"),
         AIMessage(
-            [{"type": "text", "text": "some text"}, {"type": "tool_use", "id": "abc", "name": "add", "input": {}}],
+            [
+                {"type": "text", "text": "some text"},
+                {"type": "tool_use", "id": "abc", "name": "add", "input": {}},
+            ],
             tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "abc", "type": "tool_call"}],
         ),
         ToolMessage(json.dumps({"result": 3}), tool_call_id="abc"),
@@ -343,6 +354,12 @@ TOOLS_TEMPLATE = (
 
 
 # ---------------------------------------------------------------------------- sessions
+
+
+def test_model_name_defaults_to_the_model(llm, tiny_model):
+    assert llm.model_name == "LlamaForCausalLM"  # built from a config: no name_or_path
+    assert llm._get_ls_params()["ls_model_name"] == "LlamaForCausalLM"
+    assert llm._identifying_params["model_name"] == "LlamaForCausalLM"
 
 
 def test_thread_id_from_metadata_picks_the_session(llm, backend):
@@ -409,7 +426,9 @@ def test_parse_one_call_with_text_around_it():
         'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> ok'
     )
     assert content == "Let me check.\nok"
-    assert [(c["name"], c["args"], c["type"]) for c in calls] == [("get_weather", {"city": "Paris"}, "tool_call")]
+    assert [(c["name"], c["args"], c["type"]) for c in calls] == [
+        ("get_weather", {"city": "Paris"}, "tool_call")
+    ]
     assert calls[0]["id"].startswith("call_") and len(calls[0]["id"]) == len("call_") + 8
     assert invalid == []
 
@@ -465,11 +484,45 @@ def test_parse_malformed_call_is_invalid(text, name):
     assert invalid[0]["type"] == "invalid_tool_call"
 
 
+def test_forced_prefix_reaches_into_the_arguments():
+    schema = {"properties": {"unit": {"type": "string"}, "city": {"type": "string"}}, "required": ["city"]}
+    assert (
+        forced_call_prefix("get_weather", schema)
+        == '<tool_call>{"name": "get_weather", "arguments": {"city": "'
+    )
+    number = {"properties": {"input": {"type": "integer"}}}
+    assert forced_call_prefix("f", number).endswith('"arguments": {"input": ')
+    assert forced_call_prefix("f", {"properties": {}}).endswith('"arguments": {}')
+    assert forced_call_prefix("f").endswith('"arguments": {')
+
+
 def test_forced_prefix_parses_once_the_model_closes_the_call():
-    _, calls, _ = parse_tool_calls(forced_call_prefix("get_weather") + '{"city": "Paris"}}')
+    schema = {"properties": {"city": {"type": "string"}}}
+    _, calls, _ = parse_tool_calls(forced_call_prefix("get_weather", schema) + 'Paris"}}')
     assert [(c["name"], c["args"]) for c in calls] == [("get_weather", {"city": "Paris"})]
-    _, calls, _ = parse_tool_calls(forced_call_prefix('we"ird') + "{}}")
+    _, calls, _ = parse_tool_calls(forced_call_prefix('we"ird') + "}}")
     assert calls[0]["name"] == 'we"ird'
+
+
+def test_call_end_counts_brackets_outside_strings():
+    end = CallEnd(forced_call_prefix("f", {"properties": {"q": {"type": "string"}}}))
+    assert not end.feed('a } { \\" ] text')  # inside the string: ignored
+    assert not end.feed('", "n": [1, {"x": 2}]')
+    assert not end.feed("}")  # arguments closed, the call object still open
+    assert end.feed("} trailing")
+    assert end.feed("more")  # stays done
+
+
+def test_forced_call_stops_when_the_call_is_complete(llm, backend, monkeypatch):
+    """A model that closes the call and rambles on is cut at the call's last brace."""
+
+    def close_then_ramble(self, **kwargs):
+        yield from ["Paris", '"}', "}", " and then", " more", " noise"]
+
+    monkeypatch.setattr(Session, "stream", close_then_ramble)
+    result = llm.bind_tools([get_weather], tool_choice="any").invoke(HISTORY)
+    assert [(c["name"], c["args"]) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert result.response_metadata["finish_reason"] == "tool_calls"
 
 
 def test_stream_filter_shows_a_prefix_of_the_final_content():

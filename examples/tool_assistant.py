@@ -1,0 +1,305 @@
+"""A LangGraph tool-calling assistant whose KV cache follows the agent's lifecycle.
+
+Ten-plus scripted user turns; on the turns that need a tool the model is forced to
+call it (`tool_choice=<tool>`, so even the 135M default model writes a parseable
+call), the tool returns a long result, and the model answers from it. agentkv
+turns the agent's moments into cache events:
+
+- `ToolCallCompleted`: the tool result is COMMITTED (kept), the call that asked
+  for it is released (EVICTABLE: the first thing to go under pressure);
+- `ToolCallFailed` (the `lookup` of an unknown record raises): call and error output
+  are released;
+- `TurnEnded` (the graph run ends): the user message and the answer are committed.
+
+Every model call sends the whole history, and `ChatAgentKV` encodes only what the
+cache does not hold yet. Run `python examples/tool_assistant.py` to see the per-turn
+prefill against re-encoding the whole history each call (what a stateless chat model
+does), and the device KV bytes at the end with a lifecycle budget on and off.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import InjectedState, ToolNode, tools_condition
+from typing_extensions import TypedDict
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import shared_backend, with_kv_lifecycle
+
+SYSTEM = "You are a concise research assistant. Use a tool when asked, then answer in one sentence from its result."
+
+TOPICS: dict[str, list[str]] = {
+    "eiffel": [
+        "The Eiffel Tower in Paris was completed in 1889 for the World's Fair.",
+        "It is 330 metres tall and was the tallest man-made structure for 41 years.",
+        "Gustave Eiffel's company designed and built it with about 18,000 iron parts.",
+    ],
+    "coffee": [
+        "Coffee plants originated in Ethiopia; the drink spread through Yemen in the 15th century.",
+        "Arabica and robusta are the two main species grown commercially.",
+        "Brazil is the largest producer, followed by Vietnam and Colombia.",
+    ],
+    "rust": [
+        "Rust is a systems programming language first released as 1.0 in 2015.",
+        "Its ownership model guarantees memory safety without a garbage collector.",
+        "Cargo is Rust's build tool and package manager; crates are hosted on crates.io.",
+    ],
+    "mars": [
+        "Mars has two small moons, Phobos and Deimos.",
+        "Olympus Mons on Mars is the tallest known volcano in the solar system.",
+        "A Martian day, a sol, lasts about 24 hours and 39 minutes.",
+    ],
+}
+RECORDS: dict[str, str] = {
+    "order-1042": "Order 1042: 3 notebooks, shipped 2024-05-02, tracking ZX-99, delivered to Lyon.",
+    "order-2077": "Order 2077: 1 espresso machine, shipped 2024-06-11, tracking QP-17, in transit.",
+}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One scripted user turn."""
+
+    text: str
+    tool: str | None = None
+    """The tool the model is forced to call on this turn (None = answer directly)."""
+    topic: str = ""
+    """What the tool works on (search topic or record id), read by the tools from the graph state."""
+
+
+SCRIPT: tuple[Turn, ...] = (
+    Turn("Please search for facts about the Eiffel Tower.", "search", "eiffel"),
+    Turn("Thanks. In which year was it completed?"),
+    Turn("Look up order-1042 for me.", "lookup", "order-1042"),
+    Turn("Which city was that order delivered to?"),
+    Turn("Search for the history of coffee.", "search", "coffee"),
+    Turn("Look up order-9999 please.", "lookup", "order-9999"),
+    Turn("Never mind that one. Which country grows the most coffee?"),
+    Turn("Search for facts about the Rust language.", "search", "rust"),
+    Turn("What is Cargo?"),
+    Turn("Search for facts about Mars.", "search", "mars"),
+    Turn("How long is a day on Mars?"),
+    Turn("Look up order-2077.", "lookup", "order-2077"),
+)
+
+
+class State(TypedDict):
+    """Graph state: the conversation and what the current turn asks of the tools."""
+
+    messages: Annotated[list[AnyMessage], add_messages]
+    tool: str | None
+    topic: str
+    repaired: Annotated[int, operator.add]
+
+
+@tool
+def search(state: Annotated[dict[str, Any], InjectedState], query: str = "") -> str:
+    """Search the web and return the top results."""
+    facts = TOPICS.get(state.get("topic", ""), ["No results."])
+    lines = [
+        f"Result {i + 1}: {fact} Source: encyclopedia entry {i + 1}, retrieved today."
+        for i, fact in enumerate(facts)
+    ]
+    # Long results, as real search tools return: snippets plus boilerplate the model does not need.
+    filler = " ".join(f"Related link {j}: more pages about {query or 'this topic'}." for j in range(12))
+    return "\n".join([f"Search results for {query or state.get('topic')!r}:", *lines, filler])
+
+
+@tool
+def lookup(state: Annotated[dict[str, Any], InjectedState], record_id: str = "") -> str:
+    """Look up an order record by its id."""
+    key = state.get("topic", "")
+    if key not in RECORDS:
+        msg = f"no record {key!r}"
+        raise KeyError(msg)
+    history = " ".join(f"Status update {j}: scanned at depot {j}." for j in range(10))
+    return f"{RECORDS[key]}\n{history}"
+
+
+TOOLS = [search, lookup]
+
+
+def build_graph(llm: ChatAgentKV) -> Any:
+    """The agent: model ⇄ tools, with the tool choice scripted per turn."""
+
+    def agent(state: State, config: RunnableConfig) -> dict[str, Any]:
+        forced = state.get("tool") if isinstance(state["messages"][-1], HumanMessage) else None
+        model = llm.bind_tools(TOOLS, tool_choice=forced or "none")
+        answer = model.invoke([SystemMessage(SYSTEM), *state["messages"]], config)
+        if forced and isinstance(answer, AIMessage) and not answer.tool_calls:
+            # A forced call whose arguments did not parse: call the tool with its defaults.
+            # The session then re-encodes this message (it differs from what was generated).
+            call = {"name": forced, "args": {}, "id": f"call_{answer.id}", "type": "tool_call"}
+            answer = AIMessage(content="", tool_calls=[call], id=answer.id)
+            return {"messages": [answer], "repaired": 1}
+        return {"messages": [answer], "repaired": 0}
+
+    builder = StateGraph(State)
+    builder.add_node("agent", agent)
+    builder.add_node("tools", ToolNode(TOOLS, handle_tool_errors=True))
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition, ["tools", END])
+    builder.add_edge("tools", "agent")
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+def main(
+    backend: TransformersBackend | None = None,
+    turns: int = len(SCRIPT),
+    *,
+    device_tokens: int | None = None,
+    max_new_tokens: int = 32,
+    thread_id: str = "tool-assistant",
+    measure: bool = False,
+) -> dict[str, Any]:
+    """Run the scripted conversation; return what happened.
+
+    Args:
+        backend: The model's backend; None = the default model (loaded once per process).
+        turns: How many scripted turns (the script repeats past its end).
+        device_tokens: A per-session device KV budget in tokens (None = no budget).
+        max_new_tokens: Length limit of each answer.
+        thread_id: The LangGraph thread (one agentkv session).
+        measure: Also replay every model call's history with re-encoding, for the comparison.
+
+    Returns:
+        `events` (what the handler sent), `spans` (the session's span map after the run),
+        `calls` (per model call: prefill and reused tokens), `stats`, `device_bytes`,
+        `repaired` (forced calls whose arguments had to be filled in), and with
+        `measure`, `reuse` (per model call: prefill tokens and seconds, incremental vs re-encoded).
+    """
+    backend = backend or shared_backend()
+    llm = ChatAgentKV(backend=backend, max_new_tokens=max_new_tokens)
+    config = backend.config
+    if device_tokens is not None:
+        config = config.with_overrides({"budget": {"device_tokens": device_tokens}})
+    graph = with_kv_lifecycle(build_graph(llm), backend=backend, config=config)
+    run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
+    calls: list[dict[str, Any]] = []
+    repaired = 0
+    for i in range(turns):
+        turn = SCRIPT[i % len(SCRIPT)]
+        before = len(graph.get_state(run_config).values.get("messages", []))
+        out = graph.invoke(
+            {"messages": [HumanMessage(turn.text)], "tool": turn.tool, "topic": turn.topic, "repaired": 0},
+            run_config,
+        )
+        repaired += out.get("repaired", 0)
+        messages: list[AnyMessage] = out["messages"]
+        for message in messages[before:]:
+            if isinstance(message, AIMessage):
+                meta = message.response_metadata
+                calls.append(
+                    {
+                        "turn": i,
+                        "prefill_tokens": meta.get("prefill_tokens", 0),
+                        "reused_tokens": meta.get("reused_tokens", 0),
+                        "tool_calls": [c["name"] for c in message.tool_calls],
+                    }
+                )
+    session = backend.get(thread_id)
+    snapshot = session.snapshot()
+    result: dict[str, Any] = {
+        "events": [(sid, type(e).__name__, _target(e)) for sid, e in graph.agentkv.handler.events],
+        "spans": [
+            {k: s[k] for k in ("span_id", "kind", "owner", "state", "tier", "tokens", "turn")}
+            for s in snapshot["spans"]
+        ],
+        "calls": calls,
+        "stats": snapshot["stats"],
+        "device_bytes": backend.device_bytes(),
+        "repaired": repaired,
+        "handler_errors": graph.agentkv.handler.errors,
+        "messages": [(type(m).__name__, str(m.content)[:80]) for m in out["messages"]],
+    }
+    if measure:
+        result["reuse"] = replay(backend, thread_id)
+    return result
+
+
+def replay(backend: TransformersBackend, session_id: str) -> list[dict[str, Any]]:
+    """Per model call: prefill tokens and seconds (≈ time to first token), incremental vs re-encoded.
+
+    The history each model call saw is a prefix of the session's messages (the system
+    prompt with the tool prompt, the turns so far). Both replays feed exactly those
+    prefixes; the only difference is whether the cache is kept between calls.
+    """
+    messages = list(backend.get(session_id).messages)
+    cuts = [k for k, m in enumerate(messages) if m.role == "assistant"]
+    rows: list[dict[str, Any]] = []
+    kept = backend.session(f"{session_id}-replay-incremental")
+    for i, cut in enumerate(cuts):
+        history = messages[:cut]
+        started = time.perf_counter()
+        incremental = kept.extend(history)
+        kept_seconds = time.perf_counter() - started
+        fresh = backend.session(f"{session_id}-replay-fresh")
+        started = time.perf_counter()
+        full = fresh.extend(history)
+        fresh_seconds = time.perf_counter() - started
+        backend.close(fresh.session_id)
+        rows.append(
+            {
+                "call": i,
+                "history_tokens": full.prefilled_tokens,
+                "incremental_prefill": incremental.prefilled_tokens,
+                "incremental_seconds": round(kept_seconds, 4),
+                "reencode_prefill": full.prefilled_tokens,
+                "reencode_seconds": round(fresh_seconds, 4),
+            }
+        )
+    backend.close(kept.session_id)
+    return rows
+
+
+def _target(event: Any) -> str | None:
+    for name in ("tool_call_id", "owner", "branch"):
+        value = getattr(event, name, None)
+        if value:
+            return str(value)
+    return None
+
+
+def _print_run(title: str, result: dict[str, Any]) -> None:
+    print(f"\n== {title}")
+    by_state: dict[str, int] = result["stats"]["tokens_by_state"]
+    print(f"events sent: {len(result['events'])}; tokens by state: {by_state}")
+    print(
+        f"device KV bytes at the end: {result['device_bytes']:,} (peak {result['stats']['peak_device_bytes']:,})"
+    )
+    print(f"host bytes: {result['stats']['host_bytes']:,}; forced calls repaired: {result['repaired']}")
+
+
+if __name__ == "__main__":
+    off = main(measure=True, thread_id="tool-assistant-no-budget")
+    print(
+        "per model call: prefill tokens / seconds (≈ TTFT), ChatAgentKV incremental vs re-encoding the history"
+    )
+    print(f"{'call':>4} {'history':>8} {'incr':>6} {'incr s':>8} {'re-enc':>7} {'re-enc s':>9}")
+    for row in off["reuse"]:
+        print(
+            f"{row['call']:>4} {row['history_tokens']:>8} {row['incremental_prefill']:>6} "
+            f"{row['incremental_seconds']:>8.3f} {row['reencode_prefill']:>7} {row['reencode_seconds']:>9.3f}"
+        )
+    total_inc = sum(r["incremental_prefill"] for r in off["reuse"])
+    total_full = sum(r["reencode_prefill"] for r in off["reuse"])
+    print(f"total prefill: {total_inc} tokens incremental vs {total_full} re-encoded")
+    _print_run("lifecycle, no budget", off)
+    on = main(device_tokens=768, thread_id="tool-assistant-budget")
+    _print_run("lifecycle, device budget 768 tokens", on)
+    print("\nspans after the budgeted run (kind, owner, state, tier):")
+    for span in on["spans"]:
+        print(
+            f"  {span['kind']:<12} {str(span['owner'])[:24]:<24} {span['state']:<10} {span['tier']:<8} {span['tokens']:>5}"
+        )

@@ -1,0 +1,161 @@
+"""The examples as real compiled graphs on the tiny model: the events reach the sessions, the states follow the rules."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from agentkv import SpanState
+
+RELEASED = {"evictable", "evicted"}
+
+
+def spans_by_owner(result: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    return {s["owner"]: s for s in result["spans"]}
+
+
+# -- tool assistant ------------------------------------------------------------------------------
+
+
+def test_tool_assistant_commits_results_and_releases_calls(example, tiny_backend):
+    example = example("tool_assistant")
+    turns = 7  # includes the failing lookup (turn 5)
+    result = example.main(tiny_backend, turns=turns, max_new_tokens=6, measure=True)
+    assert result["handler_errors"] == 0
+    by_owner = spans_by_owner(result)
+    completed = [t for _, name, t in result["events"] if name == "ToolCallCompleted"]
+    failed = [t for _, name, t in result["events"] if name == "ToolCallFailed"]
+    tool_turns = [t for t in example.SCRIPT[:turns] if t.tool]
+    assert len(completed) + len(failed) == len(tool_turns)
+    assert len(failed) == 1  # order-9999 does not exist
+    for call_id in completed:
+        assert by_owner[call_id]["kind"] == "tool_result"
+        assert by_owner[call_id]["state"] == "committed"
+    assert by_owner[failed[0]]["state"] in RELEASED
+    calls = [s for s in result["spans"] if s["kind"] == "tool_call"]
+    assert len(calls) == len(tool_turns)
+    assert all(s["state"] in RELEASED for s in calls)
+    assert result["stats"]["tokens_by_state"]["active"] == 0  # every turn ended
+    assert sum(1 for _, name, _ in result["events"] if name == "TurnEnded") == turns
+    assert all(s["state"] == "committed" for s in result["spans"] if s["kind"] in ("user", "system"))
+    # Reuse: each model call encoded only what the cache did not hold.
+    reuse = result["reuse"]
+    assert sum(r["incremental_prefill"] for r in reuse) < sum(r["reencode_prefill"] for r in reuse) / 2
+    assert all(r["incremental_prefill"] < r["reencode_prefill"] for r in reuse[1:])
+
+
+def test_tool_assistant_budget_demotes_released_spans_first(example, tiny_backend):
+    example = example("tool_assistant")
+    free = example.main(tiny_backend, turns=5, max_new_tokens=6, thread_id="free")
+    budget_tokens = 900
+    tight = example.main(tiny_backend, turns=5, max_new_tokens=6, thread_id="tight", device_tokens=budget_tokens)
+    session = tiny_backend.get("tight")
+    assert session.config.budget.device_tokens == budget_tokens  # the per-graph config reached the session
+    assert tight["stats"]["device_bytes"] < free["stats"]["device_bytes"]
+    assert tight["stats"]["device_bytes"] <= budget_tokens * tiny_backend.runner.bytes_per_token
+    states = {s["kind"]: set() for s in tight["spans"]}
+    for s in tight["spans"]:
+        states[s["kind"]].add(s["state"])
+    assert states["tool_call"] <= {"evicted"}  # released scaffolding goes first
+    assert "evicted" not in states["system"]  # pinned
+
+
+# -- plan, interrupt, confirm --------------------------------------------------------------------
+
+
+def test_plan_confirm_pins_the_approved_plan_and_releases_the_rejected_one(example, tiny_backend):
+    result = example("plan_confirm").main(tiny_backend, max_new_tokens=8)
+    rejected, approved = result["plans"]
+    assert result["states"][rejected]["state"] in RELEASED
+    assert not result["states"][rejected]["pinned"]
+    assert result["states"][approved] == {"state": "committed", "tier": "device", "pinned": True}
+    events = [(name, owner) for _, name, owner in result["events"]]
+    assert events == [("UserRejected", rejected), ("UserConfirmed", approved), ("TurnEnded", None)]
+    assert result["handler_errors"] == 0
+
+
+def test_resume_reruns_the_node_without_duplicate_spans_or_transitions(example, tiny_backend):
+    result = example("plan_confirm").main(tiny_backend, max_new_tokens=8)
+    # LangGraph re-ran the review node on each resume...
+    assert Counter(result["reviews"]) == {plan: 2 for plan in result["plans"]}
+    # ...yet every plan has one span, and no span went through the same move twice.
+    owners = Counter(s["owner"] for s in result["spans"] if s["owner"] in result["plans"])
+    assert owners == {plan: 1 for plan in result["plans"]}
+    moves = [(span, state) for r in result["log"] if r["kind"] == "event" for span, state in r.get("transitions", [])]
+    assert len(moves) == len(set(moves))
+    applied = [r["event"] for r in result["log"] if r["kind"] == "event" and r["applied"]]
+    assert applied.count("user_confirmed") == 1 and applied.count("user_rejected") == 1
+    assert result["stats"]["events_noop"] == 0
+
+
+def test_confirmed_plan_survives_budget_pressure(example, tiny_backend):
+    result = example("plan_confirm").main(tiny_backend, max_new_tokens=8, device_tokens=200)
+    approved = result["plans"][-1]
+    assert result["states"][approved] == {"state": "committed", "tier": "device", "pinned": True}
+    demoted = [s for s in result["spans"] if s["state"] in ("archived", "evicted")]
+    assert demoted  # the budget did bite, on other spans
+
+
+# -- tree of thought --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "task-ids"])
+def test_tree_of_thought_shares_the_prefix_and_frees_pruned_branches(example, tiny_backend, named):
+    k = 3
+    result = example("tree_of_thought").main(tiny_backend, k=k, max_new_tokens=8, named=named)
+    memory = result["memory"]
+    own = memory["branch_own_bytes"]
+    assert len(own) == k and all(n > 0 for n in own.values())
+    # With k branches alive the prefix is held once: shared prefix + the branches' own suffixes.
+    assert memory["alive_bytes"] <= memory["prefix_bytes"] + sum(own.values())
+    assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
+    # Pruning k-1 branches gives their bytes back, and only theirs.
+    losers = [b for b in own if b != result["winner"]]
+    assert memory["after_prune_bytes"] == memory["alive_bytes"] - sum(own[b] for b in losers)
+    assert memory["after_select_bytes"] == memory["after_prune_bytes"]
+    thread = "tree-of-thought"
+    assert result["sessions"] == sorted([thread, f"{thread}/{result['winner']}"])
+    events = Counter((sid, name) for sid, name, _ in result["events"])
+    assert events == {
+        (thread, "BranchOpened"): k,
+        (thread, "BranchPruned"): k - 1,
+        (thread, "BranchSelected"): 1,
+        (thread, "TurnEnded"): 1,
+    }
+    if named:
+        assert result["branches"] == ["r1-b0", "r1-b1", "r1-b2"]
+    else:  # the Send tasks' ids
+        assert all(len(b) == 36 for b in result["branches"])
+    assert result["handler_errors"] == 0  # the branches called the handler from worker threads
+
+
+def test_tree_of_thought_again_on_the_same_thread(example, tiny_backend):
+    result = example("tree_of_thought").main(tiny_backend, k=2, max_new_tokens=6, turns=2)
+    first, second = result["runs"]
+    # The second fan-out forks a longer prefix; its pruned branch is freed all the same.
+    assert second["memory"]["prefix_bytes"] > first["memory"]["prefix_bytes"]
+    # Each fan-out used new branch ids; selecting the last winner closed every other branch,
+    # the previous round's winner included (it is a sibling too).
+    assert first["winner"].startswith("r1-") and second["winner"].startswith("r2-")
+    assert result["sessions"] == ["tree-of-thought", f"tree-of-thought/{second['winner']}"]
+    assert result["handler_errors"] == 0
+
+
+# -- plain LangChain ---------------------------------------------------------------------------------
+
+
+def test_plain_langchain_handler_without_langgraph(example, tiny_backend):
+    example = example("plain_langchain")
+    result = example.main(tiny_backend, max_new_tokens=6)
+    by_owner = spans_by_owner(result)
+    assert set(result["tool_calls"].values()) == {"ok", "failed"}
+    for call_id, outcome in result["tool_calls"].items():
+        expected = "committed" if outcome == "ok" else "evictable"
+        assert by_owner[call_id]["state"] == expected
+    assert sum(1 for _, name, _ in result["events"] if name == "TurnEnded") == len(example.SCRIPT)
+    assert result["stats"]["tokens_by_state"]["active"] == 0
+    assert result["handler_errors"] == 0
+    span_states = {s["state"] for s in result["spans"] if s["kind"] == "tool_call"}
+    assert span_states == {SpanState.EVICTABLE.value}
