@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentkv_langchain import ChatAgentKV
+from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langgraph import shared_backend
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
 
 from agentkv import TransformersBackend
-from agentkv_langchain import ChatAgentKV
-from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
-from agentkv_langgraph import shared_backend
 
 SYSTEM = "You are a helpful assistant with a weather tool. Answer in one short sentence."
 WEATHER = {
@@ -37,7 +37,7 @@ SCRIPT: tuple[tuple[str, str | None], ...] = (
 
 
 def make_weather_tool(cities: list[str]) -> Any:
-    """A weather tool; it answers for the city of the current turn (`cities[-1]`), whatever the model wrote."""
+    """A weather tool; it reports on the current turn's city (`cities[-1]`), whatever the model wrote."""
 
     @tool
     def weather(city: str = "") -> str:
@@ -102,13 +102,19 @@ def main(
 
     turn = RunnableLambda(agent_turn, name="agent_turn")
     run_config: RunnableConfig = {"callbacks": [handler], "metadata": {"thread_id": thread_id}}
-    answers = [turn.invoke({"text": t, "city": c}, run_config) for t, c in (SCRIPT[i % len(SCRIPT)] for i in range(turns))]
+    answers = [
+        turn.invoke({"text": t, "city": c}, run_config)
+        for t, c in (SCRIPT[i % len(SCRIPT)] for i in range(turns))
+    ]
     session = backend.get(thread_id)
     snapshot = session.snapshot()
     return {
         "answers": answers,
         "events": [(sid, type(e).__name__, getattr(e, "tool_call_id", None)) for sid, e in handler.events],
-        "spans": [{k: s[k] for k in ("span_id", "kind", "owner", "state", "tier", "tokens")} for s in snapshot["spans"]],
+        "spans": [
+            {k: s[k] for k in ("span_id", "kind", "owner", "state", "tier", "tokens")}
+            for s in snapshot["spans"]
+        ],
         "tool_calls": outcomes,
         "stats": snapshot["stats"],
         "handler_errors": handler.errors,
@@ -117,7 +123,9 @@ def main(
 
 if __name__ == "__main__":
     result = main()
-    for name, count in sorted({e[1]: sum(1 for x in result["events"] if x[1] == e[1]) for e in result["events"]}.items()):
+    for name, count in sorted(
+        {e[1]: sum(1 for x in result["events"] if x[1] == e[1]) for e in result["events"]}.items()
+    ):
         print(f"{name}: {count}")
     by_owner = {s["owner"]: s for s in result["spans"]}
     for call_id, outcome in result["tool_calls"].items():

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import OWNER_KEY, resume_decision, shared_backend, with_kv_lifecycle
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
@@ -26,8 +28,6 @@ from langgraph.types import Command, interrupt
 from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
-from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import OWNER_KEY, resume_decision, shared_backend, with_kv_lifecycle
 
 SYSTEM = "You are a careful assistant. First propose a short numbered plan; carry it out only once approved."
 TASK = "Plan a three-day trip to Lisbon for two people on a small budget."
@@ -54,7 +54,9 @@ def build_graph(llm: ChatAgentKV, reviews: list[str] | None = None) -> Any:
         if reviews is not None:
             reviews.append(str(state["plan_id"]))  # counts runs of this node (a resume re-runs it)
         plan_message = state["messages"][-1]
-        verdict = interrupt({"question": "Approve this plan?", "plan": plan_message.content, OWNER_KEY: state["plan_id"]})
+        verdict = interrupt(
+            {"question": "Approve this plan?", "plan": plan_message.content, OWNER_KEY: state["plan_id"]}
+        )
         if resume_decision(verdict) == "confirm":
             return {"approved": True}
         feedback = verdict.get("message", "") if isinstance(verdict, dict) else ""
@@ -72,7 +74,9 @@ def build_graph(llm: ChatAgentKV, reviews: list[str] | None = None) -> Any:
     builder.add_node("execute", execute)
     builder.add_edge(START, "plan")
     builder.add_edge("plan", "review")
-    builder.add_conditional_edges("review", lambda s: "execute" if s["approved"] else "plan", ["execute", "plan"])
+    builder.add_conditional_edges(
+        "review", lambda s: "execute" if s["approved"] else "plan", ["execute", "plan"]
+    )
     builder.add_edge("execute", END)
     return builder.compile(checkpointer=InMemorySaver())
 
@@ -128,8 +132,13 @@ def main(
         "reviews": reviews,
         "states": states,
         "answer": final.content if isinstance(final, AIMessage) else None,
-        "events": [(sid, type(e).__name__, getattr(e, "owner", None)) for sid, e in graph.agentkv.handler.events],
-        "spans": [{k: s[k] for k in ("span_id", "kind", "owner", "state", "tier", "tokens")} for s in snapshot["spans"]],
+        "events": [
+            (sid, type(e).__name__, getattr(e, "owner", None)) for sid, e in graph.agentkv.handler.events
+        ],
+        "spans": [
+            {k: s[k] for k in ("span_id", "kind", "owner", "state", "tier", "tokens")}
+            for s in snapshot["spans"]
+        ],
         "log": [{"kind": r.kind, **r.detail} for r in session.log],
         "stats": snapshot["stats"],
         "handler_errors": graph.agentkv.handler.errors,
@@ -141,6 +150,9 @@ if __name__ == "__main__":
     for plan_id, verdict in zip(result["plans"], result["verdicts"], strict=False):
         state = result["states"][plan_id]
         print(f"plan {plan_id[-12:]}: verdict {verdict!r} -> {state['state']}, pinned={state['pinned']}")
-    print(f"review node ran {len(result['reviews'])} times for {len(result['plans'])} plans (a resume re-runs it)")
+    print(
+        f"review node ran {len(result['reviews'])} times for {len(result['plans'])} plans "
+        "(a resume re-runs it)"
+    )
     print("events:", [(name, str(owner)[-12:] if owner else None) for _, name, owner in result["events"]])
     print("final answer:", (result["answer"] or "")[:200])

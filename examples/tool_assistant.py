@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import shared_backend, with_kv_lifecycle
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -33,11 +35,12 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import InjectedState, ToolNode, tools_condition
 from typing_extensions import TypedDict
 
-from agentkv import AgentKVConfig, TransformersBackend
-from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import shared_backend, with_kv_lifecycle
+from agentkv import TransformersBackend
 
-SYSTEM = "You are a concise research assistant. Use a tool when asked, then answer in one sentence from its result."
+SYSTEM = (
+    "You are a concise research assistant. "
+    "Use a tool when asked, then answer in one sentence from its result."
+)
 
 TOPICS: dict[str, list[str]] = {
     "eiffel": [
@@ -276,7 +279,8 @@ def _print_run(title: str, result: dict[str, Any]) -> None:
     by_state: dict[str, int] = result["stats"]["tokens_by_state"]
     print(f"events sent: {len(result['events'])}; tokens by state: {by_state}")
     print(
-        f"device KV bytes at the end: {result['device_bytes']:,} (peak {result['stats']['peak_device_bytes']:,})"
+        f"device KV bytes at the end: {result['device_bytes']:,} "
+        f"(peak {result['stats']['peak_device_bytes']:,})"
     )
     print(f"host bytes: {result['stats']['host_bytes']:,}; forced calls repaired: {result['repaired']}")
 
@@ -284,7 +288,8 @@ def _print_run(title: str, result: dict[str, Any]) -> None:
 if __name__ == "__main__":
     off = main(measure=True, thread_id="tool-assistant-no-budget")
     print(
-        "per model call: prefill tokens / seconds (≈ TTFT), ChatAgentKV incremental vs re-encoding the history"
+        "per model call: prefill tokens / seconds (~ time to first token), "
+        "ChatAgentKV incremental vs re-encoding the history"
     )
     print(f"{'call':>4} {'history':>8} {'incr':>6} {'incr s':>8} {'re-enc':>7} {'re-enc s':>9}")
     for row in off["reuse"]:
@@ -301,5 +306,6 @@ if __name__ == "__main__":
     print("\nspans after the budgeted run (kind, owner, state, tier):")
     for span in on["spans"]:
         print(
-            f"  {span['kind']:<12} {str(span['owner'])[:24]:<24} {span['state']:<10} {span['tier']:<8} {span['tokens']:>5}"
+            f"  {span['kind']:<12} {str(span['owner'])[:24]:<24} {span['state']:<10} "
+            f"{span['tier']:<8} {span['tokens']:>5}"
         )

@@ -18,15 +18,6 @@ import operator
 import re
 from typing import Annotated, Any
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
-from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
-from langgraph.types import Send
-from typing_extensions import TypedDict
-
-from agentkv import TransformersBackend
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import (
     branch_config,
@@ -36,6 +27,15 @@ from agentkv_langgraph import (
     shared_backend,
     with_kv_lifecycle,
 )
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.types import Send
+from typing_extensions import TypedDict
+
+from agentkv import TransformersBackend
 
 SYSTEM = "You are a careful problem solver. Think step by step and keep each answer short."
 PROBLEM = (
@@ -96,7 +96,10 @@ def build_graph(
         # id would be ignored as a duplicate (LangGraph's task ids are new at every step).
         names = [f"r{state['round']}-b{i}" if named else None for i in range(k)]
         return [
-            Send("think", Branch(messages=state["messages"], branch=name, approach=approach, round=state["round"]))
+            Send(
+                "think",
+                Branch(messages=state["messages"], branch=name, approach=approach, round=state["round"]),
+            )
             for name, approach in zip(names, APPROACHES[:k], strict=True)
         ]
 
@@ -104,11 +107,18 @@ def build_graph(
         branch = task["branch"] or current_branch(config)  # unnamed: the Send task's id
         idea = HumanMessage(f"Idea: {task['approach']} Then give the answer.")
         answer = llm.invoke([SystemMessage(SYSTEM), *task["messages"], idea], branch_config(config, branch))
-        thought = {"branch": branch, "text": str(answer.content), "message_id": answer.id, "round": task["round"]}
+        thought = {
+            "branch": branch,
+            "text": str(answer.content),
+            "message_id": answer.id,
+            "round": task["round"],
+        }
         return {"thoughts": [thought]}
 
     def judge(state: State, config: RunnableConfig) -> dict[str, Any]:
-        thoughts = sorted((t for t in state["thoughts"] if t["round"] == state["round"]), key=lambda t: t["branch"])
+        thoughts = sorted(
+            (t for t in state["thoughts"] if t["round"] == state["round"]), key=lambda t: t["branch"]
+        )
         memory = measure(backend, thread_id, [t["branch"] for t in thoughts])
         best = max(thoughts, key=lambda t: (score(t["text"]), t["branch"]))
         for thought in thoughts:
@@ -187,7 +197,9 @@ def main(
     backend = backend or shared_backend()
     llm = ChatAgentKV(backend=backend, max_new_tokens=max_new_tokens)
     k = max(1, min(k, len(APPROACHES)))
-    graph = with_kv_lifecycle(build_graph(llm, backend, k=k, thread_id=thread_id, named=named), backend=backend)
+    graph = with_kv_lifecycle(
+        build_graph(llm, backend, k=k, thread_id=thread_id, named=named), backend=backend
+    )
     run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
     out: dict[str, Any] = {}
     runs = []
@@ -203,7 +215,9 @@ def main(
         "runs": runs,
         "answer": final.content if isinstance(final, AIMessage) else None,
         "sessions": sorted(s.session_id for s in backend.sessions()),
-        "events": [(sid, type(e).__name__, getattr(e, "branch", None)) for sid, e in graph.agentkv.handler.events],
+        "events": [
+            (sid, type(e).__name__, getattr(e, "branch", None)) for sid, e in graph.agentkv.handler.events
+        ],
         "stats": backend.get(thread_id).stats().to_dict(),
         "device_bytes": backend.device_bytes(),
         "handler_errors": graph.agentkv.handler.errors,
@@ -220,6 +234,9 @@ if __name__ == "__main__":
     print(f"branches' own suffixes: { {b: f'{n:,}' for b, n in memory['branch_own_bytes'].items()} }")
     print(f"device KV with all branches alive, prefix shared:  {memory['alive_bytes']:,} bytes")
     print(f"the same with the prefix copied into every branch: {memory['copied_prefix_bytes']:,} bytes")
-    print(f"after pruning the losers: {memory['after_prune_bytes']:,}; after selecting: {memory['after_select_bytes']:,}")
+    print(
+        f"after pruning the losers: {memory['after_prune_bytes']:,}; "
+        f"after selecting: {memory['after_select_bytes']:,}"
+    )
     print(f"live sessions at the end: {result['sessions']}")
     print("final answer:", (result["answer"] or "")[:200])

@@ -135,16 +135,29 @@ class TransformersBackend:
     # -- global accounting ---------------------------------------------------------------------
 
     def device_bytes(self) -> int:
-        """Device KV bytes across all sessions, shared prefixes counted once."""
+        """Device KV bytes across all sessions, shared prefixes counted once.
+
+        A session enforcing a global budget calls this *while holding its own lock*;
+        if it waited for the other sessions' locks, two sessions doing so at once would
+        deadlock. So a session whose lock is busy is read without it: its tensors are
+        replaced whole, never resized in place, so the figure is exact when the
+        sessions are idle and at most one operation stale while they run.
+        """
         seen: set[tuple[int, int]] = set()
         total = 0
         for session in self.sessions():
-            with session.lock:
-                for tensor in session.store.physical.tensors():
-                    key = (int(tensor.untyped_storage().data_ptr()), int(tensor.storage_offset()))
-                    if key in seen or tensor.numel() == 0:
-                        continue
-                    seen.add(key)
-                    total += tensor.numel() * tensor.element_size()
-                total += session.store.bytes_by_tier().quantized
+            locked = session.lock.acquire(blocking=False)
+            try:
+                tensors = list(session.store.physical.tensors())
+                quantized = session.store.bytes_by_tier().quantized
+            finally:
+                if locked:
+                    session.lock.release()
+            for tensor in tensors:
+                key = (int(tensor.untyped_storage().data_ptr()), int(tensor.storage_offset()))
+                if key in seen or tensor.numel() == 0:
+                    continue
+                seen.add(key)
+                total += tensor.numel() * tensor.element_size()
+            total += quantized
         return total

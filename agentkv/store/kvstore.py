@@ -55,8 +55,11 @@ class KVStore:
 
     def bytes_by_tier(self) -> TierBytes:
         """Exact bytes per tier (sum of `numel * element_size` of the tensors held)."""
-        quantized = sum(b.nbytes for b in self.blocks.values() if isinstance(b, QuantizedBlock))
-        host = sum(b.nbytes for b in self.blocks.values() if isinstance(b, HostBlock))
+        # A snapshot of the blocks: the backend's global accounting may read a busy session
+        # without its lock, and iterating the live dict could see it change size.
+        blocks = list(self.blocks.values())
+        quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
+        host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
         return TierBytes(
             device=self.physical.nbytes(), quantized=quantized, host=host, shared=self.physical.shared_bytes()
         )

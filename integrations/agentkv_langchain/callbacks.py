@@ -300,13 +300,6 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         logger.debug("session %s <- %r", session_id, event)
         return self.backend.apply(session_id, event)
 
-    def _emit(self, session_id: str, event: Event) -> None:
-        """`send` from inside a callback: one failing event is logged and counted, the others still go."""
-        try:
-            self.send(session_id, event)
-        except Exception as e:
-            self._failed(f"{event.name} for session {session_id!r}", e)
-
     def flush(self, session_id: str | None = None, *, thread: str | None = None) -> None:
         """Send the tool outcomes still waiting for their results to be encoded (see the module doc).
 
@@ -567,8 +560,22 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             )
             # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
             self._emit(context.thread, event)
+            pruned = name == PRUNE_BRANCH_EVENT
+            with self._lock:  # settled branches need no more BranchOpened bookkeeping
+                self._branches = {
+                    (t, b)
+                    for t, b in self._branches
+                    if t != context.thread or (b != branch if pruned else b == branch)
+                }
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _emit(self, session_id: str, event: Event) -> None:
+        """`send` from inside a callback: one failing event is logged and counted, the others still go."""
+        try:
+            self.send(session_id, event)
+        except Exception as e:
+            self._failed(f"{event.name} for session {session_id!r}", e)
 
     def _defer(self, session_id: str, event: Event) -> None:
         with self._lock:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest

@@ -1,4 +1,4 @@
-"""The examples as real compiled graphs on the tiny model: the events reach the sessions, the states follow the rules."""
+"""The examples as real compiled graphs on the tiny model: events reach sessions, states follow the rules."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def test_tool_assistant_budget_demotes_released_spans_first(example, tiny_backen
     example = example("tool_assistant")
     free = example.main(tiny_backend, turns=5, max_new_tokens=6, thread_id="free")
     budget_tokens = 900
-    tight = example.main(tiny_backend, turns=5, max_new_tokens=6, thread_id="tight", device_tokens=budget_tokens)
+    tight = example.main(
+        tiny_backend, turns=5, max_new_tokens=6, thread_id="tight", device_tokens=budget_tokens
+    )
     session = tiny_backend.get("tight")
     assert session.config.budget.device_tokens == budget_tokens  # the per-graph config reached the session
     assert tight["stats"]["device_bytes"] < free["stats"]["device_bytes"]
@@ -83,7 +85,12 @@ def test_resume_reruns_the_node_without_duplicate_spans_or_transitions(example, 
     # ...yet every plan has one span, and no span went through the same move twice.
     owners = Counter(s["owner"] for s in result["spans"] if s["owner"] in result["plans"])
     assert owners == {plan: 1 for plan in result["plans"]}
-    moves = [(span, state) for r in result["log"] if r["kind"] == "event" for span, state in r.get("transitions", [])]
+    moves = [
+        (span, state)
+        for r in result["log"]
+        if r["kind"] == "event"
+        for span, state in r.get("transitions", [])
+    ]
     assert len(moves) == len(set(moves))
     applied = [r["event"] for r in result["log"] if r["kind"] == "event" and r["applied"]]
     assert applied.count("user_confirmed") == 1 and applied.count("user_rejected") == 1

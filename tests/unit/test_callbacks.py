@@ -8,6 +8,8 @@ import uuid
 from typing import Any, TypedDict
 
 import pytest
+from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
+from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.runnables import RunnableConfig, RunnableLambda
@@ -29,13 +31,15 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
-from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
-from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
 
 HISTORY = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
     {"role": "tool", "content": "search results: sunny skies in Paris", "tool_call_id": "call_1"},
     {"role": "assistant", "content": "It is sunny.", "id": "answer-1"},
 ]
@@ -232,7 +236,9 @@ def test_helpers_outside_a_run_say_so():
 def test_foreign_custom_events_are_ignored(handler):
     from langchain_core.callbacks import dispatch_custom_event
 
-    RunnableLambda(lambda _: dispatch_custom_event("someone.else", {"x": 1})).invoke(None, run_config(handler))
+    RunnableLambda(lambda _: dispatch_custom_event("someone.else", {"x": 1})).invoke(
+        None, run_config(handler)
+    )
     assert names(handler) == [("t", "TurnEnded")]
 
 
@@ -249,7 +255,9 @@ def test_handler_never_raises_by_default(tiny_model, tiny_tokenizer, caplog):
     handler = KVLifecycleCallbackHandler(Exploding(tiny_model, tiny_tokenizer))
     assert handler.raise_error is False
     with caplog.at_level(logging.WARNING, logger="agentkv.callbacks"):
-        out = RunnableLambda(lambda _: weather.invoke(call("weather", "c1")).content).invoke(None, run_config(handler))
+        out = RunnableLambda(lambda _: weather.invoke(call("weather", "c1")).content).invoke(
+            None, run_config(handler)
+        )
     assert out == "sunny in Paris"
     assert handler.errors == 2  # the tool outcome and the turn end
     assert any("backend exploded" in r.getMessage() for r in caplog.records)
@@ -289,7 +297,9 @@ def test_parallel_runs_from_worker_threads(handler):
         barrier.wait()
         for i in range(per_thread):
             root, child = uuid.uuid4(), uuid.uuid4()
-            handler.on_chain_start({}, {}, run_id=root, metadata={"thread_id": f"t{w}", "agentkv_branch": "b"})
+            handler.on_chain_start(
+                {}, {}, run_id=root, metadata={"thread_id": f"t{w}", "agentkv_branch": "b"}
+            )
             handler.on_tool_start({}, "", run_id=child, parent_run_id=root, tool_call_id=f"c{w}-{i}")
             handler.on_tool_end("x", run_id=child, parent_run_id=root)
             handler.on_chain_end({}, run_id=root)
@@ -354,7 +364,9 @@ def review_graph() -> Any:
     return builder.compile(checkpointer=InMemorySaver())
 
 
-@pytest.mark.parametrize(("verdict", "event"), [("approve", UserConfirmed), ({"type": "reject"}, UserRejected)])
+@pytest.mark.parametrize(
+    ("verdict", "event"), [("approve", UserConfirmed), ({"type": "reject"}, UserRejected)]
+)
 def test_interrupt_then_resume_sends_the_decision(handler, verdict, event):
     graph = review_graph()
     config: RunnableConfig = {"configurable": {"thread_id": "g"}, "callbacks": [handler]}
@@ -380,10 +392,15 @@ def test_hitl_decisions_name_the_message_that_made_the_calls(handler):
     handler.on_chat_model_start({}, [[]], run_id=llm_run, parent_run_id=root)
     handler.on_llm_end(LLMResult(generations=[[ChatGeneration(message=message)]]), run_id=llm_run)
     request = {
-        "action_requests": [{"name": "delete", "args": {"path": "/b"}}, {"name": "delete", "args": {"path": "/a"}}],
+        "action_requests": [
+            {"name": "delete", "args": {"path": "/b"}},
+            {"name": "delete", "args": {"path": "/a"}},
+        ],
         "review_configs": [],
     }
-    interrupt_event = type("E", (), {"run_id": root, "interrupts": (type("I", (), {"id": "i1", "value": request}),)})
+    interrupt_event = type(
+        "E", (), {"run_id": root, "interrupts": (type("I", (), {"id": "i1", "value": request}),)}
+    )
     handler.on_interrupt(interrupt_event)
     handler.on_chain_end({"__interrupt__": []}, run_id=root)
     assert handler.events == []
@@ -399,10 +416,14 @@ def test_hitl_decisions_name_the_message_that_made_the_calls(handler):
     again = uuid.uuid4()
     handler.on_chain_start({}, {}, run_id=again, metadata={"thread_id": "h"})
     value = {"type": "tool_approval", "tool_call_id": "c2", "name": "delete", "args": {"path": "/b"}}
-    handler.on_interrupt(type("E", (), {"run_id": again, "interrupts": (type("I", (), {"id": "i2", "value": value}),)}))
+    handler.on_interrupt(
+        type("E", (), {"run_id": again, "interrupts": (type("I", (), {"id": "i2", "value": value}),)})
+    )
     handler.on_chain_end({}, run_id=again)
     last = uuid.uuid4()
-    handler.on_chain_start({}, Command(resume={"i2": {"type": "approve"}}), run_id=last, metadata={"thread_id": "h"})
+    handler.on_chain_start(
+        {}, Command(resume={"i2": {"type": "approve"}}), run_id=last, metadata={"thread_id": "h"}
+    )
     handler.on_resume(type("R", (), {"run_id": last})())
     assert handler.events[-1] == ("h", UserConfirmed(owner="ai-7"))
     assert handler.errors == 0

@@ -283,7 +283,7 @@ def test_tool_message_span_is_owned_by_its_tool_call_id(llm, backend):
     ]
     llm.bind_tools([get_weather]).invoke(conversation)
     spans = backend.get("default").spans
-    call = next(s for s in spans if s.owner == "a1")
+    call = next(s for s in spans if s.owner == "ai1")
     result = next(s for s in spans if s.kind is SpanKind.TOOL_RESULT)
     assert call.kind is SpanKind.TOOL_CALL
     assert result.owner == "call_abc"
@@ -513,15 +513,26 @@ def test_call_end_counts_brackets_outside_strings():
     assert end.feed("more")  # stays done
 
 
-def test_forced_call_stops_when_the_call_is_complete(llm, backend, monkeypatch):
+def test_forced_call_stops_when_the_call_is_complete(llm, monkeypatch):
     """A model that closes the call and rambles on is cut at the call's last brace."""
+    real_stream = Session.stream
+    script = ["Paris", '"}', "}", " and then", " more", " noise"]
+    served: list[str] = []
 
-    def close_then_ramble(self, **kwargs):
-        yield from ["Paris", '"}', "}", " and then", " more", " noise"]
+    def close_then_ramble(self, *args, **kwargs):
+        inner = real_stream(self, *args, **kwargs)
+        try:
+            next(inner, None)  # the real decode opens the answer's span
+            for piece in script:
+                served.append(piece)
+                yield piece
+        finally:
+            inner.close()
 
     monkeypatch.setattr(Session, "stream", close_then_ramble)
     result = llm.bind_tools([get_weather], tool_choice="any").invoke(HISTORY)
     assert [(c["name"], c["args"]) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert served == ["Paris", '"}', "}"]
     assert result.response_metadata["finish_reason"] == "tool_calls"
 
 

@@ -1,0 +1,72 @@
+"""Each example once on the default model (SmolLM2-135M-Instruct): real answers, real tool calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agentkv import AgentKVConfig, TransformersBackend
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def default_model() -> Iterator[tuple[Any, Any]]:
+    from agentkv import load_model
+
+    yield load_model()
+
+
+@pytest.fixture()
+def backend(default_model) -> TransformersBackend:
+    model, tokenizer = default_model
+    return TransformersBackend(model, tokenizer, AgentKVConfig())
+
+
+def test_tool_assistant_on_the_default_model(example, backend):
+    result = example("tool_assistant").main(backend, turns=10, max_new_tokens=12)
+    assert result["repaired"] == 0  # forced tool choice: the 135M model writes parseable calls
+    assert result["handler_errors"] == 0
+    by_owner = {s["owner"]: s for s in result["spans"]}
+    completed = [t for _, name, t in result["events"] if name == "ToolCallCompleted"]
+    failed = [t for _, name, t in result["events"] if name == "ToolCallFailed"]
+    assert len(completed) == 5 and len(failed) == 1
+    assert all(by_owner[c]["state"] == "committed" for c in completed)
+    assert by_owner[failed[0]]["state"] in ("evictable", "evicted")
+    assert all(s["state"] in ("evictable", "evicted") for s in result["spans"] if s["kind"] == "tool_call")
+    # After the first call, every call reuses the history and encodes only what is new.
+    later = result["calls"][1:]
+    assert all(c["reused_tokens"] > c["prefill_tokens"] for c in later)
+
+
+def test_plan_confirm_on_the_default_model(example, backend):
+    result = example("plan_confirm").main(backend, max_new_tokens=24)
+    rejected, approved = result["plans"]
+    assert result["states"][rejected]["state"] in ("evictable", "evicted")
+    assert result["states"][approved] == {"state": "committed", "tier": "device", "pinned": True}
+    assert result["answer"]
+    assert result["handler_errors"] == 0
+
+
+def test_tree_of_thought_on_the_default_model(example, backend):
+    result = example("tree_of_thought").main(backend, k=3, max_new_tokens=16)
+    memory = result["memory"]
+    assert memory["alive_bytes"] <= memory["prefix_bytes"] + sum(memory["branch_own_bytes"].values())
+    assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
+    losers = [b for b in memory["branch_own_bytes"] if b != result["winner"]]
+    assert memory["after_prune_bytes"] == memory["alive_bytes"] - sum(
+        memory["branch_own_bytes"][b] for b in losers
+    )
+    assert all(t["text"].strip() for t in result["thoughts"])
+    assert result["handler_errors"] == 0
+
+
+def test_plain_langchain_on_the_default_model(example, backend):
+    result = example("plain_langchain").main(backend, max_new_tokens=12)
+    by_owner = {s["owner"]: s for s in result["spans"]}
+    for call_id, outcome in result["tool_calls"].items():
+        assert by_owner[call_id]["state"] == ("committed" if outcome == "ok" else "evictable")
+    assert all(a.strip() for a in result["answers"])
+    assert result["handler_errors"] == 0
