@@ -57,7 +57,7 @@ class ToolCall:
 
     def as_json(self) -> str:
         """The call as the `<tool_call>` protocol writes it."""
-        return json.dumps({"name": self.name, "arguments": dict(self.args)}, sort_keys=True)
+        return json.dumps({"name": self.name, "arguments": dict(self.args)}, sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -134,12 +134,27 @@ def message_fingerprint(
     return hashlib.sha1(payload.encode("utf-8")).hexdigest()
 
 
+def _check_unicode(text: str, where: str) -> str:
+    """Text the tokenizer can encode: a lone surrogate (from bytes decoded with
+    `errors="surrogateescape"`, or a half emoji) makes the Rust tokenizer raise an
+    opaque `TypeError` deep inside the call."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = (
+            f"{where}: not valid Unicode text ({e.reason} {text[e.start]!r} at index {e.start}); "
+            "decode bytes with errors='replace' before sending them"
+        )
+        raise ValueError(msg) from None
+    return text
+
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
+        return _check_unicode(content, f"{where}.content")
+    if isinstance(content, Sequence) and not isinstance(content, bytes | bytearray):
         parts: list[str] = []
         for block in content:
             if isinstance(block, str):
@@ -150,7 +165,7 @@ def _content_text(content: Any, where: str) -> str:
                 kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
                 msg = f"{where}.content: only text content is supported, got a {kind!r} block"
                 raise ValueError(msg)
-        return "".join(parts)
+        return _check_unicode("".join(parts), f"{where}.content")
     msg = f"{where}.content: expected a string or a list of text blocks, got {type(content).__name__}"
     raise TypeError(msg)
 
@@ -158,6 +173,9 @@ def _content_text(content: Any, where: str) -> str:
 def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
     if not raw:
         return ()
+    if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Sequence):
+        msg = f"{where}.tool_calls: expected a list of tool calls, got {type(raw).__name__}"
+        raise TypeError(msg)
     calls: list[ToolCall] = []
     for j, call in enumerate(raw):
         if not isinstance(call, Mapping):
@@ -165,6 +183,9 @@ def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
             raise TypeError(msg)
         if "function" in call:  # OpenAI shape
             function = call["function"]
+            if not isinstance(function, Mapping):
+                msg = f"{where}.tool_calls[{j}].function: expected a mapping, got {type(function).__name__}"
+                raise TypeError(msg)
             args = function.get("arguments", {})
             if isinstance(args, str):
                 try:
@@ -178,7 +199,12 @@ def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
         if not isinstance(name, str) or not name:
             msg = f"{where}.tool_calls[{j}].name: expected a non-empty string, got {name!r}"
             raise ValueError(msg)
-        calls.append(ToolCall(id=str(call.get("id") or f"call_{j}"), name=name, args=dict(args or {})))
+        _check_unicode(name, f"{where}.tool_calls[{j}].name")
+        args = args or {}
+        if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
+            msg = f"{where}.tool_calls[{j}] arguments: expected a mapping with string keys, got {args!r:.60}"
+            raise ValueError(msg)
+        calls.append(ToolCall(id=str(call.get("id") or f"call_{j}"), name=name, args=dict(args)))
     return tuple(calls)
 
 
@@ -292,6 +318,7 @@ class ChatFormat:
         """Token ids of a piece of template text (special tokens written in it are parsed)."""
         if not text:
             return []
+        _check_unicode(text, "text to encode")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def message_texts(self, messages: Sequence[ChatMessage], start: int) -> list[str]:

@@ -14,9 +14,13 @@ Two budget modes:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,7 @@ import torch
 from agentkv.backend.runner import Feed
 from agentkv.chat import ChatMessage
 from agentkv.events import (
+    EVENT_TYPES,
     BranchOpened,
     BranchPruned,
     BranchSelected,
@@ -50,6 +55,56 @@ logger = logging.getLogger("agentkv.lifecycle")
 
 DEMOTED_STATES = frozenset({SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED})
 ATTENTION_DECAY = 0.9
+
+
+def validate_event(event: object) -> None:
+    """Reject what is not a well-formed event, before it reaches the session's state.
+
+    Events come from integrations and user code; a wrong type should be a clear
+    error naming the field, not an `AttributeError` deep in the manager or an
+    "unhashable type" from the idempotence set (events are deduplicated by value).
+
+    Raises:
+        TypeError: `event` is not an `Event`, a field has the wrong type, or the event
+            cannot be hashed (so it could not be applied idempotently).
+    """
+    if not isinstance(event, Event):
+        kinds = ", ".join(cls.__name__ for cls in EVENT_TYPES)
+        msg = f"expected an agentkv Event ({kinds} or Custom), got {type(event).__name__}: {event!r:.80}"
+        raise TypeError(msg)
+    for name, allowed in _field_types(type(event)).items():
+        value = getattr(event, name)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            msg = f"{type(event).__name__}.{name}: expected {names}, got {type(value).__name__} {value!r:.80}"
+            raise TypeError(msg)
+    try:
+        hash(event)
+    except TypeError as e:
+        msg = f"{type(event).__name__} must be hashable to be applied idempotently (a frozen dataclass): {e}"
+        raise TypeError(msg) from e
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
+    """For each field of an event class with a simple annotation, the types it accepts."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a user event with annotations we cannot resolve: no checks
+        return {}
+    out: dict[str, tuple[type, ...]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed: list[type] = []
+        for option in options:
+            origin = typing.get_origin(option) or option  # Mapping[str, Any] -> Mapping
+            if not isinstance(origin, type):
+                break  # an annotation we do not understand: leave the field alone
+            allowed.append(origin)
+        else:
+            out[f.name] = tuple(allowed)
+    return out
 
 
 @dataclass(frozen=True)
@@ -189,6 +244,7 @@ class LifecycleManager:
 
     def apply(self, event: Event) -> ApplyResult:
         """Resolve an event's targets with the rules and move them (idempotent)."""
+        validate_event(event)
         with self._timed("lifecycle_seconds"):
             key = self._event_key(event)
             if key in self.applied:

@@ -382,6 +382,14 @@ class Session:
         message_id: str | None = None,
     ) -> Iterator[str]:
         """Like `generate`, but yields text pieces as they are decoded."""
+        if stop is not None and not isinstance(stop, str | Sequence):
+            msg = f"stop: expected a string or a list of strings, got {type(stop).__name__}"
+            raise TypeError(msg)
+        for name, value in (("prefix", prefix), ("message_id", message_id)):
+            if value is not None and not isinstance(value, str):
+                msg = f"{name}: expected a string, got {type(value).__name__} {value!r:.40}"
+                raise TypeError(msg)
+        prefix = prefix or ""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(
             max_new_tokens=max_new_tokens,

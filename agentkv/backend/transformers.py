@@ -124,6 +124,9 @@ class TransformersBackend:
 
     def apply(self, session_id: str, event: Event) -> Any:
         """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
+        from agentkv.manager import validate_event
+
+        validate_event(event)
         with self._table_lock:
             session = self._sessions.get(session_id)
         if session is None or session.closed:

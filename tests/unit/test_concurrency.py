@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
 
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded, UserConfirmed
 from agentkv.session import Session
@@ -35,6 +36,16 @@ PROBE = [5, 6, 7]
 CONFIG = {"budget": {"device_tokens": 110, "host_tokens": 200}, "archive_tier": "host"}
 
 Op = Callable[[Session, dict[str, Any]], None]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny-model matrices gain nothing from intra-op threads, and on a busy CI machine two
+    spinning OpenMP threads per forward make these many small forwards ~30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def script(i: int) -> list[Op]:

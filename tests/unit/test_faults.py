@@ -38,6 +38,16 @@ TOOL_TURN = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny-model matrices gain nothing from intra-op threads, and on a busy CI machine two
+    spinning OpenMP threads per forward make these many small forwards ~30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make(model: Any, tokenizer: Any, **config: Any) -> TransformersBackend:
     return TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"rules": RULES, **config}))
 
@@ -276,12 +286,23 @@ def test_failed_decode_step_keeps_spans_and_messages_aligned(tiny_model, tiny_to
 # -- a sweep: every site, every tier, a whole conversation ------------------------------------------------------
 
 
-SWEEP = [(site, tier) for site in FAULT_SITES for tier in ("host", "int8", "int4", "drop")]
+SWEEP = [
+    ("offload", "host"),
+    ("host_limit", "host"),
+    ("quantize", "int8"),
+    ("quantize", "int4"),
+    ("restore", "host"),
+    ("restore", "int4"),
+    ("policy", "host"),
+    ("forward", "host"),
+    ("forward", "drop"),  # recall recomputes dropped spans: the rehydrate forwards fail
+]
+"""Each site with the archive tiers that reach it."""
 
 
 @pytest.mark.parametrize(("site", "tier"), SWEEP, ids=[f"{s}-{t}" for s, t in SWEEP])
 def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, site, tier):
-    """Eight agent turns under budget pressure with recall; faults fire on turns 2-5, then stop."""
+    """Seven agent turns under budget pressure with recall; faults fire on turns 2-4, then stop."""
     backend = make(
         tiny_model, tiny_tokenizer, archive_tier=tier, budget={"device_tokens": 140, "host_tokens": 120},
         commit={"keep_ratio": {"tool_result": 0.6}, "min_keep_tokens": 4},
@@ -289,16 +310,16 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     session = backend.session("t")
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
     injected = 0
-    for turn in range(8):
+    for turn in range(7):
         call = f"call_{turn}"
         history += [
             {"role": "user", "content": f"note {turn}: code 44{turn}7; what is the weather?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": call, "name": "weather", "args": {}}]},
             {"role": "tool", "content": f"search results {turn}: sunny skies lorem ipsum", "tool_call_id": call},
         ]
-        if turn == 7:
+        if turn == 6:
             history.append({"role": "user", "content": "which note had code 4417?"})
-        faulty = 2 <= turn <= 5
+        faulty = 2 <= turn <= 4
         with inject_faults(session, site, times=None if faulty else 0) as fault:
             try:
                 session.extend(history)
