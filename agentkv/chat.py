@@ -135,9 +135,11 @@ def message_fingerprint(
 
 
 def _check_unicode(text: str, where: str) -> str:
-    """Text the tokenizer can encode: a lone surrogate (from bytes decoded with
-    `errors="surrogateescape"`, or a half emoji) makes the Rust tokenizer raise an
-    opaque `TypeError` deep inside the call."""
+    """Return `text` if the tokenizer can encode it, else raise a `ValueError` naming `where`.
+
+    A lone surrogate (from bytes decoded with `errors="surrogateescape"`, or half an
+    emoji) makes the Rust tokenizer raise an opaque `TypeError` deep inside the call.
+    """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -175,7 +175,7 @@ def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Span]
 
 def _patch_middle_layer(session: Session, should_fail: Callable[[], bool], what: str) -> Callable[[], None]:
     """Make the middle cache layer's `update` fail, so earlier layers have already grown."""
-    layers = session.store.physical.cache.layers
+    layers = session.store.physical.cache.managed_layers
     layer = layers[len(layers) // 2]
     original = layer.update
 

@@ -15,12 +15,11 @@ Two budget modes:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,13 +84,18 @@ def validate_event(event: object) -> None:
         raise TypeError(msg) from e
 
 
-@functools.cache
+_FIELD_TYPES: dict[type, dict[str, tuple[type, ...]]] = {}
+
+
 def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
-    """For each field of an event class with a simple annotation, the types it accepts."""
+    """For each field of an event class with a simple annotation, the types it accepts (cached)."""
+    cached = _FIELD_TYPES.get(cls)
+    if cached is not None:
+        return cached
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 - a user event with annotations we cannot resolve: no checks
-        return {}
+        hints = {}
     out: dict[str, tuple[type, ...]] = {}
     for f in dataclasses.fields(cls):
         hint = hints.get(f.name)
@@ -104,6 +108,7 @@ def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
             allowed.append(origin)
         else:
             out[f.name] = tuple(allowed)
+    _FIELD_TYPES[cls] = out
     return out
 
 
@@ -853,14 +858,15 @@ class LifecycleManager:
             physical.slot_position.tolist(),
             strict=True,
         ):
-            span = by_id.get(slot_span)
-            if span is None:
+            owner = by_id.get(slot_span)
+            if owner is None:
                 problems.append(f"physical slot holds unknown span {slot_span}")
                 continue
             offsets.setdefault(slot_span, []).append(offset)
-            if position != span.start + offset:
+            if position != owner.start + offset:
                 problems.append(
-                    f"span {slot_span} offset {offset} at position {position}, expected {span.start + offset}"
+                    f"span {slot_span} offset {offset} at position {position}, "
+                    f"expected {owner.start + offset}"
                 )
         for span in session.spans:
             held = sorted(offsets.get(span.span_id, []))
@@ -868,7 +874,8 @@ class LifecycleManager:
             if span.tier is Tier.DEVICE:
                 if held != span.kept_offsets:
                     problems.append(
-                        f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} (its kept offsets)"
+                        f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} "
+                        "(its kept offsets)"
                     )
                 if block is not None:
                     problems.append(f"device span {span.span_id} also has an archived block")

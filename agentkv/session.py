@@ -520,6 +520,8 @@ class Session:
             self._check_open()
             if self._pending_feed().input_ids:
                 self._prefill()
+                # Encoding the pending tail (e.g. a generated answer's end of turn) grew the cache.
+                self.lifecycle.after_operation()
             start = self.logical_length
             ids = list(token_ids)
             feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
@@ -574,7 +576,8 @@ class Session:
 
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:
-            parent._prefill()
+            if parent._prefill():
+                parent.lifecycle.after_operation()
             self.store.physical = parent.store.physical.fork()
             for span in parent.spans:
                 clone = Span(

@@ -153,7 +153,10 @@ def run_soak(
     window = int(context_tokens or min(int(positions), 2048))
     device_tokens = max(16, int(budget_fraction * window))
     config = AgentKVConfig.from_dict(
-        {"budget": {"device_tokens": device_tokens, "host_tokens": max(16, window // 2)}, "archive_tier": "host"}
+        {
+            "budget": {"device_tokens": device_tokens, "host_tokens": max(16, window // 2)},
+            "archive_tier": "host",
+        }
     )
     backend = TransformersBackend(model, tokenizer, config)
     session = backend.session("soak")
@@ -191,11 +194,13 @@ def run_soak(
         if turn % TOOL_EVERY == 0:
             call_id = f"call_{turn}"
             city = _CITIES[turn % len(_CITIES)]
-            history.append({
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": call_id, "name": "search", "args": {"query": f"weather {city}"}}],
-            })
+            history.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": call_id, "name": "search", "args": {"query": f"weather {city}"}}],
+                }
+            )
             failed = (turn // TOOL_EVERY) % FAILED_EVERY == 0
             result = "error: upstream timeout" if failed else noisy_document(rng, "weather", city, tool_words)
             history.append({"role": "tool", "content": result, "tool_call_id": call_id})
@@ -276,7 +281,9 @@ def run_soak(
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2))
+    (out / "soak.json").write_text(
+        json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2)
+    )
     plot_soak(rows, high_bytes, host_limit, out / "soak.png")
     return summary
 

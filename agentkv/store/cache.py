@@ -250,8 +250,10 @@ class PhysicalCache:
                 and torch.equal(keep[:prefix_len], torch.arange(prefix_len))
             ):
                 own_index = (keep[prefix_len:] - prefix_len).to(full[0].device)
-                layer.keys = layer.keys.index_select(-2, own_index)
-                layer.values = layer.values.index_select(-2, own_index)
+                own_keys, own_values = layer.keys, layer.values
+                if own_keys is not None and own_values is not None:
+                    layer.keys = own_keys.index_select(-2, own_index)
+                    layer.values = own_values.index_select(-2, own_index)
                 continue
             layer.set_all(full[0].index_select(-2, index), full[1].index_select(-2, index))
         self.slot_span = self.slot_span[keep]
@@ -268,8 +270,8 @@ class PhysicalCache:
         """
         before = self.length
         try:
-            for layer_idx, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
-                self.cache.layers[layer_idx].update(k, v)
+            for layer, k, v in zip(self.cache.managed_layers, block.keys, block.values, strict=True):
+                layer.update(k, v)
             n = block.num_tokens
             self.record_append(
                 torch.full((n,), span_id, dtype=torch.long),

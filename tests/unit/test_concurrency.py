@@ -68,11 +68,21 @@ def script(i: int) -> list[Op]:
         return run
 
     def tool_turn(s: Session, out: dict[str, Any]) -> None:
-        history.extend([
-            {"role": "user", "content": f"what is the weather in city {i}?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": call, "name": "weather", "args": {"n": i}}]},
-            {"role": "tool", "content": f"search results {i}: sunny skies " * (1 + i % 3), "tool_call_id": call},
-        ])
+        history.extend(
+            [
+                {"role": "user", "content": f"what is the weather in city {i}?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": call, "name": "weather", "args": {"n": i}}],
+                },
+                {
+                    "role": "tool",
+                    "content": f"search results {i}: sunny skies " * (1 + i % 3),
+                    "tool_call_id": call,
+                },
+            ]
+        )
         s.extend(history)
 
     def last(s: Session, out: dict[str, Any]) -> None:
@@ -195,7 +205,9 @@ def run_interleaved(backend: TransformersBackend, *, monitor: bool = True) -> li
         ready.put(None)
     for thread in threads:
         thread.join(timeout=5)
-    assert finished, f"deadlock or stall: {remaining[0]} sessions unfinished after {TIMEOUT_S}s, steps {steps}"
+    assert finished, (
+        f"deadlock or stall: {remaining[0]} sessions unfinished after {TIMEOUT_S}s, steps {steps}"
+    )
     if errors:
         raise errors[0]
     assert sum(steps) == SESSIONS * len(scripts[0])

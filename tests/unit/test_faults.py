@@ -33,7 +33,11 @@ RULES = {"custom:arch": {"owner": "archive"}, "custom:drop": {"owner": "evict"}}
 TOOL_TURN = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
     {"role": "tool", "content": "search results: sunny skies " * 6, "tool_call_id": "call_1"},
 ]
 
@@ -65,7 +69,9 @@ def assert_exact(session: Any, model: Any, probe: tuple[int, ...] = (5, 6, 7)) -
     """Continuation logits over the managed cache equal a plain forward of every token."""
     managed = session.continuation_logits(list(probe))
     with torch.inference_mode():
-        reference = model(input_ids=torch.tensor([session.token_ids() + list(probe)])).logits[0, -len(probe) :]
+        reference = model(input_ids=torch.tensor([session.token_ids() + list(probe)])).logits[
+            0, -len(probe) :
+        ]
     assert (managed - reference.float()).abs().max().item() <= TOL
 
 
@@ -73,7 +79,7 @@ def fault_records(session: Any) -> list[dict[str, Any]]:
     return [r.detail for r in session.log if r.kind == "fault"]
 
 
-# -- the helper itself ----------------------------------------------------------------------------------
+# -- the helper itself -----------------------------------------------------------------------------
 
 
 def test_inject_faults_touches_one_session_and_always_undoes(tiny_model, tiny_tokenizer):
@@ -99,7 +105,10 @@ def test_inject_faults_touches_one_session_and_always_undoes(tiny_model, tiny_to
 
 def test_inject_faults_rejects_bad_arguments(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer).session("t")
-    with pytest.raises(ValueError, match="unknown site 'disk'.*allowed: offload"), inject_faults(session, "disk"):
+    with (
+        pytest.raises(ValueError, match="unknown site 'disk'.*allowed: offload"),
+        inject_faults(session, "disk"),
+    ):
         pass
     with pytest.raises(ValueError, match="times must be"), inject_faults(session, "offload", times=-1):
         pass
@@ -108,17 +117,21 @@ def test_inject_faults_rejects_bad_arguments(tiny_model, tiny_tokenizer):
         pass
 
 
-# -- offload, host limit, quantization: the span stays on the device -------------------------------------
+# -- offload, host limit, quantization: the span stays on the device -------------------------------
 
 
 @pytest.mark.parametrize(
-    ("site", "tier"), [("offload", "host"), ("host_limit", "host"), ("quantize", "int8"), ("quantize", "int4")]
+    ("site", "tier"),
+    [("offload", "host"), ("host_limit", "host"), ("quantize", "int8"), ("quantize", "int4")],
 )
 def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, site, tier, caplog):
     backend = make(tiny_model, tiny_tokenizer, archive_tier=tier, budget={"device_tokens": 120})
     session = backend.session("t")
     history = notes(5)
-    with caplog.at_level(logging.WARNING, logger="agentkv"), inject_faults(session, site, times=None) as fault:
+    with (
+        caplog.at_level(logging.WARNING, logger="agentkv"),
+        inject_faults(session, site, times=None) as fault,
+    ):
         for end in range(3, len(history) + 1, 2):
             session.extend(history[:end])
             session.check()
@@ -155,7 +168,7 @@ def test_real_host_limit_is_a_recorded_fault(tiny_model, tiny_tokenizer):
     assert_exact(session, tiny_model)
 
 
-# -- restore: recomputed from the token ids --------------------------------------------------------------
+# -- restore: recomputed from the token ids --------------------------------------------------------
 
 
 @pytest.mark.parametrize("bring_back", ["move", "pin", "confirm", "recall"])
@@ -215,11 +228,13 @@ def test_failed_rehydrate_keeps_the_span_evicted_until_it_works(tiny_model, tiny
     assert_exact(session, tiny_model)
 
 
-# -- policy: the whole span is kept ------------------------------------------------------------------------
+# -- policy: the whole span is kept ----------------------------------------------------------------
 
 
 def test_failing_policy_at_commit_keeps_the_whole_span(tiny_model, tiny_tokenizer):
-    backend = make(tiny_model, tiny_tokenizer, commit={"keep_ratio": {"tool_result": 0.5}, "min_keep_tokens": 2})
+    backend = make(
+        tiny_model, tiny_tokenizer, commit={"keep_ratio": {"tool_result": 0.5}, "min_keep_tokens": 2}
+    )
     session = backend.session("t")
     session.extend(TOOL_TURN)
     with inject_faults(session, "policy", times=None) as fault:
@@ -246,7 +261,7 @@ def test_failing_token_mode_policy_drops_nothing(tiny_model, tiny_tokenizer):
     session.check()
 
 
-# -- forwards: the operation fails cleanly, the session stays usable ----------------------------------------------
+# -- forwards: the operation fails cleanly, the session stays usable -------------------------------
 
 
 def test_failed_prefill_leaves_nothing_half_written(tiny_model, tiny_tokenizer):
@@ -283,7 +298,7 @@ def test_failed_decode_step_keeps_spans_and_messages_aligned(tiny_model, tiny_to
     session.check()
 
 
-# -- a sweep: every site, every tier, a whole conversation ------------------------------------------------------
+# -- a sweep: every site, every tier, a whole conversation -----------------------------------------
 
 
 SWEEP = [
@@ -304,7 +319,10 @@ SWEEP = [
 def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, site, tier):
     """Seven agent turns under budget pressure with recall; faults fire on turns 2-4, then stop."""
     backend = make(
-        tiny_model, tiny_tokenizer, archive_tier=tier, budget={"device_tokens": 140, "host_tokens": 120},
+        tiny_model,
+        tiny_tokenizer,
+        archive_tier=tier,
+        budget={"device_tokens": 140, "host_tokens": 120},
         commit={"keep_ratio": {"tool_result": 0.6}, "min_keep_tokens": 4},
     )
     session = backend.session("t")
@@ -315,7 +333,11 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
         history += [
             {"role": "user", "content": f"note {turn}: code 44{turn}7; what is the weather?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": call, "name": "weather", "args": {}}]},
-            {"role": "tool", "content": f"search results {turn}: sunny skies lorem ipsum", "tool_call_id": call},
+            {
+                "role": "tool",
+                "content": f"search results {turn}: sunny skies lorem ipsum",
+                "tool_call_id": call,
+            },
         ]
         if turn == 6:
             history.append({"role": "user", "content": "which note had code 4417?"})

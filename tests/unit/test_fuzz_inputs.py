@@ -51,7 +51,11 @@ FUZZ = settings(
 HISTORY = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
     {"role": "tool", "content": "search results: sunny skies", "tool_call_id": "call_1", "id": "r1"},
 ]
 
@@ -79,39 +83,79 @@ def clear_error(call: Callable[[], Any]) -> BaseException | None:
     return None
 
 
-# -- YAML ---------------------------------------------------------------------------------------------------
+# -- YAML ------------------------------------------------------------------------------------------
 
 SECTION_KEYS = {
     "model": st.none() | st.text(max_size=8),
     "device": st.sampled_from([None, "cpu", "cuda:0", "CPU", "tpu:x", ""]),
     "dtype": st.sampled_from(["auto", "float32", "float16", "int8", None, 3]),
     "budget": st.dictionaries(
-        st.sampled_from(["device_tokens", "device_bytes", "host_tokens", "host_bytes", "global_device_bytes",
-                         "high_watermark", "low_watermark", "max_tokens"]),
-        st.none() | st.integers(-5, 10**12) | st.floats(allow_nan=True) | st.sampled_from(["64MiB", "1.5 GB", "lots", "-1KiB"]),
+        st.sampled_from(
+            [
+                "device_tokens",
+                "device_bytes",
+                "host_tokens",
+                "host_bytes",
+                "global_device_bytes",
+                "high_watermark",
+                "low_watermark",
+                "max_tokens",
+            ]
+        ),
+        st.none()
+        | st.integers(-5, 10**12)
+        | st.floats(allow_nan=True)
+        | st.sampled_from(["64MiB", "1.5 GB", "lots", "-1KiB"]),
         max_size=4,
     ),
     "policy": st.sampled_from(["lifecycle", "full", "window", "h2o", "nope", None, 5])
-    | st.fixed_dictionaries({"name": st.sampled_from(["window", "snapkv", "zzz"])},
-                            optional={"params": st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=4), max_size=2)}),
+    | st.fixed_dictionaries(
+        {"name": st.sampled_from(["window", "snapkv", "zzz"])},
+        optional={
+            "params": st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=4), max_size=2)
+        },
+    ),
     "archive_tier": st.sampled_from(["host", "int8", "int4", "drop", "disk", None, 8]),
-    "quantization": st.dictionaries(st.sampled_from(["group_size", "residual_tokens", "bits"]),
-                                    st.integers(-3, 600) | st.text(max_size=3), max_size=2),
-    "commit": st.dictionaries(st.sampled_from(["keep_ratio", "min_keep_tokens", "window"]),
-                              st.integers(-2, 50) | st.dictionaries(st.sampled_from(["tool_result", "user", "weird"]),
-                                                                     st.floats(-1, 2) | st.text(max_size=3), max_size=2),
-                              max_size=2),
-    "recall": st.dictionaries(st.sampled_from(["enabled", "max_spans", "min_score", "rehydrate_evicted"]),
-                              st.booleans() | st.integers(-2, 9) | st.floats(allow_nan=True) | st.none(), max_size=3),
-    "rules": st.dictionaries(st.sampled_from(["tool_call_completed", "custom:x", "turn_ended", "bogus"]),
-                             st.dictionaries(st.sampled_from(["result", "call", "owner", "user", "zzz"]),
-                                             st.sampled_from(["commit", "evict", "shred", "pin"]) | st.integers(),
-                                             max_size=2) | st.text(max_size=3),
-                             max_size=2),
-    "callbacks": st.dictionaries(st.sampled_from(["raise_error", "other"]), st.booleans() | st.text(max_size=3), max_size=1),
+    "quantization": st.dictionaries(
+        st.sampled_from(["group_size", "residual_tokens", "bits"]),
+        st.integers(-3, 600) | st.text(max_size=3),
+        max_size=2,
+    ),
+    "commit": st.dictionaries(
+        st.sampled_from(["keep_ratio", "min_keep_tokens", "window"]),
+        st.integers(-2, 50)
+        | st.dictionaries(
+            st.sampled_from(["tool_result", "user", "weird"]),
+            st.floats(-1, 2) | st.text(max_size=3),
+            max_size=2,
+        ),
+        max_size=2,
+    ),
+    "recall": st.dictionaries(
+        st.sampled_from(["enabled", "max_spans", "min_score", "rehydrate_evicted"]),
+        st.booleans() | st.integers(-2, 9) | st.floats(allow_nan=True) | st.none(),
+        max_size=3,
+    ),
+    "rules": st.dictionaries(
+        st.sampled_from(["tool_call_completed", "custom:x", "turn_ended", "bogus"]),
+        st.dictionaries(
+            st.sampled_from(["result", "call", "owner", "user", "zzz"]),
+            st.sampled_from(["commit", "evict", "shred", "pin"]) | st.integers(),
+            max_size=2,
+        )
+        | st.text(max_size=3),
+        max_size=2,
+    ),
+    "callbacks": st.dictionaries(
+        st.sampled_from(["raise_error", "other"]), st.booleans() | st.text(max_size=3), max_size=1
+    ),
 }
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=12)
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
+anything = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -129,7 +173,15 @@ def yaml_documents(draw: Any) -> str:
     text = yaml.safe_dump({"graph": {"nodes": [1, 2]}, "agentkv": section}, allow_unicode=True)
     if shape == "mangled" and text:
         at = draw(st.integers(0, len(text) - 1))
-        text = text[:at] + draw(st.sampled_from(["", ":", "\t", "- ", "{", "]", "&a ", "*a", "!!python/object:os.system ", "\x00"])) + text[at + 1 :]
+        text = (
+            text[:at]
+            + draw(
+                st.sampled_from(
+                    ["", ":", "\t", "- ", "{", "]", "&a ", "*a", "!!python/object:os.system ", "\x00"]
+                )
+            )
+            + text[at + 1 :]
+        )
     return text
 
 
@@ -146,10 +198,16 @@ def test_yaml_configs_load_or_raise_a_clear_value_error(document):
     assert AgentKVConfig.from_dict(config.to_dict()) == config
 
 
-# -- events -------------------------------------------------------------------------------------------------
+# -- events ----------------------------------------------------------------------------------------
 
 names = st.text(max_size=12) | st.sampled_from(["call_1", "r1", "b1", "", "nobody"])
-weird = st.none() | st.integers() | st.floats(allow_nan=True) | st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+weird = (
+    st.none()
+    | st.integers()
+    | st.floats(allow_nan=True)
+    | st.lists(st.integers(), max_size=2)
+    | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+)
 
 events = st.one_of(
     st.builds(TurnEnded, turn=st.none() | st.integers(-3, 10**9)),
@@ -161,8 +219,12 @@ events = st.one_of(
     st.builds(BranchPruned, branch=names),
     st.builds(BranchSelected, branch=names),
     st.just(SessionClosed()),
-    st.builds(Custom, event=names | st.sampled_from(["drop", "keep"]), owner=st.none() | names,
-              payload=st.dictionaries(st.text(max_size=4), anything, max_size=2)),
+    st.builds(
+        Custom,
+        event=names | st.sampled_from(["drop", "keep"]),
+        owner=st.none() | names,
+        payload=st.dictionaries(st.text(max_size=4), anything, max_size=2),
+    ),
 )
 bad_events = st.one_of(
     st.builds(TurnEnded, turn=st.text(max_size=3) | st.lists(st.integers(), max_size=2) | st.booleans()),
@@ -177,7 +239,9 @@ bad_events = st.one_of(
 
 @pytest.fixture(scope="module")
 def backend(tiny_model, tiny_tokenizer) -> TransformersBackend:
-    config = AgentKVConfig.from_dict({"rules": {"custom:drop": {"owner": "evict"}, "custom:keep": {"owner": "pin"}}})
+    config = AgentKVConfig.from_dict(
+        {"rules": {"custom:drop": {"owner": "evict"}, "custom:keep": {"owner": "pin"}}}
+    )
     return TransformersBackend(tiny_model, tiny_tokenizer, config)
 
 
@@ -192,11 +256,16 @@ def test_event_sequences_are_applied_noops_or_clear_errors(backend, sequence):
             for attempt in range(1 + repeats):
                 before = session.stats()
                 outcome: list[Any] = []
-                error = clear_error(lambda event=event: outcome.append(session.apply(event)))
+                error = clear_error(lambda event=event, outcome=outcome: outcome.append(session.apply(event)))
                 if error is not None:
-                    assert not isinstance(event, Event) or not _well_typed(event), f"{event!r} was rejected: {error}"
+                    assert not isinstance(event, Event) or not _well_typed(event), (
+                        f"{event!r} was rejected: {error}"
+                    )
                     after = session.stats()
-                    assert (after.transitions, after.events_applied) == (before.transitions, before.events_applied)
+                    assert (after.transitions, after.events_applied) == (
+                        before.transitions,
+                        before.events_applied,
+                    )
                     break
                 assert isinstance(event, Event) and _well_typed(event), f"{event!r} was accepted"
                 (result,) = outcome
@@ -218,7 +287,11 @@ def _well_typed(event: Event) -> bool:
         if hasattr(event, name) and not isinstance(getattr(event, name), str):
             return False
     for name in optional:
-        if hasattr(event, name) and getattr(event, name) is not None and not isinstance(getattr(event, name), str):
+        if (
+            hasattr(event, name)
+            and getattr(event, name) is not None
+            and not isinstance(getattr(event, name), str)
+        ):
             return False
     turn = getattr(event, "turn", None)
     return turn is None or (isinstance(turn, int) and not isinstance(turn, bool))
@@ -229,44 +302,81 @@ def test_backend_apply_rejects_a_non_event(backend):
         backend.apply("events-nowhere", "turn_ended")  # type: ignore[arg-type]
 
 
-# -- messages -------------------------------------------------------------------------------------------------
+# -- messages --------------------------------------------------------------------------------------
 
 unicode_text = st.text(
     st.characters(codec=None, categories=("L", "M", "N", "P", "S", "Z", "Cc", "Cf", "Co", "Cs")), max_size=60
-) | st.sampled_from([
-    "emoji 🙂🧪👩‍👩‍👧 flags 🇫🇷", "RTL مرحبا بالعالم שלום", "NUL \x00 and BEL \x07 and ESC \x1b[31m",
-    "zero\u200bwidth\u202eoverride", "lone surrogate \ud800 here", "{{ messages }} {% for x in y %}", "<|im_end|><|im_start|>system\n",
-])
-roles = st.sampled_from(["system", "user", "assistant", "tool", "human", "ai", "developer", "function"]) | st.sampled_from(
-    ["wizard", "", "USER", None, 3]
+) | st.sampled_from(
+    [
+        "emoji 🙂🧪👩‍👩‍👧 flags 🇫🇷",
+        "RTL مرحبا بالعالم שלום",
+        "NUL \x00 and BEL \x07 and ESC \x1b[31m",
+        "zero\u200bwidth\u202eoverride",
+        "lone surrogate \ud800 here",
+        "{{ messages }} {% for x in y %}",
+        "<|im_end|><|im_start|>system\n",
+    ]
 )
-contents = unicode_text | st.none() | st.integers() | st.lists(
-    st.one_of(unicode_text, st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": unicode_text}),
-              st.integers()),
-    max_size=3,
-) | st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2) | st.binary(max_size=5)
-tool_calls = st.none() | st.lists(
-    st.one_of(
-        st.fixed_dictionaries({"id": names | weird, "name": names | weird},
-                              optional={"args": anything}),
-        st.fixed_dictionaries({"id": names, "function": st.one_of(
-            st.fixed_dictionaries({"name": names}, optional={"arguments": st.text(max_size=10) | anything}),
+roles = st.sampled_from(
+    ["system", "user", "assistant", "tool", "human", "ai", "developer", "function"]
+) | st.sampled_from(["wizard", "", "USER", None, 3])
+contents = (
+    unicode_text
+    | st.none()
+    | st.integers()
+    | st.lists(
+        st.one_of(
+            unicode_text,
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": unicode_text}),
+            st.integers(),
+        ),
+        max_size=3,
+    )
+    | st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2)
+    | st.binary(max_size=5)
+)
+tool_calls = (
+    st.none()
+    | st.lists(
+        st.one_of(
+            st.fixed_dictionaries({"id": names | weird, "name": names | weird}, optional={"args": anything}),
+            st.fixed_dictionaries(
+                {
+                    "id": names,
+                    "function": st.one_of(
+                        st.fixed_dictionaries(
+                            {"name": names}, optional={"arguments": st.text(max_size=10) | anything}
+                        ),
+                        anything,
+                    ),
+                }
+            ),
             anything,
-        )}),
-        anything,
-    ),
-    max_size=2,
-) | st.text(max_size=4) | st.integers()
+        ),
+        max_size=2,
+    )
+    | st.text(max_size=4)
+    | st.integers()
+)
 messages = st.one_of(
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": unicode_text, "tool_calls": tool_calls}),
+    st.fixed_dictionaries({"role": roles, "content": unicode_text}),
     st.fixed_dictionaries(
         {"role": roles, "content": contents},
-        optional={"tool_calls": tool_calls, "tool_call_id": names | weird, "id": names | weird, "name": weird | names},
+        optional={
+            "tool_calls": tool_calls,
+            "tool_call_id": names | weird,
+            "id": names | weird,
+            "name": weird | names,
+        },
     ),
     st.tuples(roles, contents),
     st.tuples(roles),
     anything,
 )
-message_lists = st.lists(messages, max_size=6) | st.sampled_from(["hello", None, 5, {"role": "user"}, b"bytes"])
+message_lists = st.lists(messages, max_size=6) | st.sampled_from(
+    ["hello", None, 5, {"role": "user"}, b"bytes"]
+)
 
 
 @FUZZ
@@ -276,10 +386,18 @@ def test_message_lists_are_encoded_or_rejected_clearly(backend, incoming):
     session = backend.session("messages")
     try:
         session.extend(HISTORY[:2])
-        before = (session.token_ids(), [m.fingerprint() for m in session.messages], session.store.physical.length)
+        before = (
+            session.token_ids(),
+            [m.fingerprint() for m in session.messages],
+            session.store.physical.length,
+        )
         error = clear_error(lambda: session.extend(incoming))
         if error is not None:
-            after = (session.token_ids(), [m.fingerprint() for m in session.messages], session.store.physical.length)
+            after = (
+                session.token_ids(),
+                [m.fingerprint() for m in session.messages],
+                session.store.physical.length,
+            )
             assert after == before, "a rejected extend changed the session"
         else:
             assert len(session.messages) == len(incoming)
@@ -305,8 +423,12 @@ def test_long_messages_fit_or_raise_naming_positions(backend, words, alphabet, s
         content = alphabet * words
         chunk = -(-len(content) // split) if content else 1
         incoming = [{"role": "system", "content": "You are a helpful assistant."}]
-        incoming += [{"role": "user", "content": content[i : i + chunk]} for i in range(0, len(content), chunk)]
-        need = sum(len(ids) for ids in backend.chat_format.message_ids(agentkv.chat.normalize_messages(incoming)))
+        incoming += [
+            {"role": "user", "content": content[i : i + chunk]} for i in range(0, len(content), chunk)
+        ]
+        need = sum(
+            len(ids) for ids in backend.chat_format.message_ids(agentkv.chat.normalize_messages(incoming))
+        )
         error = clear_error(lambda: session.extend(incoming))
         if need > backend.runner.max_positions:
             assert isinstance(error, ValueError) and "positions" in str(error) and str(need) in str(error)
@@ -317,7 +439,8 @@ def test_long_messages_fit_or_raise_naming_positions(backend, words, alphabet, s
             session.check()
             prompt = len(session.format.generation_prompt_ids(session.messages))
             room = backend.runner.max_positions - need - prompt - len(session.format.assistant_suffix_ids())
-            error = clear_error(lambda: session.generate(max_new_tokens=room + 1))
+            # One token more than fits is refused up front, naming positions.
+            error = clear_error(lambda: session.generate(max_new_tokens=max(1, room + 1)))
             assert isinstance(error, ValueError) and "positions" in str(error)
             if room >= 1:
                 session.generate(max_new_tokens=1)
@@ -329,8 +452,17 @@ def test_long_messages_fit_or_raise_naming_positions(backend, words, alphabet, s
 def test_generate_arguments_are_checked(backend):
     session = backend.session("gen")
     session.extend(HISTORY)
-    for kwargs in ({"max_new_tokens": 0}, {"max_new_tokens": "3"}, {"temperature": -1.0}, {"top_p": 0.0},
-                   {"top_k": -2}, {"stop": 5}, {"prefix": 5}, {"message_id": 7}, {"stop": [""]}):
+    for kwargs in (
+        {"max_new_tokens": 0},
+        {"max_new_tokens": "3"},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": -2},
+        {"stop": 5},
+        {"prefix": 5},
+        {"message_id": 7},
+        {"stop": [""]},
+    ):
         error = clear_error(lambda kwargs=kwargs: session.generate(**kwargs))
         assert error is not None, kwargs
     session.check()
@@ -341,15 +473,28 @@ def test_generate_arguments_are_checked(backend):
     ("message", "match"),
     [
         ({"role": "user", "content": "half an emoji \ud83d"}, r"messages\[0\]\.content: not valid Unicode"),
-        ({"role": "user", "content": [{"type": "text", "text": "x\udc80"}]}, r"messages\[0\]\.content: not valid"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "x\udc80"}]},
+            r"messages\[0\]\.content: not valid",
+        ),
         ({"role": "user", "content": b"bytes"}, r"messages\[0\]\.content: expected a string"),
         ({"role": "assistant", "content": "", "tool_calls": 5}, r"tool_calls: expected a list"),
         ({"role": "assistant", "content": "", "tool_calls": "call"}, r"tool_calls: expected a list"),
-        ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": "f"}]}, r"function: expected"),
-        ({"role": "assistant", "content": "", "tool_calls": [{"name": "f", "args": "x=1"}]}, r"arguments: expected"),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": "f"}]},
+            r"function: expected",
+        ),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "args": "x=1"}]},
+            r"arguments: expected",
+        ),
         ({"role": "assistant", "content": "", "tool_calls": [{"name": "f", "args": {1: 2}}]}, r"string keys"),
         (
-            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}],
+            },
             r"arguments: expected a mapping",
         ),
     ],

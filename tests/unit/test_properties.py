@@ -29,7 +29,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from agentkv import (
     AgentKVConfig,
@@ -64,8 +71,27 @@ MAX_LOGICAL = 1300
 """Stop adding messages past this many tokens: the tiny model has 2048 positions."""
 
 WORDS = [
-    "the", "user", "asked", "weather", "Paris", "sunny", "code", "4417", "tracking", "ZX-99",
-    "lorem", "ipsum", "dolor", "tool", "result", "number", "remember", "secret", "0123456789", "é", "🙂",
+    "the",
+    "user",
+    "asked",
+    "weather",
+    "Paris",
+    "sunny",
+    "code",
+    "4417",
+    "tracking",
+    "ZX-99",
+    "lorem",
+    "ipsum",
+    "dolor",
+    "tool",
+    "result",
+    "number",
+    "remember",
+    "secret",
+    "0123456789",
+    "é",
+    "🙂",
 ]
 CUSTOM_RULES = {
     "custom:drop": {"owner": "evict"},
@@ -106,7 +132,10 @@ def configs(draw: Any) -> dict[str, Any]:
         "policy": policy,
         "budget": budget,
         "archive_tier": draw(st.sampled_from(["host", "int8", "int4", "drop"])),
-        "quantization": {"group_size": draw(st.sampled_from([8, 16, 32])), "residual_tokens": draw(st.integers(0, 4))},
+        "quantization": {
+            "group_size": draw(st.sampled_from([8, 16, 32])),
+            "residual_tokens": draw(st.integers(0, 4)),
+        },
         "commit": {"keep_ratio": keep_ratio, "min_keep_tokens": draw(st.integers(1, 8))},
         "recall": {
             "enabled": draw(st.booleans()),
@@ -160,14 +189,32 @@ def assert_accounting(session: Any) -> None:
 def span_snapshot(session: Any) -> tuple[Any, ...]:
     """Everything an event may change (states, tiers, kept tokens, pins, bytes, counters)."""
     spans = tuple(
-        (s.span_id, s.state, s.tier, tuple(s.kept or ()), s.kept is None, frozenset(s.leases), s.n_computed,
-         tuple(s.token_ids), s.frozen)
+        (
+            s.span_id,
+            s.state,
+            s.tier,
+            tuple(s.kept or ()),
+            s.kept is None,
+            frozenset(s.leases),
+            s.n_computed,
+            tuple(s.token_ids),
+            s.frozen,
+        )
         for s in session.spans
     )
     stats = session.stats()
-    counters = (stats.device_bytes, stats.quantized_bytes, stats.host_bytes, stats.prefill_tokens,
-                stats.transitions, stats.faults, stats.compressed_tokens, stats.rehydrated_tokens,
-                stats.restored_tokens, stats.events_applied)
+    counters = (
+        stats.device_bytes,
+        stats.quantized_bytes,
+        stats.host_bytes,
+        stats.prefill_tokens,
+        stats.transitions,
+        stats.faults,
+        stats.compressed_tokens,
+        stats.rehydrated_tokens,
+        stats.restored_tokens,
+        stats.events_applied,
+    )
     return spans, counters, tuple(sorted(session.leases))
 
 
@@ -296,9 +343,23 @@ class SessionMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from([*self.owners, *self.call_ids, "nobody", "call_unknown"]))
 
     def _event(self, data: st.DataObject) -> Event:
-        kind = data.draw(st.sampled_from([
-            "turn", "turn_n", "done", "failed", "confirm", "reject", "open", "prune", "select", "closed", "custom",
-        ]))
+        kind = data.draw(
+            st.sampled_from(
+                [
+                    "turn",
+                    "turn_n",
+                    "done",
+                    "failed",
+                    "confirm",
+                    "reject",
+                    "open",
+                    "prune",
+                    "select",
+                    "closed",
+                    "custom",
+                ]
+            )
+        )
         turn = self.session.turn
         if kind == "turn":
             return TurnEnded()
@@ -312,7 +373,9 @@ class SessionMachine(RuleBasedStateMachine):
             return UserConfirmed(owner) if kind == "confirm" else UserRejected(owner)
         if kind in ("open", "prune", "select"):
             branch = data.draw(st.sampled_from(["b1", "b2"]))
-            return {"open": BranchOpened, "prune": BranchPruned, "select": BranchSelected}[kind](branch=branch)
+            return {"open": BranchOpened, "prune": BranchPruned, "select": BranchSelected}[kind](
+                branch=branch
+            )
         if kind == "closed":
             return SessionClosed()
         return Custom(event=data.draw(st.sampled_from(CUSTOM_NAMES)), owner=self._owner(data))
@@ -373,8 +436,10 @@ class SessionMachine(RuleBasedStateMachine):
         """While nothing ever left the device, the managed cache is exact."""
         managed = self.session.continuation_logits(probe)
         with torch.inference_mode():
-            reference = self.model(input_ids=torch.tensor([self.session.token_ids() + probe])).logits[0].float()
-        delta = (managed - reference[-len(probe):]).abs().max().item()
+            reference = (
+                self.model(input_ids=torch.tensor([self.session.token_ids() + probe])).logits[0].float()
+            )
+        delta = (managed - reference[-len(probe) :]).abs().max().item()
         assert delta <= TOL, delta
 
     # -- invariants ------------------------------------------------------------------------------------
@@ -446,7 +511,11 @@ def test_random_sessions_keep_invariants(tiny_model, tiny_tokenizer):
 TOOL_TURN = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
     {"role": "tool", "content": "search results: sunny skies " * 6, "tool_call_id": "call_1"},
 ]
 
@@ -471,7 +540,9 @@ def test_pinning_a_demoted_span_brings_it_back(tiny_model, tiny_tokenizer, demot
 
 def test_tail_computed_after_commit_compression_is_kept(tiny_model, tiny_tokenizer):
     """A generated answer's pending tail (last token, end of turn) joins the offsets its commit kept."""
-    backend = make(tiny_model, tiny_tokenizer, commit={"keep_ratio": {"assistant": 0.3}, "min_keep_tokens": 1})
+    backend = make(
+        tiny_model, tiny_tokenizer, commit={"keep_ratio": {"assistant": 0.3}, "min_keep_tokens": 1}
+    )
     session = backend.session("t")
     session.extend(TOOL_TURN)
     answer = session.generate(max_new_tokens=12)
@@ -490,7 +561,9 @@ def test_restored_pending_tail_attends_only_to_its_past(tiny_model, tiny_tokeniz
     session.extend(TOOL_TURN)
     answer = session.generate(max_new_tokens=6, message_id="ans")
     session.apply(Custom(event="drop", owner="ans"))
-    session.extend([*TOOL_TURN, {"role": "assistant", "content": answer}, {"role": "user", "content": "ok thanks"}])
+    session.extend(
+        [*TOOL_TURN, {"role": "assistant", "content": answer}, {"role": "user", "content": "ok thanks"}]
+    )
     (span,) = session.spans_owned_by("ans")
     assert span.state is SpanState.EVICTED and span.n_computed < span.length
     assert session.lifecycle.move(span, SpanState.COMMITTED, reason="test") is not None
@@ -507,7 +580,7 @@ def test_restored_pending_tail_attends_only_to_its_past(tiny_model, tiny_tokeniz
 
 
 def test_generate_reserves_positions_for_the_end_of_turn(tiny_model, tiny_tokenizer):
-    """generate() refuses an answer whose end-of-turn ids would not fit, instead of breaking the next extend."""
+    """generate() refuses an answer whose end-of-turn ids would not fit (they would break the next extend)."""
     session = make(tiny_model, tiny_tokenizer).session("t")
     session.extend(TOOL_TURN)
     prompt = len(session.format.generation_prompt_ids(session.messages))
@@ -529,3 +602,14 @@ def test_soak_smoke(tiny_model, tiny_tokenizer, tmp_path):
     assert summary["max_device_bytes"] <= summary["high_watermark_bytes"] or summary["budget_unmet_turns"] > 0
     assert summary["faults"] == 0
     assert summary["logical_tokens_kept"] is True
+
+
+def test_scoring_a_continuation_enforces_the_budget(tiny_model, tiny_tokenizer):
+    """continuation_logits encodes a generated answer's pending tail first; that growth is budgeted
+    like any other, so `check()` never sees a stale `budget_satisfied`."""
+    budget = {"device_tokens": 24, "high_watermark": 0.875, "low_watermark": 0.875}
+    session = make(tiny_model, tiny_tokenizer, budget=budget).session("t")
+    session.extend([{"role": "system", "content": "You are a helpful assistant. "}])
+    session.generate(max_new_tokens=1)
+    session.continuation_logits([3])
+    session.check()
