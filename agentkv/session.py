@@ -589,9 +589,14 @@ class Session:
                 )
                 clone.branch = span.branch
                 self.spans.append(clone)
-                # Archived blocks are not copied: the child sees them as dropped (recomputable).
+                # Archived blocks are not copied: the child sees them as evicted (recomputable
+                # from their tokens), so its states still say where its KV is.
                 if clone.tier in (Tier.HOST, Tier.QUANTIZED):
                     clone.tier = Tier.DROPPED
+                    clone.state = SpanState.EVICTED
+                    clone.kept = None
+            # The parent's pins hold in the branch too (the system prompt, confirmed facts).
+            self.leases = dict(parent.leases)
             self.messages = list(parent.messages)
             self.turn = parent.turn
             self.last_logits = parent.last_logits

@@ -140,7 +140,7 @@ class ChatAgentKV(BaseChatModel):
     seed: int | None = None
     """Seeds the sampler, for reproducible sampled answers."""
     model_name: str | None = None
-    """Name reported in traces and `response_metadata`; defaults to the model's `name_or_path`."""
+    """Name reported in traces and `response_metadata`; default: the model's id, or its GGUF's name."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 

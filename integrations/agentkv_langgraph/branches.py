@@ -60,8 +60,11 @@ def branch_config(config: RunnableConfig | None = None, branch: str | None = Non
     """A config whose model calls run in a branch session (a fork of the thread's).
 
     Inside a `Send` node: `model.invoke(messages, config=branch_config(config))`, or
-    with your own id, `branch_config(config, state["branch"])`. Prune or select it
-    later with `agentkv_langchain.helpers.prune_branch(branch)` / `select_branch`.
+    with your own id, `branch_config(config, state["branch"])`. Pass it to every call
+    of the branch (its tools too), so their events reach the branch's session. Prune
+    or select it later with `agentkv_langchain.helpers.prune_branch(branch)` /
+    `select_branch`. Ids must be new in each fan-out (events are idempotent: pruning
+    an id a second time is ignored); task ids are.
 
     Args:
         config: The node's config (None = the current run's).

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -186,6 +187,21 @@ def assert_accounting(session: Any) -> None:
     assert stats.attended_tokens == sum(s.held_tokens for s in session.spans if s.tier is Tier.DEVICE)
 
 
+def global_device_bytes(backend: TransformersBackend) -> int:
+    """Device bytes of all sessions, a tensor shared by a branch and its parent counted once."""
+    storages: dict[int, int] = {}
+    quantized = 0
+    for session in backend.sessions():
+        for layer in session.store.physical.cache.managed_layers:
+            for t in [*layer.prefix_tensors(), *layer.own_tensors()]:
+                if t.numel():
+                    storages[t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()] = (
+                        _nbytes(t)
+                    )
+        quantized += held_bytes(session)[1]
+    return sum(storages.values()) + quantized
+
+
 def span_snapshot(session: Any) -> tuple[Any, ...]:
     """Everything an event may change (states, tiers, kept tokens, pins, bytes, counters)."""
     spans = tuple(
@@ -238,11 +254,13 @@ class SessionMachine(RuleBasedStateMachine):
         self.exact = True
         self.budget_moves: list[tuple[int, SpanState, bool, str]] = []
         self.steps = 0
+        self.branches = 0
 
     # -- setup ----------------------------------------------------------------------------------
 
     @initialize(config=configs(), system=text)
     def start(self, config: dict[str, Any], system: str) -> None:
+        hypothesis_event("rule: start")
         self.config = AgentKVConfig.from_dict(config)
         self.backend = TransformersBackend(self.model, self.tokenizer, self.config)
         self.session = self.backend.session("prop")
@@ -274,6 +292,7 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.room)
     @rule(content=text)
     def user_says(self, content: str) -> None:
+        hypothesis_event("rule: user_says")
         owner = self._next("u")
         self.owners.append(owner)
         self.messages.append({"role": "user", "content": content, "id": owner})
@@ -283,6 +302,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(content=text, calls=st.integers(0, 2), results=st.integers(0, 2), data=st.data())
     def assistant_turn(self, content: str, calls: int, results: int, data: st.DataObject) -> None:
         """An assistant message (maybe with tool calls) and some tool results, in one extend."""
+        hypothesis_event("rule: assistant_turn")
         owner = self._next("a")
         self.owners.append(owner)
         message: dict[str, Any] = {"role": "assistant", "content": content, "id": owner}
@@ -299,6 +319,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data(), content=text)
     def late_tool_result(self, data: st.DataObject, content: str) -> None:
         """A tool result that arrives later (or twice, or for a call the model never made)."""
+        hypothesis_event("rule: late_tool_result")
         call_id = data.draw(st.sampled_from([*self.call_ids, "call_unknown"]))
         self.messages.append({"role": "tool", "content": content, "tool_call_id": call_id})
         self._extend()
@@ -307,6 +328,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data(), content=text)
     def rewrite(self, data: st.DataObject, content: str) -> None:
         """Summarisation / context editing: one earlier message's content changes."""
+        hypothesis_event("rule: rewrite")
         index = data.draw(st.integers(1, len(self.messages) - 1))
         self.messages[index] = {**self.messages[index], "content": content}
         self.generated = {i: ids for i, ids in self.generated.items() if i < index}
@@ -316,6 +338,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
         """A rewind: the history is cut back (possibly to nothing)."""
+        hypothesis_event("rule: truncate")
         keep = data.draw(st.integers(0, len(self.messages) - 1))
         del self.messages[keep:]
         self.generated = {i: ids for i, ids in self.generated.items() if i < keep}
@@ -326,6 +349,7 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.room and bool(self.messages))
     @rule(tokens=st.integers(1, 4), named=st.booleans())
     def generate(self, tokens: int, named: bool) -> None:
+        hypothesis_event("rule: generate")
         owner = self._next("g") if named else None
         answer = self.session.generate(max_new_tokens=tokens, message_id=owner)
         span = self.session.spans[-1]
@@ -336,6 +360,28 @@ class SessionMachine(RuleBasedStateMachine):
             self.owners.append(owner)
             message["id"] = owner
         self.messages.append(message)
+
+    @precondition(lambda self: self.room and bool(self.messages) and self.branches < 2)
+    @rule(content=text, outcome=st.sampled_from(["prune", "select", "keep"]), tokens=st.integers(1, 2))
+    def branch(self, content: str, outcome: str, tokens: int) -> None:
+        """Tree of thought: a branch session shares the prefix, answers, and is pruned or selected."""
+        hypothesis_event("rule: branch")
+        self.branches += 1
+        name = f"b{self.branches}"
+        child = self.session.fork(name)
+        assert child.token_ids() == self.session.token_ids()
+        child.check()
+        assert_accounting(child)
+        child.extend([*self.messages, {"role": "assistant", "content": f"branch {name}: {content}"}])
+        child.generate(max_new_tokens=tokens)
+        child.check()
+        assert_accounting(child)
+        if outcome == "keep":
+            return
+        event = BranchPruned(name) if outcome == "prune" else BranchSelected(name)
+        assert self.session.apply(event).applied
+        assert (f"prop/{name}" in self.backend) == (outcome == "select")
+        assert child.closed == (outcome == "prune")
 
     # -- events and pins --------------------------------------------------------------------------------
 
@@ -383,6 +429,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def event_twice(self, data: st.DataObject) -> None:
         """Apply an event, then the same again: the second application changes nothing."""
+        hypothesis_event("rule: event_twice")
         event = self._event(data)
         self.session.apply(event)
         self._observe()
@@ -393,6 +440,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), by_owner=st.booleans())
     def pin(self, data: st.DataObject, by_owner: bool) -> None:
+        hypothesis_event("rule: pin")
         if by_owner:
             lease = self.session.pin(self._owner(data), reason="test")
         else:
@@ -406,6 +454,7 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.leases))
     @rule(data=st.data(), foreign=st.booleans())
     def release(self, data: st.DataObject, foreign: bool) -> None:
+        hypothesis_event("rule: release")
         lease = data.draw(st.sampled_from(self.leases))
         if foreign:
             # A receipt that is not this session's frees nothing.
@@ -421,6 +470,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule()
     def rehydrate_evicted(self) -> None:
         """Every evicted span keeps its tokens and can be recomputed."""
+        hypothesis_event("rule: rehydrate_evicted")
         expected = self._expected_ids()
         for span in [s for s in self.session.spans if s.state is SpanState.EVICTED]:
             assert span.token_ids, f"evicted span {span.span_id} lost its tokens"
@@ -434,6 +484,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(probe=st.lists(st.integers(3, 500), min_size=1, max_size=3))
     def logits_equal_full_forward(self, probe: list[int]) -> None:
         """While nothing ever left the device, the managed cache is exact."""
+        hypothesis_event("rule: logits_equal_full_forward")
         managed = self.session.continuation_logits(probe)
         with torch.inference_mode():
             reference = (
@@ -466,6 +517,10 @@ class SessionMachine(RuleBasedStateMachine):
         self.steps += 1
         session.check()
         assert_accounting(session)
+        for other in self.backend.sessions():  # branch sessions keep their invariants too
+            other.check()
+            assert_accounting(other)
+        assert self.backend.device_bytes() == global_device_bytes(self.backend)
         # Budget pressure never demotes a pinned or ACTIVE span.
         for span_id, before, pinned, reason in self.budget_moves:
             if reason in ("budget", "host budget"):
