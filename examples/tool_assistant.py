@@ -178,7 +178,8 @@ def main(
 
     Returns:
         `events` (what the handler sent), `spans` (the session's span map after the run),
-        `calls` (per model call: prefill and reused tokens), `stats`, `device_bytes`,
+        `calls` (per model call: prefill and reused tokens), `stats` (the session's: its
+        `device_bytes` are this conversation's KV), `backend_device_bytes` (all sessions),
         `repaired` (forced calls whose arguments had to be filled in), and with
         `measure`, `reuse` (per model call: prefill tokens and seconds, incremental vs re-encoded).
     """
@@ -221,7 +222,7 @@ def main(
         ],
         "calls": calls,
         "stats": snapshot["stats"],
-        "device_bytes": backend.device_bytes(),
+        "backend_device_bytes": backend.device_bytes(),
         "repaired": repaired,
         "handler_errors": graph.agentkv.handler.errors,
         "messages": [(type(m).__name__, str(m.content)[:80]) for m in out["messages"]],
@@ -279,7 +280,7 @@ def _print_run(title: str, result: dict[str, Any]) -> None:
     by_state: dict[str, int] = result["stats"]["tokens_by_state"]
     print(f"events sent: {len(result['events'])}; tokens by state: {by_state}")
     print(
-        f"device KV bytes at the end: {result['device_bytes']:,} "
+        f"session device KV bytes at the end: {result['stats']['device_bytes']:,} "
         f"(peak {result['stats']['peak_device_bytes']:,})"
     )
     print(f"host bytes: {result['stats']['host_bytes']:,}; forced calls repaired: {result['repaired']}")
