@@ -42,7 +42,7 @@ from agentkv.events import (
     UserConfirmed,
     UserRejected,
 )
-from agentkv.lifecycle import ACTION_STATES, Lease, Rules, check_transition
+from agentkv.lifecycle import ACTION_STATES, TRANSITIONS, Lease, Rules, check_transition
 from agentkv.policies import AttentionProbe, LifecyclePolicy, Policy, SpanView, make_policy
 from agentkv.recall import rank_for_recall
 from agentkv.spans import Span, SpanKind, SpanState, Tier
@@ -362,6 +362,13 @@ class LifecycleManager:
             if state is None:
                 continue
             for span in spans:
+                if span.state is not state and state not in TRANSITIONS[span.state]:
+                    # A rule naming a move its target's state does not allow (archiving a span
+                    # already released) is a hint that no longer applies, not an error.
+                    logger.debug(
+                        "span %s is %s: %s does not %s it", span.span_id, span.state.value, event.name, action
+                    )
+                    continue
                 moved = self.move(span, state, reason=event.name)
                 if moved is not None:
                     transitions.append(moved)

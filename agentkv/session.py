@@ -198,6 +198,8 @@ class Session:
                     span.token_ids = list(ids)
                     span.state, span.frozen, span.generated = SpanState.ACTIVE, False, False
                     span.turn = self.turn
+                    # Forget what the old message registered (its tool call ids): they are not this one's.
+                    self.lifecycle.on_span_removed(span)
                     self._describe_message(span, message, index)
                 else:
                     span = self._new_span(message.kind, ids)
@@ -381,7 +383,13 @@ class Session:
         seed: int | None = None,
         message_id: str | None = None,
     ) -> Iterator[str]:
-        """Like `generate`, but yields text pieces as they are decoded."""
+        """Like `generate`, but yields text pieces as they are decoded.
+
+        The session lock is held from the first piece until the stream ends, so other
+        calls on this session wait meanwhile. Iterate it to the end, or `close()` it, on
+        the thread that started it: an `RLock` can only be released by its owner, so
+        stepping one stream from several pool threads fails when it ends.
+        """
         if stop is not None and not isinstance(stop, str | Sequence):
             msg = f"stop: expected a string or a list of strings, got {type(stop).__name__}"
             raise TypeError(msg)
@@ -600,7 +608,9 @@ class Session:
             self.messages = list(parent.messages)
             self.turn = parent.turn
             self.last_logits = parent.last_logits
-            self._next_span_id = itertools.count(max((s.span_id for s in parent.spans), default=-1) + 1)
+            # Continue the parent's numbering: ids of spans a rewrite removed are never reused, so
+            # nothing that still names them (an old lease, a recall mark) lands on a new span.
+            self._next_span_id = itertools.count(next(parent._next_span_id))
             self.lifecycle.inherit(parent.lifecycle)
 
     # -- reporting -------------------------------------------------------------------------------

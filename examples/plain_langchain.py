@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv_langchain import ChatAgentKV
-from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
-from agentkv_langgraph import shared_backend
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
 
 from agentkv import TransformersBackend
+from agentkv_langchain import ChatAgentKV
+from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langgraph import shared_backend
 
 SYSTEM = "You are a helpful assistant with a weather tool. Answer in one short sentence."
 WEATHER = {

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import OWNER_KEY, resume_decision, shared_backend, with_kv_lifecycle
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
@@ -28,6 +26,8 @@ from langgraph.types import Command, interrupt
 from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import OWNER_KEY, resume_decision, shared_backend, with_kv_lifecycle
 
 SYSTEM = "You are a careful assistant. First propose a short numbered plan; carry it out only once approved."
 TASK = "Plan a three-day trip to Lisbon for two people on a small budget."

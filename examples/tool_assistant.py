@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import shared_backend, with_kv_lifecycle
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
@@ -36,6 +34,8 @@ from langgraph.prebuilt import InjectedState, ToolNode, tools_condition
 from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import shared_backend, with_kv_lifecycle
 
 SYSTEM = (
     "You are a concise research assistant. "
@@ -104,6 +104,7 @@ class State(TypedDict):
     tool: str | None
     topic: str
     repaired: Annotated[int, operator.add]
+    """Forced calls whose arguments did not parse, over the whole thread (summed by the reducer)."""
 
 
 @tool
@@ -191,15 +192,13 @@ def main(
     graph = with_kv_lifecycle(build_graph(llm), backend=backend, config=config)
     run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
     calls: list[dict[str, Any]] = []
-    repaired = 0
     for i in range(turns):
         turn = SCRIPT[i % len(SCRIPT)]
         before = len(graph.get_state(run_config).values.get("messages", []))
         out = graph.invoke(
-            {"messages": [HumanMessage(turn.text)], "tool": turn.tool, "topic": turn.topic, "repaired": 0},
+            {"messages": [HumanMessage(turn.text)], "tool": turn.tool, "topic": turn.topic},
             run_config,
         )
-        repaired += out.get("repaired", 0)
         messages: list[AnyMessage] = out["messages"]
         for message in messages[before:]:
             if isinstance(message, AIMessage):
@@ -223,7 +222,7 @@ def main(
         "calls": calls,
         "stats": snapshot["stats"],
         "backend_device_bytes": backend.device_bytes(),
-        "repaired": repaired,
+        "repaired": out.get("repaired", 0),
         "handler_errors": graph.agentkv.handler.errors,
         "messages": [(type(m).__name__, str(m.content)[:80]) for m in out["messages"]],
     }

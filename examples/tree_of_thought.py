@@ -18,15 +18,6 @@ import operator
 import re
 from typing import Annotated, Any
 
-from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import (
-    branch_config,
-    current_branch,
-    prune_branch,
-    select_branch,
-    shared_backend,
-    with_kv_lifecycle,
-)
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
@@ -36,6 +27,15 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
+from agentkv_langchain import ChatAgentKV
+from agentkv_langgraph import (
+    branch_config,
+    current_branch,
+    prune_branch,
+    select_branch,
+    shared_backend,
+    with_kv_lifecycle,
+)
 
 SYSTEM = "You are a careful problem solver. Think step by step and keep each answer short."
 PROBLEM = (

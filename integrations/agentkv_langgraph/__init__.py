@@ -2,7 +2,6 @@
 
 from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
 from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
-
 from agentkv_langgraph.branches import branch_config, branch_id, current_branch, is_send_task
 from agentkv_langgraph.config import load_config, load_graph_yaml
 from agentkv_langgraph.graph import KVLifecycle, shared_backend, with_kv_lifecycle

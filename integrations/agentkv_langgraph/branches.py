@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from agentkv_langchain.sessions import BRANCH_KEY
 from langchain_core.runnables import RunnableConfig, ensure_config
+
+from agentkv_langchain.sessions import BRANCH_KEY
 
 __all__ = ["BRANCH_KEY", "PUSH_TRIGGER", "branch_config", "branch_id", "current_branch", "is_send_task"]
 

@@ -1,7 +1,15 @@
 """Graph YAML: the `agentkv:` section of the file that describes a graph.
 
 agentkv reads only its own section and ignores the rest (nodes, edges, prompts
-belong to your loader). See `examples/graph.yaml` for every key.
+belong to your loader). See `examples/graph.yaml` for every key. Typical use:
+
+    document, config = load_graph_yaml("examples/graph.yaml")
+    graph = build_my_graph(document["graph"])          # your loader, your nodes
+    graph = with_kv_lifecycle(graph, backend=backend, config=config)
+    # or simply: with_kv_lifecycle(graph, backend=backend, config="examples/graph.yaml")
+
+Per-run overrides have the same shape, under `config["configurable"]["agentkv"]`
+(see `agentkv_langgraph.graph` for what a run can change).
 """
 
 from __future__ import annotations

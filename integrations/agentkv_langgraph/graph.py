@@ -28,13 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
-from agentkv_langchain.sessions import DEFAULT_THREAD
 from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langgraph.pregel import Pregel
 
 from agentkv import AgentKVConfig, Session, TransformersBackend, load_model
+from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langchain.sessions import DEFAULT_THREAD
 from agentkv_langgraph.config import load_config
 
 __all__ = ["KVLifecycle", "shared_backend", "with_kv_lifecycle"]
@@ -101,8 +101,7 @@ class KVLifecycle:
             logger.warning(
                 "configurable.agentkv: %s cannot change per run (backend- or handler-wide); ignored", ignored
             )
-        merged = self.config.with_overrides({k: v for k, v in overrides.items() if k not in _BACKEND_WIDE})
-        return merged
+        return self.config.with_overrides({k: v for k, v in overrides.items() if k not in _BACKEND_WIDE})
 
     def prepare(self, run_config: RunnableConfig | None) -> Session | None:
         """Create the run's thread session with the run's settings, if it does not exist yet.

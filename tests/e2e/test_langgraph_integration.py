@@ -8,6 +8,15 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.state import CompiledStateGraph
+from langgraph.types import Command, interrupt
+
+from agentkv import SpanState, TurnEnded, UserConfirmed, UserRejected
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import (
     OWNER_KEY,
@@ -18,15 +27,6 @@ from agentkv_langgraph import (
     load_graph_yaml,
     with_kv_lifecycle,
 )
-from langchain_core.messages import AIMessage, HumanMessage
-from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import tool
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.state import CompiledStateGraph
-from langgraph.types import Command, interrupt
-
-from agentkv import SpanState, TurnEnded, UserConfirmed, UserRejected
 
 GRAPH_YAML = Path(__file__).resolve().parents[2] / "examples" / "graph.yaml"
 
@@ -176,9 +176,10 @@ def weather(city: str = "") -> str:
 def agent_with_middleware(
     backend: Any, *, use_middleware: bool = True
 ) -> tuple[Any, KVLifecycleCallbackHandler]:
-    from agentkv_langchain.middleware import AgentKVMiddleware
     from langchain.agents import create_agent
     from langchain.agents.middleware import HumanInTheLoopMiddleware, wrap_model_call
+
+    from agentkv_langchain.middleware import AgentKVMiddleware
 
     @wrap_model_call
     def force_then_answer(request: Any, handler: Any) -> Any:

@@ -8,8 +8,6 @@ import uuid
 from typing import Any, TypedDict
 
 import pytest
-from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
-from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.runnables import RunnableConfig, RunnableLambda
@@ -31,6 +29,8 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
+from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
 
 HISTORY = [
     {"role": "system", "content": "You are a helpful assistant."},

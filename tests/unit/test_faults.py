@@ -171,13 +171,14 @@ def test_real_host_limit_is_a_recorded_fault(tiny_model, tiny_tokenizer):
 # -- restore: recomputed from the token ids --------------------------------------------------------
 
 
+@pytest.mark.parametrize("tier", ["host", "int8", "int4"])
 @pytest.mark.parametrize("bring_back", ["move", "pin", "confirm", "recall"])
-def test_failed_restore_recomputes_the_span(tiny_model, tiny_tokenizer, bring_back):
-    session = make(tiny_model, tiny_tokenizer).session("t")
+def test_failed_restore_recomputes_the_span(tiny_model, tiny_tokenizer, bring_back, tier):
+    session = make(tiny_model, tiny_tokenizer, archive_tier=tier).session("t")
     session.extend(TOOL_TURN)
     session.apply(Custom(event="arch", owner="call_1"))
     (tool,) = session.spans_owned_by("call_1")
-    assert tool.state is SpanState.ARCHIVED and tool.tier is Tier.HOST
+    assert tool.state is SpanState.ARCHIVED and tool.tier is (Tier.HOST if tier == "host" else Tier.QUANTIZED)
     session.lifecycle.recallable.add(tool.span_id)
     with inject_faults(session, "restore") as fault:
         if bring_back == "move":
@@ -191,7 +192,8 @@ def test_failed_restore_recomputes_the_span(tiny_model, tiny_tokenizer, bring_ba
     assert fault.injected == 1
     assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
     stats = session.stats()
-    assert stats.faults == 1 and stats.rehydrated_tokens == tool.n_computed and stats.host_bytes == 0
+    assert stats.faults == 1 and stats.rehydrated_tokens == tool.n_computed
+    assert stats.host_bytes == stats.quantized_bytes == 0
     assert [r["where"] for r in fault_records(session)] == ["restore"]
     session.check()
     assert_exact(session, tiny_model)  # the recompute is exact: everything before it is intact
@@ -307,7 +309,6 @@ SWEEP = [
     ("quantize", "int8"),
     ("quantize", "int4"),
     ("restore", "host"),
-    ("restore", "int4"),
     ("policy", "host"),
     ("forward", "host"),
     ("forward", "drop"),  # recall recomputes dropped spans: the rehydrate forwards fail
@@ -327,7 +328,7 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     )
     session = backend.session("t")
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
-    injected = 0
+    injected = surfaced = 0
     for turn in range(7):
         call = f"call_{turn}"
         history += [
@@ -350,6 +351,7 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
                 history.append({"role": "assistant", "content": answer, "id": f"a{turn}"})
             except InjectedFault:
                 assert site == "forward", "only a failed forward may surface, as a clear error"
+                surfaced += 1
         injected += fault.injected
         session.check()
         assert all(s.token_ids for s in session.spans)
@@ -357,8 +359,10 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     session.extend([*history, {"role": "user", "content": "thanks"}])
     session.generate(max_new_tokens=2)
     session.check()
-    if site != "forward":
-        assert session.stats().faults >= min(injected, 1)
+    # Every fault was either survived (recorded in stats) or surfaced as the operation's error.
+    recorded = session.stats().faults
+    assert injected > 0 and recorded + surfaced == injected
+    print(f"fault sweep {site}/{tier}: injected {injected}, survived {recorded}, surfaced {surfaced}")
     for span in session.spans:
         if span.state is SpanState.EVICTED:
             assert session.lifecycle.move(span, SpanState.COMMITTED, reason="test") is not None

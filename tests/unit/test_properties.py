@@ -656,7 +656,8 @@ def test_soak_smoke(tiny_model, tiny_tokenizer, tmp_path):
     assert (tmp_path / "soak.json").exists() and (tmp_path / "soak.png").exists()
     assert summary["max_device_bytes"] <= summary["high_watermark_bytes"] or summary["budget_unmet_turns"] > 0
     assert summary["faults"] == 0
-    assert summary["logical_tokens_kept"] is True
+    assert summary["logical_tokens_kept"] is True and summary["check_error"] is None
+    assert summary["compactions"] >= 1 and summary["restored_tokens"] > 0
 
 
 def test_scoring_a_continuation_enforces_the_budget(tiny_model, tiny_tokenizer):
@@ -667,4 +668,42 @@ def test_scoring_a_continuation_enforces_the_budget(tiny_model, tiny_tokenizer):
     session.extend([{"role": "system", "content": "You are a helpful assistant. "}])
     session.generate(max_new_tokens=1)
     session.continuation_logits([3])
+    session.check()
+
+
+def test_a_rule_naming_a_move_the_state_forbids_is_skipped(tiny_model, tiny_tokenizer):
+    """Archiving a span that was already released is a stale hint: skipped, not a ValueError."""
+    session = make(tiny_model, tiny_tokenizer).session("t")
+    session.extend(TOOL_TURN)
+    session.apply(Custom(event="release", owner="call_1"))
+    (tool,) = session.spans_owned_by("call_1")
+    assert tool.state is SpanState.EVICTABLE
+    result = session.apply(Custom(event="arch", owner="call_1"))
+    assert result.applied and not result.transitions and tool.state is SpanState.EVICTABLE
+    session.check()
+
+
+def test_a_branch_never_reuses_span_ids_of_a_rewritten_history(tiny_model, tiny_tokenizer):
+    """A pin on a message the agent later rewound stays with that (gone) span, not a branch's new one."""
+    session = make(tiny_model, tiny_tokenizer).session("t")
+    session.extend([*TOOL_TURN[:1], {"role": "assistant", "content": "plan", "id": "a1"}])
+    session.pin("a1")
+    session.extend(TOOL_TURN[:1])
+    child = session.fork("b1")
+    child.extend([*TOOL_TURN[:1], {"role": "assistant", "content": "branch answer"}])
+    assert not child.spans[-1].pinned
+    child.check()
+
+
+def test_a_rewritten_tool_call_forgets_its_old_call_ids(tiny_model, tiny_tokenizer):
+    """The middleware rewrote a call (new id, same text): completing the new call releases the span;
+    the old id is not left pending on it forever."""
+    session = make(tiny_model, tiny_tokenizer).session("t")
+    session.extend(TOOL_TURN[:3])
+    rewritten = {**TOOL_TURN[2], "tool_calls": [{"id": "call_9", "name": "weather", "args": {"city": "Paris"}}]}
+    result = session.extend([*TOOL_TURN[:2], rewritten])
+    assert result.first_changed_message == 2 and result.prefilled_tokens == 0
+    done = session.apply(ToolCallCompleted("call_9"))
+    assert [t.after for t in done.transitions] == [SpanState.EVICTABLE]
+    assert not session.apply(ToolCallCompleted("call_1")).applied
     session.check()
