@@ -102,13 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "memory":
         from agentkv.bench.memory import run_memory_bench
 
-        run_memory_bench(
-            model,
-            tokenizer,
-            out_dir=out,
-            progress=lambda m: console.log(m),
-            **({"budgets": (0.25,)} if args.quick else {}),
-        )
+        budgets = (0.25,) if args.quick else (0.5, 0.25, 0.125)
+        run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=lambda m: console.log(m))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 

@@ -40,7 +40,7 @@ from agentkv import (
 from agentkv.manager import ApplyResult
 
 AGENTKV_DIR = str(Path(agentkv.__file__).parent)
-EXAMPLES = int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "250"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -229,7 +229,7 @@ events = st.one_of(
 bad_events = st.one_of(
     st.builds(TurnEnded, turn=st.text(max_size=3) | st.lists(st.integers(), max_size=2) | st.booleans()),
     st.builds(ToolCallCompleted, tool_call_id=weird),
-    st.builds(UserConfirmed, owner=weird.filter(lambda v: v is not None)),
+    st.builds(UserConfirmed, owner=st.integers() | st.lists(st.integers(), max_size=2)),
     st.builds(BranchPruned, branch=weird),
     st.builds(Custom, event=weird, owner=names),
     st.builds(Custom, event=names, owner=st.integers() | st.lists(st.text(max_size=2), max_size=2)),

@@ -64,7 +64,7 @@ from agentkv.store.host import HostBlock
 from agentkv.store.quantized import QuantizedBlock
 
 TOL = 1e-4
-EXAMPLES = int(os.environ.get("AGENTKV_HYPOTHESIS_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("AGENTKV_HYPOTHESIS_EXAMPLES", "150"))
 STEPS = int(os.environ.get("AGENTKV_HYPOTHESIS_STEPS", "30"))
 RANDOM = os.environ.get("AGENTKV_HYPOTHESIS_RANDOM") == "1"
 """Explore new examples each run (default: a fixed, reproducible set)."""
@@ -467,6 +467,7 @@ class SessionMachine(RuleBasedStateMachine):
         if first:
             assert all(lease.lease_id not in s.leases for s in self.session.spans)
 
+    @precondition(lambda self: any(s.state is SpanState.EVICTED for s in self.session.spans))
     @rule()
     def rehydrate_evicted(self) -> None:
         """Every evicted span keeps its tokens and can be recomputed."""
