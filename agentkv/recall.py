@@ -1,4 +1,4 @@
-"""Ranking archived spans by relevance to a new user message, before the model answers it.
+"""Ranking spans by relevance to a new user message, before the model answers it.
 
 Recall must decide *before* the new message is encoded (so that the message's
 own KV is computed with the recalled spans in view), which rules out signals
@@ -7,12 +7,19 @@ vocabulary: IDF-weighted token overlap (what BM25 does: "code" and "4417" in
 the question find the span that said them) and the cosine of mean input
 embeddings (near-synonyms). A span with no lexical overlap is not recalled:
 embeddings alone are too weak a signal to spend budget on.
+
+Byte-level BPE spells one word with different ids depending on what precedes it
+(`" price"` after a space, `"price"` after a quote or an underscore, `" Price"`
+at a sentence start), so overlap is counted on *canonical* tokens when the caller
+supplies a `canonical` map (the manager maps each id to its stripped, casefolded
+text): "unit price" in a question then finds `"unit_price": "189.99"` in a
+tool result.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -21,12 +28,19 @@ from agentkv.spans import Span
 
 EMBEDDING_WEIGHT = 0.25
 
+Canonical = Callable[[int], Hashable]
+"""Maps a token id to the key overlap is counted on (ids with the same key are the same word)."""
 
-def _idf(spans: Sequence[Span]) -> dict[int, float]:
-    """Inverse document frequency of each token id over the session's spans."""
-    df: dict[int, int] = {}
+
+def _identity(token: int) -> Hashable:
+    return token
+
+
+def _idf(spans: Sequence[Span], canonical: Canonical) -> dict[Hashable, float]:
+    """Inverse document frequency of each canonical token over the session's spans."""
+    df: dict[Hashable, int] = {}
     for span in spans:
-        for token in set(span.token_ids):
+        for token in {canonical(t) for t in span.token_ids}:
             df[token] = df.get(token, 0) + 1
     n = len(spans)
     return {t: max(0.0, math.log((n + 1) / (count + 0.5))) for t, count in df.items()}
@@ -41,7 +55,12 @@ def _mean_embedding(embed: Any, ids: Sequence[int]) -> torch.Tensor | None:
 
 
 def rank_for_recall(
-    query_ids: Sequence[int], candidates: Sequence[Span], all_spans: Sequence[Span], *, embed: Any = None
+    query_ids: Sequence[int],
+    candidates: Sequence[Span],
+    all_spans: Sequence[Span],
+    *,
+    embed: Any = None,
+    canonical: Canonical | None = None,
 ) -> list[tuple[Span, float]]:
     """Candidates sorted by relevance to the query (best first), with their scores.
 
@@ -50,14 +69,21 @@ def rank_for_recall(
         candidates: spans that may be recalled.
         all_spans: every span of the session (for IDF statistics).
         embed: the model's input embedding module (optional).
+        canonical: token id → the key overlap is counted on (default: the id itself).
+
+    Returns:
+        `(span, score)` pairs, best first; a score is the IDF-weighted fraction of the
+        query's words the span contains (plus `EMBEDDING_WEIGHT` times the embedding
+        cosine when there is any overlap), 0 without overlap.
     """
-    idf = _idf(all_spans)
-    query = set(query_ids)
+    key = canonical or _identity
+    idf = _idf(all_spans, key)
+    query = {key(t) for t in query_ids}
     total = sum(idf.get(t, 0.0) for t in query)
     query_vec = _mean_embedding(embed, query_ids)
     ranked: list[tuple[Span, float]] = []
     for span in candidates:
-        tokens = set(span.token_ids)
+        tokens = {key(t) for t in span.token_ids}
         lexical = sum(idf.get(t, 0.0) for t in query & tokens) / total if total > 0 else 0.0
         score = lexical
         if lexical > 0 and query_vec is not None:

@@ -526,17 +526,21 @@ class Session:
         """
         with self.lock:
             self._check_open()
-            if self._pending_feed().input_ids:
-                self._prefill()
-                # Encoding the pending tail (e.g. a generated answer's end of turn) grew the cache.
-                self.lifecycle.after_operation()
+            prefilled = self._prefill() if self._pending_feed().input_ids else 0
             start = self.logical_length
             ids = list(token_ids)
             feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
             before = self.store.physical.length
-            with self.backend.model_lock:
-                logits = self.runner.forward(self.store.physical, feed, logits="all")
-            self.store.physical.truncate(before)
+            try:
+                with self.backend.model_lock:
+                    logits = self.runner.forward(self.store.physical, feed, logits="all")
+            finally:
+                self.store.physical.truncate(before)
+            if prefilled:
+                # Encoding the pending tail (a generated answer's end of turn) grew the cache: the
+                # budget is enforced now, after scoring, as generate() does after an answer, so the
+                # scores are those a decode would see.
+                self.lifecycle.after_operation()
             if logits is None:
                 return torch.empty(0)
             return logits

@@ -346,7 +346,9 @@ def _run_branches(
         if events:
             session.apply(BranchOpened(branch=option.id))
         child = session.fork(option.id)
-        child.extend([*history, {"role": "assistant", "content": option.reasoning, "id": f"{option.id}-reasoning"}])
+        child.extend(
+            [*history, {"role": "assistant", "content": option.reasoning, "id": f"{option.id}-reasoning"}]
+        )
         children.append(child)
     if events:
         for child in children:
@@ -384,7 +386,9 @@ def ask(session: Session, history: list[dict[str, Any]], question: Question) -> 
     target = fmt.encode(" " + question.gold)
     logits = session.continuation_logits(prompt + target)
     logprob, first = gold_logprob(logits, len(prompt), target)
-    answer = session.generate(max_new_tokens=len(target) + ANSWER_EXTRA_TOKENS, prefix=question.prefix, stop=["\n"])
+    answer = session.generate(
+        max_new_tokens=len(target) + ANSWER_EXTRA_TOKENS, prefix=question.prefix, stop=["\n"]
+    )
     return _Answer(answer, exact_match(answer, question.gold), logprob, first, attended)
 
 
@@ -402,8 +406,14 @@ class _Peaks:
         self.host = max(self.host, stats.host_bytes)
         self.quantized = max(self.quantized, stats.quantized_bytes)
         self.samples.append(
-            StepSample(step, stats.device_bytes, stats.host_bytes, stats.quantized_bytes, stats.attended_tokens,
-                       stats.logical_tokens)
+            StepSample(
+                step,
+                stats.device_bytes,
+                stats.host_bytes,
+                stats.quantized_bytes,
+                stats.attended_tokens,
+                stats.logical_tokens,
+            )
         )
 
 
@@ -428,7 +438,9 @@ def run_one(
     session_id = f"{workload.name}:{method.name}:{budget}"
     session = backend.session(session_id)
     peaks = _Peaks()
-    history = replay(session, workload, events=method.events, on_step=lambda step: peaks.sample(session, step))
+    history = replay(
+        session, workload, events=method.events, on_step=lambda step: peaks.sample(session, step)
+    )
     rows: list[QuestionRow] = []
     first_logprobs: dict[str, torch.Tensor] = {}
     attended_at_last = 0
@@ -440,9 +452,17 @@ def run_one(
         kl = 0.0 if reference is None else kl_divergence(reference[question.id], result.first_logprobs)
         rows.append(
             QuestionRow(
-                workload=workload.name, method=method.name, budget=budget, question=question.id,
-                source=question.source, turn=question.turn, gold=question.gold, answer=result.answer,
-                exact_match=result.exact_match, logprob=result.logprob, kl=kl,
+                workload=workload.name,
+                method=method.name,
+                budget=budget,
+                question=question.id,
+                source=question.source,
+                turn=question.turn,
+                gold=question.gold,
+                answer=result.answer,
+                exact_match=result.exact_match,
+                logprob=result.logprob,
+                kl=kl,
             )
         )
     stats = session.stats()
@@ -543,22 +563,38 @@ def run_memory_bench(
     for workload in loaded:
         full = METHODS["full"]
         run, rows, reference, full_tokens = run_one(
-            backend_for(full, None), workload, full, budget=None, budget_tokens=None, full_tokens=0, reference=None
+            backend_for(full, None),
+            workload,
+            full,
+            budget=None,
+            budget_tokens=None,
+            full_tokens=0,
+            reference=None,
         )
         runs.append(run)
         questions.extend(rows)
         done += 1
         _report(progress, done, total, run)
         workload_info.append(
-            {"name": workload.name, "title": workload.title, "turns": len(workload.turns),
-             "questions": len(workload.questions), "full_tokens": full_tokens}
+            {
+                "name": workload.name,
+                "title": workload.title,
+                "turns": len(workload.turns),
+                "questions": len(workload.questions),
+                "full_tokens": full_tokens,
+            }
         )
         for method in chosen[1:]:
             for budget in budgets:
                 tokens = max(1, round(budget * full_tokens))
                 run, rows, _, _ = run_one(
-                    backend_for(method, tokens), workload, method, budget=budget, budget_tokens=tokens,
-                    full_tokens=full_tokens, reference=reference,
+                    backend_for(method, tokens),
+                    workload,
+                    method,
+                    budget=budget,
+                    budget_tokens=tokens,
+                    full_tokens=full_tokens,
+                    reference=reference,
                 )
                 runs.append(run)
                 questions.extend(rows)
@@ -573,11 +609,11 @@ def run_memory_bench(
             "workloads": [w.name for w in loaded],
             "model": getattr(getattr(model, "config", None), "name_or_path", None) or type(model).__name__,
             "exact_match": "normalised greedy answer starts with the normalised gold answer, word-aligned "
-                           "(normalise: NFKC, casefold, alphanumeric words joined by one space); the answer is "
-                           f"generated after the completion prefix with gold tokens + {ANSWER_EXTRA_TOKENS} new tokens",
+            "(normalise: NFKC, casefold, alphanumeric words joined by one space); the answer is "
+            f"generated after the completion prefix with gold tokens + {ANSWER_EXTRA_TOKENS} new tokens",
             "kl": "KL(full || method) in nats of the next-token distribution at the answer position "
-                  "(after the generation prompt and the completion prefix)",
-            "overhead": "lifecycle_seconds + policy_seconds + store_seconds (exclusive times) / forward_seconds",
+            "(after the generation prompt and the completion prefix)",
+            "overhead": "(lifecycle + policy + store seconds, exclusive) / forward_seconds",
             "torch_threads": torch.get_num_threads(),
         },
         "workloads": workload_info,
@@ -697,16 +733,31 @@ def memory_table(result: dict[str, Any]) -> Any:
 
     workloads = ", ".join(w["name"] for w in result["workloads"])
     table = Table(title=f"agentkv bench memory ({workloads}; budgets are fractions of the full cache)")
-    for name in ("method", "budget", "EM %", "EM user/tool/conf", "mean logprob", "mean KL", "peak device MiB",
-                 "host MiB", "overhead %"):
+    for name in (
+        "method",
+        "budget",
+        "EM %",
+        "EM user/tool/conf",
+        "mean logprob",
+        "mean KL",
+        "peak device MiB",
+        "host MiB",
+        "overhead %",
+    ):
         table.add_column(name, justify="left" if name == "method" else "right")
     for row in result["summary"]:
         budget = "—" if row["budget"] is None else f"{100 * row['budget']:g}%"
         src = row["em_by_source"]
         by_source = "/".join(f"{src[s]:.0f}" if s in src else "-" for s in ("user", "tool", "confirmed"))
         table.add_row(
-            row["method"], budget, f"{row['exact_match_pct']:.1f}", by_source, f"{row['mean_logprob']:.2f}",
-            f"{row['mean_kl']:.3f}", f"{row['peak_device_bytes'] / 2**20:.1f}", f"{row['host_bytes'] / 2**20:.1f}",
+            row["method"],
+            budget,
+            f"{row['exact_match_pct']:.1f}",
+            by_source,
+            f"{row['mean_logprob']:.2f}",
+            f"{row['mean_kl']:.3f}",
+            f"{row['peak_device_bytes'] / 2**20:.1f}",
+            f"{row['host_bytes'] / 2**20:.1f}",
             f"{row['overhead_pct']:.2f}",
         )
     return table
@@ -739,10 +790,14 @@ def plot_accuracy(summary: Sequence[SummaryRow], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     budgets = sorted({s.budget for s in summary if s.budget is not None})
     for method in METHODS:
-        rows = sorted((s for s in summary if s.method == method and s.budget is not None), key=lambda s: s.budget or 0)
+        rows = sorted(
+            (s for s in summary if s.method == method and s.budget is not None), key=lambda s: s.budget or 0
+        )
         if rows:
             style = "o-" if method.startswith("agentkv") else "s--"
-            ax.plot([100 * (r.budget or 0) for r in rows], [r.exact_match_pct for r in rows], style, label=method)
+            ax.plot(
+                [100 * (r.budget or 0) for r in rows], [r.exact_match_pct for r in rows], style, label=method
+            )
     full = next((s for s in summary if s.method == "full"), None)
     if full is not None:
         ax.axhline(full.exact_match_pct, color="black", linestyle=":", label="full cache")
@@ -760,7 +815,7 @@ def plot_accuracy(summary: Sequence[SummaryRow], path: Path) -> None:
 
 
 def plot_device_bytes(runs: Sequence[RunRow], summary: Sequence[SummaryRow], path: Path) -> None:
-    """Device KV bytes per step (turns, then questions): full vs agentkv vs the best baseline, per workload."""
+    """Device KV bytes per step (turns, then questions): full vs agentkv vs the best baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -771,16 +826,25 @@ def plot_device_bytes(runs: Sequence[RunRow], summary: Sequence[SummaryRow], pat
     baselines = [s for s in summary if s.method in BASELINES and s.budget == budget]
     baseline = max(baselines, key=lambda s: s.exact_match_pct).method if baselines else None
     workloads = list(dict.fromkeys(r.workload for r in runs))
-    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(4.2 * max(1, len(workloads)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(workloads)), figsize=(4.2 * max(1, len(workloads)), 3.8), squeeze=False
+    )
     for ax, workload in zip(axes[0], workloads, strict=False):
         for method, want in (("full", None), ("agentkv", budget), (baseline, budget)):
-            run = next((r for r in runs if r.workload == workload and r.method == method and r.budget == want), None)
+            run = next(
+                (r for r in runs if r.workload == workload and r.method == method and r.budget == want), None
+            )
             if run is None:
                 continue
             label = method if want is None else f"{method} @{100 * want:g}%"
             ax.plot(range(len(run.steps)), [s.device_bytes / 2**20 for s in run.steps], ".-", label=label)
             if method == "agentkv":
-                ax.plot(range(len(run.steps)), [s.host_bytes / 2**20 for s in run.steps], ":", label="agentkv host tier")
+                ax.plot(
+                    range(len(run.steps)),
+                    [s.host_bytes / 2**20 for s in run.steps],
+                    ":",
+                    label="agentkv host tier",
+                )
         ax.set_title(workload)
         ax.set_xlabel("turn, then questions")
         ax.set_ylabel("KV MiB")

@@ -41,7 +41,7 @@ WORKLOAD_DIR = Path(__file__).with_name("workloads")
 """Where the shipped workload JSON files live."""
 
 QUESTION_SOURCES: tuple[str, ...] = ("user", "tool", "confirmed")
-"""Where a question's fact was stated: a user message, a tool result, or an assistant proposal the user confirmed."""
+"""Where a question's fact was stated: a user message, a tool result, or a confirmed proposal."""
 
 MIN_TURNS = 8
 MAX_TURNS = 15
@@ -218,7 +218,9 @@ def _tool(data: Any, where: str) -> ToolStep:
     if not isinstance(failed, bool):
         msg = f"{where}.failed: expected true or false, got {failed!r}"
         raise ValueError(msg)
-    return ToolStep(name=_text(obj, "name", where), args=dict(args), result=_text(obj, "result", where), failed=failed)
+    return ToolStep(
+        name=_text(obj, "name", where), args=dict(args), result=_text(obj, "result", where), failed=failed
+    )
 
 
 def _branches(data: Any, where: str) -> Branches:
@@ -232,8 +234,12 @@ def _branches(data: Any, where: str) -> Branches:
     for k, option in enumerate(raw):
         o = _mapping(option, f"{where}.options[{k}]")
         _check_keys(o, {"id", "reasoning"}, f"{where}.options[{k}]")
-        options.append(BranchOption(id=_text(o, "id", f"{where}.options[{k}]"),
-                                    reasoning=_text(o, "reasoning", f"{where}.options[{k}]")))
+        options.append(
+            BranchOption(
+                id=_text(o, "id", f"{where}.options[{k}]"),
+                reasoning=_text(o, "reasoning", f"{where}.options[{k}]"),
+            )
+        )
     ids = [o.id for o in options]
     selected = _text(obj, "selected", where)
     if len(set(ids)) != len(ids):

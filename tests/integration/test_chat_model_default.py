@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agentkv_langchain import ChatAgentKV
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from agentkv import TransformersBackend, load_model
+from agentkv_langchain import ChatAgentKV
 
 pytestmark = [
     pytest.mark.integration,

@@ -11,8 +11,14 @@ import asyncio
 import copy
 import json
 
-import agentkv_langchain.chat_models as chat_models_module
 import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+
+import agentkv_langchain.chat_models as chat_models_module
+from agentkv import AgentKVConfig, Session, TransformersBackend
+from agentkv.spans import SpanKind
 from agentkv_langchain import ChatAgentKV, parse_tool_calls, render_tool_prompt
 from agentkv_langchain.chat_models import to_chat_dicts
 from agentkv_langchain.sessions import SessionKey, session_for
@@ -23,12 +29,6 @@ from agentkv_langchain.tools import (
     forced_call_prefix,
     resolve_tool_choice,
 )
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import START, MessagesState, StateGraph
-
-from agentkv import AgentKVConfig, Session, TransformersBackend
-from agentkv.spans import SpanKind
 
 NEW_TOKENS = 10
 HISTORY = [

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agentkv_langchain import ChatAgentKV
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from agentkv import AgentKVConfig, TransformersBackend
+from agentkv_langchain import ChatAgentKV
 
 _BACKEND: TransformersBackend | None = None
 

@@ -701,10 +701,31 @@ def test_a_rewritten_tool_call_forgets_its_old_call_ids(tiny_model, tiny_tokeniz
     the old id is not left pending on it forever."""
     session = make(tiny_model, tiny_tokenizer).session("t")
     session.extend(TOOL_TURN[:3])
-    rewritten = {**TOOL_TURN[2], "tool_calls": [{"id": "call_9", "name": "weather", "args": {"city": "Paris"}}]}
+    rewritten = {
+        **TOOL_TURN[2],
+        "tool_calls": [{"id": "call_9", "name": "weather", "args": {"city": "Paris"}}],
+    }
     result = session.extend([*TOOL_TURN[:2], rewritten])
     assert result.first_changed_message == 2 and result.prefilled_tokens == 0
     done = session.apply(ToolCallCompleted("call_9"))
     assert [t.after for t in done.transitions] == [SpanState.EVICTABLE]
     assert not session.apply(ToolCallCompleted("call_1")).applied
+    session.check()
+
+
+def test_scoring_sees_the_cache_a_decode_would_see(tiny_model, tiny_tokenizer):
+    """The budget is enforced after scoring (as after an answer), not between pending tail and probe."""
+    budget = {"device_tokens": 120, "high_watermark": 0.6218, "low_watermark": 0.39}
+    session = make(tiny_model, tiny_tokenizer, budget=budget, recall={"enabled": False}).session("t")
+    history = [{"role": "system", "content": "You are a helpful assistant. " + "the " * 8 + "é é"}]
+    for content in ("the the the the the ZX-99 ZX-99 é 🙂 🙂", "the the the remember secret"):
+        history.append({"role": "user", "content": content})
+        session.extend(history)
+    session.generate(max_new_tokens=1)
+    assert all(s.tier is Tier.DEVICE for s in session.spans)
+    managed = session.continuation_logits([3])
+    with torch.inference_mode():
+        reference = tiny_model(input_ids=torch.tensor([[*session.token_ids(), 3]])).logits[0, -1:]
+    assert (managed - reference.float()).abs().max().item() <= TOL
+    assert any(s.state is SpanState.ARCHIVED for s in session.spans), "then the budget was enforced"
     session.check()
