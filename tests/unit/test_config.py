@@ -72,7 +72,7 @@ def test_example_graph_yaml_loads() -> None:
     assert config.budget.device_bytes == 64 * 1024**2
     assert config.budget.global_device_bytes == 1_500_000_000
     assert config.budget.limited
-    assert config.policy.name == "lifecycle" and config.policy.params == {"window": 32}
+    assert config.policy.name == "lifecycle" and config.policy.params == {"attention_weight": 1.0}
     assert config.archive_tier == "int8"
     assert config.commit.keep_ratio == {"tool_result": 0.5, "reasoning": 0.25}
     assert config.rules["custom:plan_approved"] == {"owner": "pin"}
@@ -635,3 +635,10 @@ def test_reference_covers_every_key_and_event() -> None:
         rendered.split("```yaml\nagentkv:", 1)[1].split("```", 1)[0].join(["agentkv:", ""])
     )
     assert AgentKVConfig.from_dict(defaults["agentkv"]) == AgentKVConfig()
+
+
+def test_example_graph_yaml_builds_its_policy():
+    from agentkv.policies.factory import make_policy
+
+    config = AgentKVConfig.from_yaml(EXAMPLE)
+    assert make_policy(config.policy.name, config.policy.params) is not None
