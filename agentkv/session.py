@@ -197,7 +197,6 @@ class Session:
                     span = self.spans[-1]
                     span.token_ids = list(ids)
                     span.state, span.frozen, span.generated = SpanState.ACTIVE, False, False
-                    span.leases.clear()  # pins were given to the old content, not to this one
                     span.turn = self.turn
                     # Forget what the old message registered (its tool call ids): they are not this one's.
                     self.lifecycle.on_span_removed(span)
