@@ -13,7 +13,9 @@ Byte-level BPE spells one word with different ids depending on what precedes it
 at a sentence start), so overlap is counted on *canonical* tokens when the caller
 supplies a `canonical` map (the manager maps each id to its stripped, casefolded
 text): "unit price" in a question then finds `"unit_price": "189.99"` in a
-tool result.
+tool result. Pairs of adjacent tokens count as words of their own: codes and
+numbers are split into many common pieces (digits are single tokens in many
+vocabularies), and only their pairs tell `4407` from `4417`.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ def _identity(token: int) -> Hashable:
     return token
 
 
-def _idf(spans: Sequence[Span], canonical: Canonical) -> dict[Hashable, float]:
-    """Inverse document frequency of each canonical token over the session's spans."""
+def _features(token_ids: Sequence[int], canonical: Canonical) -> set[Hashable]:
+    """Canonical tokens and pairs of adjacent canonical tokens (what overlap is counted on)."""
+    keys = [canonical(t) for t in token_ids]
+    return set(keys) | set(zip(keys, keys[1:], strict=False))
+
+
+def _idf(spans: Sequence[set[Hashable]]) -> dict[Hashable, float]:
+    """Inverse document frequency of each feature over the session's spans."""
     df: dict[Hashable, int] = {}
-    for span in spans:
-        for token in {canonical(t) for t in span.token_ids}:
-            df[token] = df.get(token, 0) + 1
+    for features in spans:
+        for feature in features:
+            df[feature] = df.get(feature, 0) + 1
     n = len(spans)
     return {t: max(0.0, math.log((n + 1) / (count + 0.5))) for t, count in df.items()}
 
@@ -73,18 +81,22 @@ def rank_for_recall(
 
     Returns:
         `(span, score)` pairs, best first; a score is the IDF-weighted fraction of the
-        query's words the span contains (plus `EMBEDDING_WEIGHT` times the embedding
+        query's tokens and token pairs the span contains (plus `EMBEDDING_WEIGHT` times the embedding
         cosine when there is any overlap), 0 without overlap.
     """
     key = canonical or _identity
-    idf = _idf(all_spans, key)
-    query = {key(t) for t in query_ids}
+    features = {span.span_id: _features(span.token_ids, key) for span in all_spans}
+    for span in candidates:
+        if span.span_id not in features:
+            features[span.span_id] = _features(span.token_ids, key)
+    idf = _idf([features[s.span_id] for s in all_spans])
+    query = _features(query_ids, key)
     total = sum(idf.get(t, 0.0) for t in query)
     query_vec = _mean_embedding(embed, query_ids)
     ranked: list[tuple[Span, float]] = []
     for span in candidates:
-        tokens = {key(t) for t in span.token_ids}
-        lexical = sum(idf.get(t, 0.0) for t in query & tokens) / total if total > 0 else 0.0
+        shared = query & features[span.span_id]
+        lexical = sum(idf.get(t, 0.0) for t in shared) / total if total > 0 else 0.0
         score = lexical
         if lexical > 0 and query_vec is not None:
             span_vec = _mean_embedding(embed, span.token_ids)

@@ -371,6 +371,44 @@ class _Answer:
     """Tokens the cache attended right after the question was encoded (before answering)."""
 
 
+def answer_text(prefix: str, gold: str) -> str:
+    """How the gold answer continues `prefix`: after a space, unless the prefix ends in one.
+
+    Prefixes that end inside a token (an opening quote, `C-`, `Binomial(`) are continued
+    directly, so the teacher-forced target is tokenised the way the model writes it.
+    """
+    return gold if not prefix or prefix[-1] in _GLUED else " " + gold
+
+
+_GLUED = frozenset(" \t\n\"'([{-/")
+
+
+def decided(answer: str, gold: str) -> bool:
+    """Whether more greedy tokens can no longer change `exact_match(answer, gold)`.
+
+    Decoding stops there: a correct answer needs the gold's words plus one more
+    word or the end, a wrong one is wrong from its first diverging character.
+    """
+    a, g = normalise_answer(answer), normalise_answer(gold)
+    if a.startswith(g + " "):
+        return True
+    return not (g.startswith(a) or a.startswith(g))
+
+
+def greedy_answer(session: Session, prefix: str, gold: str, max_new_tokens: int) -> str:
+    """Greedy continuation of `prefix` (the session's answer span), stopped once `decided`."""
+    pieces: list[str] = []
+    stream = session.stream(max_new_tokens, prefix=prefix, stop=["\n"])
+    try:
+        for piece in stream:
+            pieces.append(piece)
+            if decided("".join(pieces), gold):
+                break
+    finally:
+        stream.close()  # type: ignore[attr-defined]
+    return "".join(pieces)
+
+
 def ask(session: Session, history: list[dict[str, Any]], question: Question) -> _Answer:
     """Ask one recall question after `history`; the previous question and its answer are cropped.
 
@@ -383,12 +421,10 @@ def ask(session: Session, history: list[dict[str, Any]], question: Question) -> 
     attended = session.stats().attended_tokens
     fmt = session.format
     prompt = fmt.generation_prompt_ids(session.messages) + fmt.encode(question.prefix)
-    target = fmt.encode(" " + question.gold)
+    target = fmt.encode(answer_text(question.prefix, question.gold))
     logits = session.continuation_logits(prompt + target)
     logprob, first = gold_logprob(logits, len(prompt), target)
-    answer = session.generate(
-        max_new_tokens=len(target) + ANSWER_EXTRA_TOKENS, prefix=question.prefix, stop=["\n"]
-    )
+    answer = greedy_answer(session, question.prefix, question.gold, len(target) + ANSWER_EXTRA_TOKENS)
     return _Answer(answer, exact_match(answer, question.gold), logprob, first, attended)
 
 

@@ -318,7 +318,8 @@ SWEEP = [
 
 @pytest.mark.parametrize(("site", "tier"), SWEEP, ids=[f"{s}-{t}" for s, t in SWEEP])
 def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, site, tier):
-    """Seven agent turns under budget pressure with recall; faults fire on turns 2-4, then stop."""
+    """Seven agent turns under budget pressure, recall and re-pinned old spans; faults fire on turns
+    2-4, then stop."""
     backend = make(
         tiny_model,
         tiny_tokenizer,
@@ -345,6 +346,14 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
         faulty = 2 <= turn <= 4
         with inject_faults(session, site, times=None if faulty else 0) as fault:
             try:
+                # An old span is needed again, whatever recall chose: the oldest archived one is
+                # pinned (restored) and let go; the oldest evicted one is recomputed.
+                demoted = [s for s in session.spans if s.state in (SpanState.ARCHIVED, SpanState.EVICTED)]
+                if demoted and demoted[0].state is SpanState.ARCHIVED:
+                    session.release(session.pin(span_ids=[demoted[0].span_id], reason="needed again"))
+                elif demoted:
+                    session.lifecycle.move(demoted[0], SpanState.COMMITTED, reason="needed again")
+                    session.lifecycle.after_operation()
                 session.extend(history)
                 session.apply(ToolCallCompleted(call))
                 answer = session.generate(max_new_tokens=3, message_id=f"a{turn}")
