@@ -147,6 +147,8 @@ class _Budget:
 @dataclass
 class _TurnState:
     recalled: set[int] = field(default_factory=set)
+    relevance: dict[int, float] = field(default_factory=dict)
+    """Recall score of each span recalled this turn (the least relevant goes first under pressure)."""
 
 
 class LifecycleManager:
@@ -183,17 +185,37 @@ class LifecycleManager:
         self.turn_state = _TurnState()
         self.system_lease: Lease | None = None
         self.branches_seen: set[str] = set()
+        self._token_keys: dict[int, str] = {}
+        self._timing_stack: list[list[float]] = []
 
     # -- timing ---------------------------------------------------------------------------------
 
     @contextmanager
     def _timed(self, counter: str) -> Iterator[None]:
+        """Charge the time spent inside to `counter`, excluding nested sections and model forwards.
+
+        Sections nest: a budget check (`lifecycle_seconds`) moves spans (`store_seconds`),
+        a commit scores them (`policy_seconds`), a recomputed span runs the model inside
+        `store_seconds`. Charging each section only its own time makes lifecycle + policy
+        + store add up to the overhead without double counting, and keeps forwards in
+        `forward_seconds` alone.
+        """
+        counters = self.session.counters
+        frame = [0.0, 0.0]  # [elapsed of nested sections, forward seconds inside them]
+        self._timing_stack.append(frame)
         started = time.perf_counter()
+        forward_before = counters.forward_seconds
         try:
             yield
         finally:
-            counters = self.session.counters
-            setattr(counters, counter, getattr(counters, counter) + time.perf_counter() - started)
+            self._timing_stack.pop()
+            elapsed = time.perf_counter() - started
+            forward = counters.forward_seconds - forward_before
+            own = max(0.0, elapsed - frame[0] - (forward - frame[1]))
+            setattr(counters, counter, getattr(counters, counter) + own)
+            if self._timing_stack:
+                self._timing_stack[-1][0] += elapsed
+                self._timing_stack[-1][1] += forward
 
     # -- hooks from the session -----------------------------------------------------------------
 
@@ -692,28 +714,60 @@ class LifecycleManager:
         return not span.pinned and span.span_id not in self.turn_state.recalled
 
     def _demote_spans(self, target: int) -> None:
+        """Demote whole spans until device usage is at most `target` bytes.
+
+        Order: the grace queue (evictable spans, oldest first), then committed spans on
+        the device, lowest score first, then quantized archives. Spans recalled for this
+        turn go last, least relevant first, and only as far as the limit itself (the high
+        watermark, not `target`): recall chose them for the question being answered, but
+        the budget is a limit and the turn's own new content (a long tool result arriving
+        after the recall) must fit. Pinned and active spans are never demoted. Usage is
+        re-read only after a move (`usage_bytes` sums every block).
+        """
         spans = self.session.spans
+        usage = self.usage_bytes()
+        limit = self.last_limit
+        hard = max(target, int(limit * self.budget.high)) if limit is not None else target
+
+        def demote(candidates: list[Span], state: SpanState, *, recalled: bool = False) -> bool:
+            nonlocal usage
+            goal = hard if recalled else target
+            for span in candidates:
+                if usage <= goal:
+                    return True
+                if span.pinned or (span.span_id in self.turn_state.recalled) is not recalled:
+                    continue
+                was_recallable = span.span_id in self.recallable
+                if self.move(span, state, reason="budget") is None:
+                    continue
+                # Archived by the budget, or an archive the budget evicted: still recallable
+                # (restored, or recomputed from its token ids). Released spans are not.
+                if state is SpanState.ARCHIVED or was_recallable:
+                    self.recallable.add(span.span_id)
+                usage = self.usage_bytes()
+            return usage <= goal
+
+        def by_score(state: SpanState, tier: Tier) -> list[Span]:
+            chosen = (s for s in spans if s.state is state and s.tier is tier)
+            return sorted(chosen, key=lambda s: (s.score, s.start))
+
         # 1. The grace queue: evictable spans go first, oldest first.
-        for span in sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start):
-            if self.usage_bytes() <= target:
-                return
-            if self._demotable(span):
-                self.move(span, SpanState.EVICTED, reason="budget")
+        evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
+        if demote(evictable, SpanState.EVICTED):
+            return
         # 2. Committed spans on the device, lowest score first (whole spans: never re-scored).
-        committed = [s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE]
-        for span in sorted(committed, key=lambda s: (s.score, s.start)):
-            if self.usage_bytes() <= target:
-                return
-            moved = self._demotable(span) and self.move(span, SpanState.ARCHIVED, reason="budget") is not None
-            if moved and span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
-                self.recallable.add(span.span_id)
+        if demote(by_score(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
+            return
         # 3. Quantized archives still count on the device: the lowest-scored go.
-        quantized = [s for s in spans if s.state is SpanState.ARCHIVED and s.tier is Tier.QUANTIZED]
-        for span in sorted(quantized, key=lambda s: (s.score, s.start)):
-            if self.usage_bytes() <= target:
-                return
-            if self._demotable(span):
-                self.move(span, SpanState.EVICTED, reason="budget")
+        if demote(by_score(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
+            return
+        # 4. Last resort: what recall brought in for this turn, least relevant first.
+        relevance = self.turn_state.relevance
+        recalled = sorted(
+            (s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE),
+            key=lambda s: (relevance.get(s.span_id, 0.0), s.start),
+        )
+        demote(recalled, SpanState.ARCHIVED, recalled=True)
 
     def _enforce_host_budget(self) -> None:
         limit = self.budget.host_limit_bytes
@@ -771,42 +825,97 @@ class LifecycleManager:
     # -- recall ----------------------------------------------------------------------------------
 
     def recall(self, message: ChatMessage) -> list[int]:
-        """Before answering a new user turn, bring back the archived spans most relevant to it."""
+        """Before answering a new user turn, make the spans most relevant to it attended.
+
+        Candidates are the spans budget pressure demoted (archived, and evicted ones when
+        `rehydrate_evicted`) and the committed spans still on the device: a relevant span
+        that is already attended is protected for this turn like a recalled one, so the
+        demotions after the prefill cannot push it out in favour of less relevant spans.
+
+        Recall may fill the budget up to its high watermark minus what cannot be demoted
+        (pinned and active spans, the new message included): recalled spans displace
+        lower-ranked committed spans, which the budget check after the prefill archives
+        as usual. A fixed fraction of the budget would rule out recalling a long tool
+        result at tight budgets, precisely where it matters. `max_spans` bounds the spans
+        brought back; protecting an attended span only spends budget room.
+
+        Returns:
+            Ids of the spans brought back to the device (restored or recomputed).
+        """
         session = self.session
         config = session.config.recall
         if not config.enabled or not self.span_mode:
             return []
-        candidates = [
+        demoted = [
             s
             for s in session.spans
             if s.span_id in self.recallable
             and (s.state is SpanState.ARCHIVED or (config.rehydrate_evicted and s.state is SpanState.EVICTED))
         ]
-        if not candidates:
+        if not demoted:
             return []
+        attended = [
+            s
+            for s in session.spans
+            if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
+        ]
         with self._timed("policy_seconds"):
             query = session.format.encode(message.content)
-            ranked = rank_for_recall(query, candidates, session.spans, embed=self._embedder())
-        recalled: list[int] = []
-        room = None
-        if self.budget.limit_bytes is not None:
-            room = int(self.budget.limit_bytes * self.budget.low * 0.5)
+            ranked = rank_for_recall(
+                query, demoted + attended, session.spans, embed=self._embedder(), canonical=self._canonical
+            )
+        room = self._recall_room()
         spent = 0
-        for span, score in ranked[: config.max_spans]:
-            if config.min_score is not None and score < config.min_score:
+        recalled: list[int] = []
+        for span, score in ranked:
+            if len(recalled) >= config.max_spans:
                 break
-            if score <= 0:
+            if (config.min_score is not None and score < config.min_score) or score <= 0:
                 break
-            cost = span.n_computed * session.runner.bytes_per_token
+            cost = self._recall_cost(span)
             if room is not None and spent + cost > room:
                 continue
-            if self.move(span, SpanState.COMMITTED, reason="recall") is not None:
+            if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
+                self.turn_state.recalled.add(span.span_id)
+            elif self.move(span, SpanState.COMMITTED, reason="recall") is not None:
                 recalled.append(span.span_id)
                 self.turn_state.recalled.add(span.span_id)
-                spent += cost
+            else:
+                continue
+            self.turn_state.relevance[span.span_id] = score
+            spent += cost
         if recalled:
             session._record("recall", spans=recalled)
         return recalled
+
+    def _recall_room(self) -> int | None:
+        """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
+
+        Up to the high watermark, not the low one: the low watermark is where demotion
+        stops, the high one is the limit the prefill that follows must respect.
+        """
+        limit = self._effective_limit()
+        if limit is None:
+            return None
+        fixed = sum(
+            s.held_tokens + (s.length - s.n_computed)
+            for s in self.session.spans
+            if s.tier is Tier.DEVICE and (s.pinned or s.state is SpanState.ACTIVE)
+        )
+        return max(0, int(limit * self.budget.high) - fixed * self.session.runner.bytes_per_token)
+
+    def _recall_cost(self, span: Span) -> int:
+        """Device bytes a span holds once attended (a dropped span is recomputed in full)."""
+        tokens = span.n_computed if span.tier is Tier.DROPPED else span.held_tokens
+        return tokens * self.session.runner.bytes_per_token
+
+    def _canonical(self, token: int) -> str:
+        """A token's stripped, casefolded text: the key recall counts word overlap on (cached)."""
+        key = self._token_keys.get(token)
+        if key is None:
+            key = str(self.session.backend.tokenizer.decode([token])).strip().casefold()
+            self._token_keys[token] = key
+        return key
 
     def _embedder(self) -> Any:
         model = self.session.runner.model

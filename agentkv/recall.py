@@ -13,9 +13,9 @@ Byte-level BPE spells one word with different ids depending on what precedes it
 at a sentence start), so overlap is counted on *canonical* tokens when the caller
 supplies a `canonical` map (the manager maps each id to its stripped, casefolded
 text): "unit price" in a question then finds `"unit_price": "189.99"` in a
-tool result. Pairs of adjacent tokens count as words of their own: codes and
-numbers are split into many common pieces (digits are single tokens in many
-vocabularies), and only their pairs tell `4407` from `4417`.
+tool result. Inside codes and numbers, pairs of adjacent tokens count as words of
+their own: codes are split into many common pieces (digits are single tokens in
+many vocabularies), and only their pairs tell `4471` from `4417`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,20 @@ def _identity(token: int) -> Hashable:
 
 
 def _features(token_ids: Sequence[int], canonical: Canonical) -> set[Hashable]:
-    """Canonical tokens and pairs of adjacent canonical tokens (what overlap is counted on)."""
+    """Canonical tokens, plus adjacent pairs inside codes and numbers (what overlap is counted on).
+
+    A pair counts when either side is not a plain word (digits, `-`, `/`): the pieces of
+    `KX7-4471` or `4407`. Pairs of words are left out; they would reward a span for
+    echoing the question's phrasing ("the broken headphones") over the span that
+    holds the answer.
+    """
     keys = [canonical(t) for t in token_ids]
-    return set(keys) | set(zip(keys, keys[1:], strict=False))
+    pairs = {(a, b) for a, b in zip(keys, keys[1:], strict=False) if not (_is_word(a) and _is_word(b))}
+    return set(keys) | pairs
+
+
+def _is_word(key: Hashable) -> bool:
+    return isinstance(key, str) and key.isalpha()
 
 
 def _idf(spans: Sequence[set[Hashable]]) -> dict[Hashable, float]:

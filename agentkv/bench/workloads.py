@@ -8,9 +8,15 @@ answers. Scripted answers make the benchmark deterministic and give every
 method the identical history, so only the final questions are generated.
 
 The questions at the end ask about facts stated many turns earlier. Each has a
-gold answer and a completion-style prefix ("The booking code is") because the
-default model is tiny: it copies a fact from its context far more reliably than
-it answers an open question.
+gold answer and a completion-style prefix because the default model is tiny: it
+copies a fact from its context far more reliably than it answers an open
+question. At ~1,500-2,000 tokens of noisy context, SmolLM2-135M copies reliably
+only when the prefix ends with the words that precede the fact in the
+conversation, so prefixes quote them (`You told me: "Our grant number is` →
+`NE/X01492/1`). The phrasings were checked against the *full-cache* run only
+(it answers every shipped question), never against the methods under test. The
+natural-language `question` is the user message; recall sees only that, never
+the prefix (which is the start of the model's own answer).
 
 JSON shape (one file per workload, `agentkv/bench/workloads/<name>.json`)::
 
