@@ -15,6 +15,11 @@ import torch
 
 from agentkv.store.cache import PhysicalCache
 
+_NO_CUSTOM_MASK = ("flash_attention", "paged")
+"""Attention implementations (prefixes) that ignore or reject an arbitrary 4D mask."""
+_CUSTOM_MASK_OK = ("sdpa", "eager", "flex_attention")
+"""Implementations `logical_mask` builds a correct mask for (named in the error)."""
+
 
 @dataclass(frozen=True)
 class Feed:
@@ -46,6 +51,7 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         config: Any = model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._text_config: Any = text_config
         self.num_layers: int = int(text_config.num_hidden_layers)
         self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
@@ -75,8 +81,9 @@ class ModelRunner:
             cache: the session's physical cache; grows by `len(feed)` slots.
             feed: tokens with logical positions and span bookkeeping.
             logits: "last" returns `[V]` for the last token, "all" returns `[n, V]`, "none" returns None.
-            attention_mask: optional 4D boolean mask `[1, 1, n, S + n]` (True = attend); only for
-                single-chunk feeds. None = attend to every cached slot, causal among new tokens.
+            attention_mask: optional 4D mask `[1, 1, n, S + n]` as `logical_mask` builds it (in the
+                form the model's attention implementation takes); only for single-chunk feeds.
+                None = attend to every cached slot, causal among new tokens.
         """
         import time
 
@@ -131,9 +138,43 @@ class ModelRunner:
 
         Used to recompute (rehydrate) a span in the middle of the logical sequence: it
         must not see tokens that came after it in the conversation.
+
+        Transformers hands a 4D mask to the attention function as it is, and the
+        functions read it differently: SDPA takes a bool mask (True = attend), while
+        eager and flex attention *add* the mask to the scores, so a bool mask there
+        becomes a +1/+0 bias and hides nothing. The mask is built in the form the
+        model's current attention implementation expects (read per call: it can be
+        switched with `model.set_attn_implementation`).
+
+        Raises:
+            ValueError: The attention implementation cannot take an arbitrary 4D mask
+                (FlashAttention kernels only know causal and padding masks).
         """
         past = cache.slot_position.to(self.device)  # [S]
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
         keys = torch.cat([past, new])  # [S + n]
-        mask = keys[None, :] <= new[:, None]  # [n, S + n]
-        return mask[None, None]
+        allowed = (keys[None, :] <= new[:, None])[None, None]  # [1, 1, n, S + n], True = attend
+        implementation = self.attention_implementation
+        if implementation == "sdpa":
+            return allowed
+        if implementation.startswith(_NO_CUSTOM_MASK):
+            msg = (
+                f"attention implementation {implementation!r} cannot take a logical 4D mask "
+                f"(needed to recompute a span at its place in the conversation); "
+                f"load the model with attn_implementation in {list(_CUSTOM_MASK_OK)}"
+            )
+            raise ValueError(msg)
+        # eager, flex and other kernels that add the mask: 0 = attend, dtype min = hidden,
+        # in the model's dtype, as transformers' own `eager_mask` builds it.
+        hidden = torch.finfo(self.dtype).min
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, hidden)
+
+    @property
+    def attention_implementation(self) -> str:
+        """The model's attention implementation now (`"sdpa"`, `"eager"`, …); "eager" when unset."""
+        config: Any = self.model.config
+        return str(
+            getattr(self._text_config, "_attn_implementation", None)
+            or getattr(config, "_attn_implementation", None)
+            or "eager"
+        )
