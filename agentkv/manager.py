@@ -529,6 +529,7 @@ class LifecycleManager:
             list(range(len(positions))),
         )
         try:
+            session.store.physical.compact_pending()
             mask = session.runner.logical_mask(session.store.physical, positions)
             with session.backend.model_lock:
                 session._forward(feed, logits="none", attention_mask=mask)
@@ -688,7 +689,8 @@ class LifecycleManager:
                 if usage > limit * self.budget.high:
                     target = int(limit * self.budget.low)
                     if self.span_mode:
-                        self._demote_spans(target)
+                        with session.store.physical.deferred_removal():  # one compaction for all moves
+                            self._demote_spans(target)
                     else:
                         self._evict_tokens(target)
                     usage = self.usage_bytes()

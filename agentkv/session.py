@@ -293,6 +293,7 @@ class Session:
         if not len(feed):
             return 0
         physical = self.store.physical
+        physical.compact_pending()
         mask = None
         if physical.length and min(feed.positions) < int(physical.slot_position.max()):
             # A span whose tail was still pending (a generated answer's last token and
@@ -323,6 +324,7 @@ class Session:
 
     def _forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         before = self.runner.forward_seconds
+        self.store.physical.compact_pending()  # a forward must never attend a removed slot
         try:
             return self.lifecycle.observed_forward(feed, **kwargs)
         finally:

@@ -18,6 +18,7 @@ it must remove a token from that prefix.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -130,6 +131,8 @@ class PhysicalCache:
         self.slot_position = torch.empty(0, dtype=torch.long)
         self.slot_attention = torch.empty(0, dtype=torch.float32)
         """Attention each slot has received, accumulated with an EMA (H2O-style signal)."""
+        self._pending: torch.Tensor | None = None
+        """Inside `deferred_removal`: `[length]` bool, slots removed but not yet compacted away."""
 
     # -- size and accounting -------------------------------------------------------------
 
@@ -139,8 +142,15 @@ class PhysicalCache:
         return int(self.slot_span.numel())
 
     def own_bytes(self) -> int:
-        """Bytes of the tensors this cache owns (excludes a shared prefix)."""
-        return sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.own_tensors())
+        """Bytes of the tensors this cache owns (not a shared prefix), less removals not compacted yet."""
+        held = sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.own_tensors())
+        return held - self._pending_bytes(held + self.shared_bytes())
+
+    def _pending_bytes(self, held: int) -> int:
+        """Bytes the pending removals will free (every slot costs the same across layers)."""
+        if self._pending is None or not self.length:
+            return 0
+        return held * int(self._pending.sum()) // self.length
 
     def shared_bytes(self) -> int:
         """Bytes of the prefix tensors this cache shares with another one."""
@@ -169,6 +179,8 @@ class PhysicalCache:
         self.slot_offset = torch.cat([self.slot_offset, offsets.to("cpu", torch.long)])
         self.slot_position = torch.cat([self.slot_position, positions.to("cpu", torch.long)])
         self.slot_attention = torch.cat([self.slot_attention, torch.zeros(int(span_ids.numel()))])
+        if self._pending is not None:
+            self._pending = torch.cat([self._pending, torch.zeros(int(span_ids.numel()), dtype=torch.bool)])
         self._check_lengths()
 
     def _check_lengths(self) -> None:
@@ -182,6 +194,8 @@ class PhysicalCache:
     def slots_of(self, span_id: int, offsets: Iterable[int] | None = None) -> torch.Tensor:
         """Physical slot indices of a span (optionally only some offsets), in offset order."""
         mask = self.slot_span == span_id
+        if self._pending is not None:
+            mask &= ~self._pending
         if offsets is not None:
             wanted = torch.tensor(sorted(set(offsets)), dtype=torch.long)
             mask &= torch.isin(self.slot_offset, wanted)
@@ -191,6 +205,7 @@ class PhysicalCache:
 
     def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
         """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty)."""
+        self._flush_pending()
         full = self.cache.managed_layers[layer_idx].full()
         return None if full is None else full[0]
 
@@ -212,26 +227,74 @@ class PhysicalCache:
         return KVBlock(keys=keys, values=values, offsets=offsets)
 
     def remove(self, slots: torch.Tensor) -> int:
-        """Drop some slots: mark, then one `index_select` per layer. Returns slots removed."""
+        """Drop some slots: mark, then one `index_select` per layer. Returns slots removed.
+
+        Inside `deferred_removal` the slots are only marked; the compaction happens
+        once, when the block ends.
+        """
         if slots.numel() == 0:
             return 0
+        if self._pending is not None:
+            self._pending[slots] = True
+            return int(slots.numel())
         keep_mask = torch.ones(self.length, dtype=torch.bool)
         keep_mask[slots] = False
         keep = keep_mask.nonzero().flatten()
         self._select(keep)
         return int(slots.numel())
 
+    @contextmanager
+    def deferred_removal(self) -> Iterator[None]:
+        """Batch the `remove` calls made inside into one compaction at the end.
+
+        Every compaction copies the whole cache (one `index_select` per layer), so
+        demoting k spans in one budget check would copy it k times; batched, it is
+        copied once. Inside the block, `slots_of` and `nbytes` already see the
+        removals; anything that reads or grows the attended tensors (`layer_keys`,
+        an append, a truncation) compacts first, so nothing ever attends a removed
+        slot. Nested blocks compact when the outermost one ends.
+        """
+        if self._pending is not None:
+            yield
+            return
+        self._pending = torch.zeros(self.length, dtype=torch.bool)
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            self._compact(pending)
+
+    def compact_pending(self) -> None:
+        """Compact the removals marked so far (before a forward attends the cache)."""
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """Compact the removals marked so far; stay deferred for the rest of the block."""
+        if self._pending is None or not bool(self._pending.any()):
+            return
+        pending = self._pending
+        self._pending = None
+        self._compact(pending)
+        self._pending = torch.zeros(self.length, dtype=torch.bool)
+
+    def _compact(self, pending: torch.Tensor | None) -> None:
+        if pending is not None and bool(pending.any()):
+            self._select((~pending).nonzero().flatten())
+
     def permute(self, order: torch.Tensor) -> None:
         """Reorder physical slots (tests use this to prove order does not matter)."""
+        self._flush_pending()
         self._select(order)
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` physical slots."""
+        self._flush_pending()
         if length < self.length:
             self._select(torch.arange(length))
 
     def accumulate_attention(self, attention: torch.Tensor, decay: float) -> None:
         """Fold a new attention signal `[S]` into the per-slot EMA."""
+        self._flush_pending()
         if attention.numel() != self.length:
             return
         self.slot_attention = decay * self.slot_attention + attention.float().cpu()
@@ -268,6 +331,7 @@ class PhysicalCache:
         the layers already written are cut back, so the caller can fall back to
         recomputing the span on a cache that is still in sync.
         """
+        self._flush_pending()
         before = self.length
         try:
             for layer, k, v in zip(self.cache.managed_layers, block.keys, block.values, strict=True):

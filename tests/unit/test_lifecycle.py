@@ -187,6 +187,34 @@ def test_budget_archives_lowest_committed_spans_and_recall_restores(tiny_model, 
     session.check()
 
 
+def test_one_budget_check_compacts_the_cache_once(tiny_model, tiny_tokenizer, monkeypatch):
+    # Demoting k spans in one budget check must copy the attended cache once, not k times.
+    backend = make(tiny_model, tiny_tokenizer, budget={"device_tokens": 200, "low_watermark": 0.3})
+    session = backend.session("t")
+    physical = session.store.physical
+    compactions: list[int] = []
+    original = physical._select
+
+    def counted(keep):
+        compactions.append(int(keep.numel()))
+        original(keep)
+
+    monkeypatch.setattr(physical, "_select", counted)
+    history = [{"role": "system", "content": "You are a helpful assistant."}]
+    most_demoted = 0
+    for i in range(8):
+        history.append({"role": "user", "content": f"note {i}: the secret code is 44{i}7 lorem ipsum"})
+        history.append({"role": "assistant", "content": f"noted {i}"})
+        before = {s.span_id for s in session.spans if s.state is SpanState.ARCHIVED}
+        compactions.clear()
+        session.extend(history)
+        demoted = {s.span_id for s in session.spans if s.state is SpanState.ARCHIVED} - before
+        most_demoted = max(most_demoted, len(demoted))
+        assert len(compactions) <= 1
+        session.check()
+    assert most_demoted >= 2
+
+
 def test_unmeetable_budget_is_reported_not_crashed(tiny_model, tiny_tokenizer, caplog):
     backend = make(tiny_model, tiny_tokenizer, budget={"device_tokens": 8})
     session = backend.session("t")
