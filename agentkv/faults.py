@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -106,7 +106,7 @@ def inject_faults(
         if where in ("offload", "host_limit", "quantize"):
             undo.append(_patch(session.store, "archive", _failing_archive(session, fault)))
         elif where == "restore":
-            undo.append(_patch(session.store, "restore", _failing_restore(session, fault)))
+            undo.append(_patch(session.store, "restore_many", _failing_restore(session, fault)))
         elif where == "policy":
             undo.extend(_patch_policy(session, fault))
         else:
@@ -155,22 +155,22 @@ def _failing_archive(session: Session, fault: FaultInjection) -> Callable[[Span,
     return archive
 
 
-def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Span], None]:
+def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Sequence[Span]], None]:
     store = session.store
-    original = store.restore
+    original = store.restore_many
 
-    def restore(span: Span) -> None:
+    def restore_many(spans: Sequence[Span]) -> None:
         if not fault.fire():
-            original(span)
+            original(spans)
             return
         # Fail in the middle of the copy back, after the first layers were written.
         remove = _patch_middle_layer(session, lambda: True, "restore")
         try:
-            original(span)
+            original(spans)
         finally:
             remove()
 
-    return restore
+    return restore_many
 
 
 def _patch_middle_layer(session: Session, should_fail: Callable[[], bool], what: str) -> Callable[[], None]:

@@ -868,9 +868,9 @@ class LifecycleManager:
             )
         room = self._recall_room()
         spent = 0
-        recalled: list[int] = []
+        chosen: list[tuple[Span, float]] = []
         for span, score in ranked:
-            if len(recalled) >= config.max_spans:
+            if len(chosen) >= config.max_spans:
                 break
             if (config.min_score is not None and score < config.min_score) or score <= 0:
                 break
@@ -879,16 +879,38 @@ class LifecycleManager:
                 continue
             if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
                 self.turn_state.recalled.add(span.span_id)
-            elif self.move(span, SpanState.COMMITTED, reason="recall") is not None:
+                self.turn_state.relevance[span.span_id] = score
+            else:
+                chosen.append((span, score))
+            spent += cost
+        self._restore_together([span for span, _ in chosen])
+        recalled: list[int] = []
+        for span, score in chosen:
+            if self.move(span, SpanState.COMMITTED, reason="recall") is not None:
                 recalled.append(span.span_id)
                 self.turn_state.recalled.add(span.span_id)
-            else:
-                continue
-            self.turn_state.relevance[span.span_id] = score
-            spent += cost
+                self.turn_state.relevance[span.span_id] = score
         if recalled:
             session._record("recall", spans=recalled)
         return recalled
+
+    def _restore_together(self, spans: Sequence[Span]) -> None:
+        """Restore archived spans with one append, before their moves (which then find them attended).
+
+        On failure nothing is restored and each span's own move restores it, or
+        recomputes it from its token ids.
+        """
+        archived = [s for s in spans if s.tier in (Tier.HOST, Tier.QUANTIZED)]
+        if len(archived) < 2:
+            return
+        session = self.session
+        with self._timed("store_seconds"):
+            try:
+                session.store.restore_many(archived)
+            except Exception as e:  # noqa: BLE001 - each span falls back on its own move
+                self._fault("restore", None, e)
+                return
+            session.counters.restored_tokens += sum(s.held_tokens for s in archived)
 
     def _recall_room(self) -> int | None:
         """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).

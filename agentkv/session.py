@@ -247,30 +247,31 @@ class Session:
 
     def _crop(self, first: Span, *, keep_tokens: int = 0) -> int:
         """Drop `first` (except its first `keep_tokens`) and every span after it."""
-        index = self.spans.index(first)
-        dropped = 0
-        for span in self.spans[index + 1 :]:
-            dropped += span.length
-            self.store.forget(span)
-            self.lifecycle.on_span_removed(span)
-        del self.spans[index + 1 :]
-        del self.messages[first.message_index if first.message_index >= 0 else len(self.messages) :]
-        if keep_tokens:
-            slots = self.store.physical.slots_of(first.span_id)
-            offsets = self.store.physical.slot_offset[slots]
-            self.store.physical.remove(slots[offsets >= keep_tokens])
-            dropped += first.length - keep_tokens
-            first.token_ids = first.token_ids[:keep_tokens]
-            first.n_computed = keep_tokens
-            first.fingerprints = frozenset()
-        else:
-            dropped += first.length
-            self.store.forget(first)
-            self.lifecycle.on_span_removed(first)
-            self.spans.pop()
-        if self.last_logits is not None:
-            self.last_logits = None
-        return dropped
+        with self.store.physical.deferred_removal():  # one compaction, however many spans go
+            index = self.spans.index(first)
+            dropped = 0
+            for span in self.spans[index + 1 :]:
+                dropped += span.length
+                self.store.forget(span)
+                self.lifecycle.on_span_removed(span)
+            del self.spans[index + 1 :]
+            del self.messages[first.message_index if first.message_index >= 0 else len(self.messages) :]
+            if keep_tokens:
+                slots = self.store.physical.slots_of(first.span_id)
+                offsets = self.store.physical.slot_offset[slots]
+                self.store.physical.remove(slots[offsets >= keep_tokens])
+                dropped += first.length - keep_tokens
+                first.token_ids = first.token_ids[:keep_tokens]
+                first.n_computed = keep_tokens
+                first.fingerprints = frozenset()
+            else:
+                dropped += first.length
+                self.store.forget(first)
+                self.lifecycle.on_span_removed(first)
+                self.spans.pop()
+            if self.last_logits is not None:
+                self.last_logits = None
+            return dropped
 
     def _pending_feed(self) -> Feed:
         ids: list[int] = []
@@ -691,8 +692,7 @@ class Session:
     def close(self) -> None:
         """Free the session's KV (tokens are dropped with it)."""
         with self.lock:
-            for span in self.spans:
-                self.store.forget(span)
+            self.store.blocks.clear()  # every archived block; the attended cache goes at once below
             self.store.physical.truncate(0)
             self.spans.clear()
             self.messages.clear()

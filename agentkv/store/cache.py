@@ -17,7 +17,7 @@ it must remove a token from that prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -325,22 +325,30 @@ class PhysicalCache:
         self.slot_attention = self.slot_attention[keep]
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
-        """Append a block's KV at the end of the physical cache (restore / recall).
+        """Append a block's KV at the end of the physical cache (restore / recall)."""
+        self.append_blocks([(span_id, block, positions)])
+
+    def append_blocks(self, items: Sequence[tuple[int, KVBlock, torch.Tensor]]) -> None:
+        """Append several `(span_id, block, positions)` at the end, with one update per layer.
 
         All or nothing: if a layer fails half way (out of memory while copying back),
         the layers already written are cut back, so the caller can fall back to
-        recomputing the span on a cache that is still in sync.
+        recomputing the spans on a cache that is still in sync.
         """
+        if not items:
+            return
         self._flush_pending()
         before = self.length
+        blocks = [block for _, block, _ in items]
         try:
-            for layer, k, v in zip(self.cache.managed_layers, block.keys, block.values, strict=True):
-                layer.update(k, v)
-            n = block.num_tokens
+            for i, layer in enumerate(self.cache.managed_layers):
+                keys = [b.keys[i] for b in blocks]  # each [B, H_kv, n_b, D]
+                values = [b.values[i] for b in blocks]
+                layer.update(_cat(keys), _cat(values))
             self.record_append(
-                torch.full((n,), span_id, dtype=torch.long),
-                torch.tensor(block.offsets, dtype=torch.long),
-                positions,
+                torch.cat([torch.full((b.num_tokens,), sid, dtype=torch.long) for sid, b, _ in items]),
+                torch.tensor([o for b in blocks for o in b.offsets], dtype=torch.long),
+                torch.cat([positions.to(torch.long) for _, _, positions in items]),
             )
         except BaseException:
             self.rollback(before)
@@ -390,3 +398,8 @@ class PhysicalCache:
         child.slot_position = self.slot_position.clone()
         child.slot_attention = self.slot_attention.clone()
         return child
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the token dimension (no copy for a single tensor)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)

@@ -9,6 +9,7 @@ still holds (or frees) on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -101,9 +102,9 @@ class HostBlock:
         """Offsets within the span of the tokens held (same as `QuantizedBlock.offsets`)."""
         return self.block.offsets
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Exact host bytes of every tensor held."""
+        """Exact host bytes of every tensor held (computed once: a stored block never changes)."""
         return self.block.nbytes
 
     def restore(self, device: torch.device | str, non_blocking: bool = True) -> KVBlock:

@@ -8,6 +8,7 @@ byte accounting exact: `bytes_by_tier()` sums the tensors actually held.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,21 +121,35 @@ class KVStore:
 
     def restore(self, span: Span) -> None:
         """Bring an archived span back into the attended cache (appended at the physical end)."""
-        if span.tier is Tier.DEVICE:
-            return
-        stored = self.blocks.get(span.span_id)
-        if stored is None:
-            msg = f"span {span.span_id} holds no archived KV (tier {span.tier.value}); rehydrate it instead"
-            raise ValueError(msg)
-        block: KVBlock
-        if isinstance(stored, HostBlock):
-            block = stored.restore(self.device)
-        else:
-            block = stored.to_block(device=self.device)
-        positions = torch.tensor([span.start + o for o in block.offsets], dtype=torch.long)
-        self.physical.append_block(span.span_id, block, positions)
-        del self.blocks[span.span_id]
-        span.tier = Tier.DEVICE
+        self.restore_many([span])
+
+    def restore_many(self, spans: Sequence[Span]) -> None:
+        """Bring archived spans back with one append per layer (recall restores several at once).
+
+        Each append copies the whole attended cache (`torch.cat`), so restoring k spans
+        one by one would copy it k times. All or nothing: when the append fails, every
+        span stays archived with its block.
+        """
+        items: list[tuple[int, KVBlock, torch.Tensor]] = []
+        restoring: list[Span] = []
+        for span in spans:
+            if span.tier is Tier.DEVICE:
+                continue
+            stored = self.blocks.get(span.span_id)
+            if stored is None:
+                msg = f"span {span.span_id} holds no archived KV (tier {span.tier.value}); rehydrate it"
+                raise ValueError(msg)
+            if isinstance(stored, HostBlock):
+                block = stored.restore(self.device)
+            else:
+                block = stored.to_block(device=self.device)
+            positions = torch.tensor([span.start + o for o in block.offsets], dtype=torch.long)
+            items.append((span.span_id, block, positions))
+            restoring.append(span)
+        self.physical.append_blocks(items)
+        for span in restoring:
+            del self.blocks[span.span_id]
+            span.tier = Tier.DEVICE
 
     def forget(self, span: Span) -> None:
         """Remove a span entirely (history rewrite): its slots and any archived block."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -244,9 +245,9 @@ class QuantizedBlock:
         """Number of trailing tokens kept in full precision."""
         return self.residual_keys[0].shape[2] if self.residual_keys else 0
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Exact bytes of every tensor held: codes, scales, zero points and residual."""
+        """Exact bytes of every tensor held: codes, scales, zero points and residual (computed once)."""
         total = sum(qk.nbytes + qv.nbytes for qk, qv in zip(self.keys, self.values, strict=True))
         for residual in (self.residual_keys, self.residual_values):
             total += sum(tensor_bytes(t) for t in residual or ())

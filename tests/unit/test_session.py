@@ -136,6 +136,29 @@ def test_offload_and_restore_any_span_is_exact(backend, tiny_model, span_index):
     session.check()
 
 
+def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_model, monkeypatch):
+    session = backend.session("t")
+    session.extend(HISTORY)
+    spans = [session.spans[i] for i in (1, 3, 5)]
+    for span in spans:
+        session.store.archive(span, "host")
+    appends: list[int] = []
+    physical = session.store.physical
+    original = physical.append_blocks
+
+    def counted(items):
+        appends.append(len(items))
+        original(items)
+
+    monkeypatch.setattr(physical, "append_blocks", counted)
+    session.store.restore_many(spans)
+    assert appends == [3]
+    assert all(s.tier is Tier.DEVICE for s in spans)
+    assert session.stats().host_bytes == 0
+    assert_matches_full(session, tiny_model, [21, 22])
+    session.check()
+
+
 def test_int8_restore_is_close(backend, tiny_model):
     session = backend.session("t")
     session.extend(HISTORY)
