@@ -389,6 +389,17 @@ class RecallConfig(_Section):
         description="Relevance a span needs to be recalled; null = the top max_spans regardless.",
     )
     """Relevance a span needs to be recalled; null = the top max_spans regardless."""
+    relative_floor: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        strict=True,
+        allow_inf_nan=False,
+        description=(
+            "Recall spans at least this fraction as relevant as the best; the most relevance that fits."
+        ),
+    )
+    """Recall spans at least this fraction as relevant as the best; the most relevance that fits."""
     rehydrate_evicted: bool = Field(
         default=True, strict=True, description="Recompute evicted spans from their tokens when recalled."
     )

@@ -44,7 +44,7 @@ from agentkv.events import (
 )
 from agentkv.lifecycle import ACTION_STATES, TRANSITIONS, Lease, Rules, check_transition
 from agentkv.policies import AttentionProbe, LifecyclePolicy, Policy, SpanView, make_policy
-from agentkv.recall import rank_for_recall
+from agentkv.recall import choose_within_room, rank_for_recall
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 
 if TYPE_CHECKING:
@@ -866,23 +866,20 @@ class LifecycleManager:
             ranked = rank_for_recall(
                 query, demoted + attended, session.spans, embed=self._embedder(), canonical=self._canonical
             )
-        room = self._recall_room()
-        spent = 0
+        ranked = [
+            (span, score)
+            for span, score in ranked
+            if score > 0 and (config.min_score is None or score >= config.min_score)
+        ]
+        costs = [self._recall_cost(span) for span, _ in ranked]
+        picked = choose_within_room(ranked, costs, self._recall_room(), relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
-        for span, score in ranked:
-            if len(chosen) >= config.max_spans:
-                break
-            if (config.min_score is not None and score < config.min_score) or score <= 0:
-                break
-            cost = self._recall_cost(span)
-            if room is not None and spent + cost > room:
-                continue
+        for span, score in (ranked[i] for i in picked):
             if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
                 self.turn_state.recalled.add(span.span_id)
                 self.turn_state.relevance[span.span_id] = score
-            else:
+            elif len(chosen) < config.max_spans:
                 chosen.append((span, score))
-            spent += cost
         self._restore_together([span for span, _ in chosen])
         recalled: list[int] = []
         for span, score in chosen:

@@ -116,3 +116,62 @@ def rank_for_recall(
         ranked.append((span, score if lexical > 0 else 0.0))
     ranked.sort(key=lambda item: (item[1], item[0].start), reverse=True)
     return ranked
+
+
+def choose_within_room(
+    ranked: Sequence[tuple[Span, float]],
+    costs: Sequence[int],
+    room: int | None,
+    *,
+    relative_floor: float,
+    resolution: int = 512,
+) -> list[int]:
+    """Indices into `ranked` of the spans to attend: the most total relevance that fits `room`.
+
+    Greedy by score lets one long, loosely relevant span (a 255-token policy text
+    matching "broken headphones") take the room of three short ones, one of which
+    holds the answer. Recall instead solves the 0/1 knapsack: maximise the summed
+    relevance of the chosen spans, their costs summing to at most `room`. Only
+    spans at least `relative_floor` times as relevant as the best one compete, so
+    many barely relevant short spans cannot outvote one clearly relevant long one.
+
+    Costs are rounded up to `room / resolution` so the dynamic programme stays
+    `len(ranked) x resolution` however large the budget; the rounding only ever
+    overestimates a cost, so the chosen spans always fit.
+
+    Args:
+        ranked: `(span, score)` best first, as `rank_for_recall` returns them.
+        costs: What attending each ranked span costs (bytes, or any unit `room` is in).
+        room: The capacity; None = unlimited.
+        relative_floor: Fraction of the best score a span needs to compete.
+        resolution: Capacity buckets of the dynamic programme.
+
+    Returns:
+        Chosen indices, in ranked order (best first).
+    """
+    if not ranked or ranked[0][1] <= 0:
+        return []
+    floor = ranked[0][1] * relative_floor
+    eligible = [i for i, (_, score) in enumerate(ranked) if score > 0 and score >= floor]
+    if room is None or sum(costs[i] for i in eligible) <= room:
+        return eligible
+    unit = max(1, math.ceil(room / resolution))
+    capacity = room // unit
+    best = torch.zeros(capacity + 1, dtype=torch.float64)  # best[c]: most relevance within c units
+    taken = torch.zeros(len(eligible), capacity + 1, dtype=torch.bool)
+    for row, i in enumerate(eligible):
+        weight = math.ceil(costs[i] / unit)
+        if weight > capacity:
+            continue
+        with_item = torch.full_like(best, -1.0)
+        with_item[weight:] = best[: capacity + 1 - weight] + ranked[i][1]
+        taken[row] = with_item > best
+        best = torch.maximum(best, with_item)
+    chosen: list[int] = []
+    c = capacity
+    for row in range(len(eligible) - 1, -1, -1):
+        if taken[row, c]:
+            i = eligible[row]
+            chosen.append(i)
+            c -= math.ceil(costs[i] / unit)
+    return sorted(chosen)
