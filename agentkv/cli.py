@@ -1,4 +1,10 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak`, `inspect`."""
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak`, `inspect`.
+
+Library code reports progress through callbacks (`agentkv.progress`); this module is
+where it becomes visible: rich progress bars on stderr while the model loads (its
+first-load conversion) and while benchmarks run, off when stderr is not a terminal or
+with `--no-progress`.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,88 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from agentkv.progress import ProgressStep
 
 logger = logging.getLogger("agentkv.cli")
 
+AGENTS_EXTRA_HINT = "pip install 'agentkv-lifecycle[agents]'"
+"""How to get the optional LangChain / LangGraph dependencies the demo agent needs."""
+
+
+class CommandError(Exception):
+    """A failure the user can fix (missing extra, bad model path): printed in red, exit status 2."""
+
+
+class RichProgress:
+    """A `ProgressCallback` that draws one rich bar per task on stderr.
+
+    Use it as a context manager around the work. The bars are transient (they vanish
+    when done) and drawn only when `enabled` and stderr is a terminal; with
+    `log_details`, each step's `detail` is also printed as a line (kept in logs).
+    """
+
+    def __init__(self, *, enabled: bool = True, log_details: bool = False, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.log_details = log_details
+        self.bars = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+            console=self.console,
+            transient=True,
+            disable=not (enabled and self.console.is_terminal),
+        )
+        self.tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> RichProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.bars.stop()
+
+    def __call__(self, step: ProgressStep) -> None:
+        """Move the step's task bar (created on its first step)."""
+        task = self.tasks.get(step.task)
+        if task is None:
+            task = self.tasks[step.task] = self.bars.add_task(step.task, total=step.total, detail="")
+        self.bars.update(task, completed=step.done, total=step.total, detail=step.detail)
+        if self.log_details and step.detail:
+            self.console.log(str(step))
+
+
+def _progress(args: argparse.Namespace, *, log_details: bool = False) -> RichProgress:
+    return RichProgress(enabled=not args.no_progress, log_details=log_details)
+
 
 def _load(args: argparse.Namespace, config: Any = None) -> tuple[Any, Any]:
-    from agentkv.models import load_model
+    """The model named by `--model`, else by the config, else the default; with a progress bar."""
+    from transformers.utils import logging as hf_logging
 
+    from agentkv.models import ModelLoadError, load_model
+
+    # Our bar covers the load; Transformers' own per-tensor bar would print even into a pipe.
+    hf_logging.disable_progress_bar()
     name = args.model or (config.model if config is not None else None)
     device = getattr(args, "device", None) or (config.device if config is not None else None)
     dtype = config.dtype if config is not None else None
-    return load_model(name, device=device, dtype=dtype)
+    try:
+        with _progress(args) as bars:
+            return load_model(name, device=device, dtype=dtype, progress=bars)
+    except ModelLoadError as e:
+        raise CommandError(str(e)) from e
 
 
 def _config(path: str | None) -> Any:
@@ -31,20 +104,26 @@ def _config(path: str | None) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """`agentkv demo`."""
-    from agentkv.demo import run_demo
+    """`agentkv demo`: the tool agent with and without agentkv (`agentkv_langgraph.demo`)."""
+    config = _config(args.config)  # a bad --config fails before anything slow
+    from agentkv.demo import demo_config
 
-    config = _config(args.config)
+    demo_config(config, args.budget)  # so does a bad --budget
+    try:
+        from agentkv_langgraph.demo import run_demo
+    except ImportError as e:
+        msg = (
+            f"agentkv demo runs a LangGraph agent and needs the agents extra ({e}); "
+            f"install it with: {AGENTS_EXTRA_HINT}"
+        )
+        raise CommandError(msg) from e
     model, tokenizer = _load(args, config)
-    budget = None if args.budget in (None, 0) else args.budget
-    if config.budget.limited and args.budget is not None:
-        config = config.with_overrides({"budget": {"device_tokens": args.budget, "device_bytes": None}})
     run_demo(
         model,
         tokenizer,
         config=config,
         turns=args.turns,
-        budget_tokens=budget,
+        budget_tokens=args.budget,
         max_new_tokens=args.max_new_tokens,
         out_dir=args.out,
     )
@@ -68,9 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "reuse":
         from agentkv.bench.reuse import run_reuse_bench
 
-        result = run_reuse_bench(
-            model, tokenizer, turns=args.turns or 22, out_dir=out, progress=lambda m: console.log(m)
-        )
+        with _progress(args) as bars:
+            result = run_reuse_bench(model, tokenizer, turns=args.turns or 22, out_dir=out, progress=bars)
         table = Table(title="agentkv bench reuse: per turn (reuse | re-encode)")
         for name in (
             "turn",
@@ -100,14 +178,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_kv("totals", summary, console)
         _print_kv("decode loop vs model.generate (same full cache)", decode, console)
     elif args.which == "memory":
-        from agentkv.bench.memory import run_memory_bench
+        from agentkv.bench.memory import acceptance_line, memory_table, run_memory_bench
 
         budgets = (0.25,) if args.quick else (0.5, 0.25, 0.125)
-        run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=lambda m: console.log(m))
+        with _progress(args, log_details=True) as bars:
+            result = run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=bars)
+        console.print(memory_table(result))
+        console.print(acceptance_line(result["acceptance"]))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
-        summary = run_soak(model, tokenizer, turns=args.turns or 300, out_dir=out)
+        with _progress(args) as bars:
+            summary = run_soak(model, tokenizer, turns=args.turns or 300, out_dir=out, progress=bars)
         _print_kv("soak", summary, console)
     console.print(f"results in {out}/")
     return 0
@@ -134,24 +216,61 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="count", default=0, help="-v info logs, -vv debug (one per transition)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (drawn on stderr, and only when it is a terminal)",
+    )
 
-    demo = sub.add_parser("demo", help="run the tool-using agent with and without agentkv, side by side")
-    demo.add_argument("--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)")
+    demo = sub.add_parser(
+        "demo",
+        help="run the tool-using LangGraph agent with and without agentkv, side by side",
+        parents=[progress],
+        description=(
+            "Runs the tool-using LangGraph agent (model <-> tools, 12 scripted user turns, forced tool "
+            "calls) twice on one model: with the KV lifecycle (ChatAgentKV + with_kv_lifecycle + a device "
+            "budget) and with a full cache re-encoded on every model call (a stateless model, like "
+            "ChatHuggingFace). A live table shows each turn: model calls, tokens prefilled and reused, "
+            "time to first token, device / quantized / host KV bytes, tokens per span state, the events "
+            "applied and the span moves. Then both runs answer recall questions about early facts; the "
+            "summary compares memory, TTFT, prefill and the answers. Writes demo.json, device_bytes.png, "
+            "spans.png and session.json. Needs the agents extra: " + AGENTS_EXTRA_HINT + "."
+        ),
+    )
+    demo.add_argument(
+        "--model",
+        help="HF id, model directory or .gguf path (default: the config's model, else SmolLM2-135M-Instruct)",
+    )
     demo.add_argument(
         "--budget",
         type=int,
-        default=512,
-        help="per-session device KV budget in tokens (0 = unlimited; default 512)",
+        help="the agentkv run's per-session device KV budget in tokens; 0 = unlimited "
+        "(default: the --config file's device budget, else 512)",
     )
-    demo.add_argument("--config", help="a graph YAML file with an `agentkv:` section")
-    demo.add_argument("--turns", type=int, default=12, help="user turns to run (default 12)")
-    demo.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default 16)")
     demo.add_argument(
-        "--out", default="agentkv-out", help="folder for demo.json and the PNGs (default agentkv-out)"
+        "--config",
+        metavar="GRAPH_YAML",
+        help="a graph YAML whose `agentkv:` section sets the agentkv run (policy, archive tier, budget, "
+        "rules; see examples/graph.yaml)",
+    )
+    demo.add_argument(
+        "--turns", type=int, default=12, help="scripted user turns per run (default 12; the script repeats)"
+    )
+    demo.add_argument(
+        "--max-new-tokens", type=int, default=24, help="tokens per model call's answer (default 24)"
+    )
+    demo.add_argument(
+        "--out",
+        default="agentkv-out",
+        metavar="DIR",
+        help="folder for demo.json, device_bytes.png, spans.png, session.json (default agentkv-out)",
     )
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON + PNG")
+    bench = sub.add_parser(
+        "bench", help="benchmarks that print tables and write JSON + PNG", parents=[progress]
+    )
     bench.add_argument(
         "which",
         choices=["reuse", "memory", "soak"],
@@ -180,8 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as e:
-        Console(stderr=True).print(f"[red]agentkv: {e}[/red]")
+    except (CommandError, ValueError, FileNotFoundError) as e:
+        Console(stderr=True).print(f"[red]agentkv: {escape(str(e))}[/red]")
         return 2
 
 

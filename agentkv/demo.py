@@ -1,268 +1,349 @@
-"""`agentkv demo`: what the lifecycle does for an agent, in one command.
+"""What `agentkv demo` shows: the per-turn table, the summary, the plot and the files.
 
-The same tool-using conversation runs twice in one process: once on an agentkv
-session (reuse + lifecycle events + a device budget), once the way
-`ChatHuggingFace` works today (the whole history re-encoded every turn on a
-plain full cache). A live table shows each turn; at the end, a summary and a
-PNG of device KV bytes per turn.
+The demo itself — a LangGraph agent run twice — is `agentkv_langgraph.demo.run_demo`
+(LangGraph is an optional extra, and the core never imports it). This module holds
+the framework-free half: one `DemoTurn` row per turn and run, the live rich table,
+the summary figures computed from the rows, the PNG of device KV bytes per turn, and
+`demo.json`.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
+import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from rich.console import Console
-from rich.live import Live
-from rich.panel import Panel
 from rich.table import Table
 
-from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.conversation import build_conversation, iter_histories
 from agentkv.config import AgentKVConfig
-from agentkv.events import ToolCallCompleted, TurnEnded
-from agentkv.inspect import plot_span_strip
 
-RECALL_QUESTION = "What is the reference number of my booking 0?"
-RECALL_PREFIX = "The reference number of booking 0 is"
+__all__ = [
+    "AGENTKV_RUN",
+    "DEFAULT_BUDGET_TOKENS",
+    "FULL_RUN",
+    "DemoTurn",
+    "RecallAnswer",
+    "demo_config",
+    "demo_table",
+    "first_word",
+    "plot_device_bytes",
+    "summarize",
+    "summary_text",
+    "write_demo_json",
+]
+
+AGENTKV_RUN = "agentkv"
+"""Row label of the run with the lifecycle (reuse, events, device budget)."""
+FULL_RUN = "full"
+"""Row label of the baseline: a full cache, the whole history re-encoded on every model call."""
+
+DEFAULT_BUDGET_TOKENS = 512
+"""The agentkv run's device budget when neither `--budget` nor the config names one: about a
+fifth of the default model's history by the twelfth turn, so the budget visibly bites."""
+
+_STATE_LABELS = {
+    "active": "act",
+    "committed": "com",
+    "archived": "arc",
+    "evictable": "rel",
+    "evicted": "evd",
+}
+"""Short labels for the table: act(ive), com(mitted), arc(hived), rel(eased = evictable), evd (evicted)."""
 
 
 @dataclass
 class DemoTurn:
-    """One row of the live table."""
+    """One row of the live table: one user turn of one run (all its model calls together)."""
 
     run: str
+    """`AGENTKV_RUN` or `FULL_RUN`."""
     turn: int
+    """1-based user turn."""
+    model_calls: int
+    """Model calls the agent made in this turn (2 when it called a tool, else 1)."""
     prefilled: int
+    """Tokens the model encoded in this turn's calls (the baseline re-encodes the whole history each call)."""
     reused: int
+    """History tokens served from the cache instead (always 0 for the baseline)."""
     ttft_ms: float
+    """From the turn's graph invocation to the first decoded text of its first model call."""
     device_bytes: int
+    """KV bytes on the device at the end of the turn (baseline: the cache of its last call)."""
     quantized_bytes: int
     host_bytes: int
     tokens_by_state: dict[str, int] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    """Lifecycle events the callback handler sent during the turn, in order."""
+    moves: dict[str, int] = field(default_factory=dict)
+    """Spans that changed state during the turn, by the state they reached (events, budget, recall)."""
+    answer: str = ""
+    """The agent's final answer of the turn (kept in demo.json, not shown in the table)."""
+    seconds: float = 0.0
+    """Wall time of the whole turn (every model call and tool)."""
 
 
-def _kib(n: int) -> str:
-    return f"{n / 1024:,.0f}"
+@dataclass(frozen=True)
+class RecallAnswer:
+    """One recall question, answered by both runs after the conversation.
+
+    The questions ask for one-word facts (a year, a city) after a completion prefix,
+    so an answer is compared by its first word: what the model says after the fact
+    ("1889 for the World's Fair" vs "1889.") is the weak model rambling, not recall.
+    """
+
+    question: str
+    prefix: str
+    gold: str
+    agentkv: str
+    full: str
+
+    @property
+    def same(self) -> bool:
+        """Both runs answered the same first word (the fidelity check: the full cache is the reference)."""
+        return first_word(self.agentkv) == first_word(self.full)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, with the verdicts: `same`, and per run whether the answer is the fact."""
+        gold = first_word(self.gold)
+        return {
+            **asdict(self),
+            "same": self.same,
+            "agentkv_correct": first_word(self.agentkv) == gold,
+            "full_correct": first_word(self.full) == gold,
+        }
 
 
-def _table(rows: list[DemoTurn], budget_bytes: int | None) -> Table:
-    title = "agentkv demo: lifecycle session vs full cache re-encoded each turn"
-    if budget_bytes:
-        title += f" (device budget {budget_bytes / 1024:,.0f} KiB)"
+def first_word(text: str) -> str:
+    """The first run of letters and digits, casefolded ("  Lyon, France." -> "lyon")."""
+    match = re.search(r"\w+", text)
+    return match.group(0).casefold() if match else ""
+
+
+def demo_config(config: AgentKVConfig | None, budget_tokens: int | None) -> AgentKVConfig:
+    """The agentkv run's settings: `config` with the demo's device budget applied.
+
+    Args:
+        config: Settings from `--config` (None = the defaults).
+        budget_tokens: None = the config's own device budget (`device_tokens` /
+            `device_bytes`), or `DEFAULT_BUDGET_TOKENS` when it has none; 0 = no
+            device budget at all; n > 0 = n tokens (replacing the config's).
+
+    Raises:
+        ValueError: `budget_tokens` is negative.
+    """
+    config = config or AgentKVConfig()
+    if budget_tokens is not None and budget_tokens < 0:
+        msg = f"budget: expected 0 (unlimited) or a number of tokens > 0, got {budget_tokens}"
+        raise ValueError(msg)
+    if budget_tokens is None:
+        if config.budget.device_tokens is not None or config.budget.device_bytes is not None:
+            return config
+        budget_tokens = DEFAULT_BUDGET_TOKENS
+    budget: dict[str, int | None]
+    if budget_tokens == 0:
+        budget = {"device_tokens": None, "device_bytes": None, "global_device_bytes": None}
+    else:
+        budget = {"device_tokens": budget_tokens, "device_bytes": None}
+    return config.with_overrides({"budget": budget}, prefix="budget")
+
+
+def _unit(rows: Sequence[DemoTurn]) -> tuple[str, int]:
+    """KiB for small caches (the tiny test model), MiB from 10 MiB up (the default model's)."""
+    largest = max((max(r.device_bytes, r.host_bytes, r.quantized_bytes) for r in rows), default=0)
+    return ("MiB", 2**20) if largest >= 10 * 2**20 else ("KiB", 2**10)
+
+
+def _size(n: int, divisor: int) -> str:
+    return f"{n / divisor:,.1f}" if divisor > 1024 else f"{n / divisor:,.0f}"
+
+
+def demo_table(rows: Sequence[DemoTurn], *, budget_tokens: int | None, budget_bytes: int | None) -> Table:
+    """The live table: one row per turn and run (the latest 30 rows)."""
+    title = "agentkv demo: the tool agent with the KV lifecycle vs a full cache re-encoded every model call"
+    if budget_tokens or budget_bytes:
+        limit = f"{budget_tokens} tokens" if budget_tokens else f"{(budget_bytes or 0) / 1024:,.0f} KiB"
+        title += f"\n(agentkv device budget {limit})"
     table = Table(title=title)
-    for name in (
-        "run",
-        "turn",
-        "prefilled",
-        "reused",
-        "TTFT ms",
-        "device KiB",
-        "int KiB",
-        "host KiB",
-        "states",
-        "events",
-    ):
-        table.add_column(name, justify="left" if name in ("run", "states", "events") else "right")
-    for row in rows[-24:]:
-        states = " ".join(f"{k[:3]}={v}" for k, v in row.tokens_by_state.items() if v)
+    unit, divisor = _unit(rows)
+    columns = (
+        ("run", "left"),
+        ("turn", "right"),
+        ("calls", "right"),
+        ("prefilled", "right"),
+        ("reused", "right"),
+        ("TTFT ms", "right"),
+        (f"device {unit}", "right"),
+        (f"int {unit}", "right"),
+        (f"host {unit}", "right"),
+        ("tokens by state", "left"),
+        ("events", "left"),
+        ("span moves", "left"),
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in rows[-30:]:
+        states = " ".join(f"{_STATE_LABELS.get(k, k)}={v}" for k, v in row.tokens_by_state.items() if v)
+        moves = " ".join(f"→{_STATE_LABELS.get(k, k)} {v}" for k, v in row.moves.items() if v)
         table.add_row(
             row.run,
             str(row.turn),
+            str(row.model_calls),
             str(row.prefilled),
             str(row.reused),
             f"{row.ttft_ms:,.0f}",
-            _kib(row.device_bytes),
-            _kib(row.quantized_bytes),
-            _kib(row.host_bytes),
+            _size(row.device_bytes, divisor),
+            _size(row.quantized_bytes, divisor),
+            _size(row.host_bytes, divisor),
             states,
             ", ".join(row.events),
+            moves,
         )
     return table
 
 
-def run_demo(
-    model: torch.nn.Module,
-    tokenizer: Any,
+def summarize(
+    rows: Sequence[DemoTurn],
+    recall: Sequence[RecallAnswer],
     *,
-    config: AgentKVConfig | None = None,
-    turns: int = 12,
-    budget_tokens: int | None = 512,
-    max_new_tokens: int = 16,
-    out_dir: str | Path = "agentkv-out",
-    console: Console | None = None,
-    on_turn: Callable[[DemoTurn], None] | None = None,
+    budget_tokens: int | None,
+    budget_bytes: int | None,
+    peak_device_bytes: dict[str, int],
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the demo; returns the summary and writes `demo.json`, `device_bytes.png`, `spans.png`."""
-    console = console or Console()
-    base = config or AgentKVConfig()
-    if budget_tokens is not None and not base.budget.limited:
-        base = base.with_overrides({"budget": {"device_tokens": budget_tokens}})
-    lifecycle_backend = TransformersBackend(model, tokenizer, base)
-    full_backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
-    conversation = build_conversation(turns, tool_words=80)
-    rows: list[DemoTurn] = []
-    answers: list[str] = []
-    budget_bytes = base.budget.device_bytes or (
-        base.budget.device_tokens * lifecycle_backend.runner.bytes_per_token
-        if base.budget.device_tokens
-        else None
-    )
-    session = lifecycle_backend.session("demo")
+    """The summary figures, from the rows of both runs and the recall answers.
 
-    def record(row: DemoTurn, live: Live) -> None:
-        rows.append(row)
-        live.update(_table(rows, budget_bytes))
-        if on_turn is not None:
-            on_turn(row)
+    Args:
+        rows: Every `DemoTurn` of both runs.
+        recall: The recall questions with both runs' answers.
+        budget_tokens: The agentkv run's device budget in tokens (None = none in tokens).
+        budget_bytes: The same budget in bytes (None = unlimited).
+        peak_device_bytes: Per run, the most device KV bytes held at any moment.
+        extra: More entries for the summary (model, wall times, ...).
 
-    with Live(_table(rows, budget_bytes), console=console, refresh_per_second=4, transient=False) as live:
-        for index, history in enumerate(iter_histories(conversation, answers)):
-            started = time.perf_counter()
-            result = session.extend(history)
-            stream = session.stream(max_new_tokens=max_new_tokens)
-            first = next(stream, "")
-            ttft = time.perf_counter() - started
-            answer = first + "".join(stream)
-            answers.append(answer)
-            events = []
-            if conversation[index].tool_name is not None:
-                session.apply(ToolCallCompleted(f"call_{index}"))
-                events.append("tool_call_completed")
-            session.apply(TurnEnded())
-            events.append("turn_ended")
-            stats = session.stats()
-            record(
-                DemoTurn(
-                    "agentkv",
-                    index + 1,
-                    result.prefilled_tokens,
-                    result.reused_tokens,
-                    ttft * 1000,
-                    stats.device_bytes,
-                    stats.quantized_bytes,
-                    stats.host_bytes,
-                    dict(stats.tokens_by_state),
-                    events,
-                ),
-                live,
-            )
-        for index, history in enumerate(iter_histories(conversation, answers)):
-            fresh = full_backend.session(f"full-{index}")
-            started = time.perf_counter()
-            result = fresh.extend(history)
-            stream = fresh.stream(max_new_tokens=max_new_tokens)
-            next(stream, "")
-            ttft = time.perf_counter() - started
-            for _ in stream:
-                pass
-            stats = fresh.stats()
-            record(
-                DemoTurn(
-                    "full",
-                    index + 1,
-                    result.prefilled_tokens,
-                    result.reused_tokens,
-                    ttft * 1000,
-                    stats.device_bytes,
-                    0,
-                    0,
-                    dict(stats.tokens_by_state),
-                    [],
-                ),
-                live,
-            )
-            if index < len(conversation) - 1:
-                full_backend.close(fresh.session_id)
-
-    final_history = [
-        *history,
-        {"role": "assistant", "content": answers[-1]},
-        {"role": "user", "content": RECALL_QUESTION},
-    ]
-    session.extend(final_history)
-    ours = session.generate(max_new_tokens=12, prefix=RECALL_PREFIX)
-    reference = full_backend.session(f"full-{len(conversation) - 1}")
-    reference.extend(final_history)
-    theirs = reference.generate(max_new_tokens=12, prefix=RECALL_PREFIX)
-
-    agentkv_rows = [r for r in rows if r.run == "agentkv"]
-    full_rows = [r for r in rows if r.run == "full"]
-    summary = {
-        "turns": turns,
+    Returns:
+        A JSON-friendly dict; the ratios compare the baseline to agentkv (above 1: agentkv is better).
+    """
+    ours = [r for r in rows if r.run == AGENTKV_RUN]
+    full = [r for r in rows if r.run == FULL_RUN]
+    if not ours or not full or len(ours) != len(full):
+        msg = f"summarize: both runs need the same turns, got {len(ours)} agentkv and {len(full)} full rows"
+        raise ValueError(msg)
+    ttft_total = {AGENTKV_RUN: sum(r.ttft_ms for r in ours), FULL_RUN: sum(r.ttft_ms for r in full)}
+    summary: dict[str, Any] = {
+        "turns": len(ours),
+        "budget_tokens": budget_tokens,
         "budget_bytes": budget_bytes,
-        "final_device_bytes": {"agentkv": agentkv_rows[-1].device_bytes, "full": full_rows[-1].device_bytes},
-        "peak_device_bytes": {
-            "agentkv": session.stats().peak_device_bytes,
-            "full": max(r.device_bytes for r in full_rows),
-        },
-        "memory_saved": 1 - agentkv_rows[-1].device_bytes / max(full_rows[-1].device_bytes, 1),
-        "last_turn_ttft_ms": {"agentkv": agentkv_rows[-1].ttft_ms, "full": full_rows[-1].ttft_ms},
-        "ttft_speedup_last_turn": full_rows[-1].ttft_ms / max(agentkv_rows[-1].ttft_ms, 1e-9),
+        "final_device_bytes": {AGENTKV_RUN: ours[-1].device_bytes, FULL_RUN: full[-1].device_bytes},
+        "final_host_bytes": {AGENTKV_RUN: ours[-1].host_bytes, FULL_RUN: full[-1].host_bytes},
+        "final_quantized_bytes": {AGENTKV_RUN: ours[-1].quantized_bytes, FULL_RUN: full[-1].quantized_bytes},
+        "peak_device_bytes": dict(peak_device_bytes),
+        "memory_saved": 1 - ours[-1].device_bytes / max(full[-1].device_bytes, 1),
+        "ttft_ms_last_turn": {AGENTKV_RUN: ours[-1].ttft_ms, FULL_RUN: full[-1].ttft_ms},
+        "ttft_speedup_last_turn": full[-1].ttft_ms / max(ours[-1].ttft_ms, 1e-9),
+        "ttft_ms_total": ttft_total,
+        "ttft_speedup_overall": ttft_total[FULL_RUN] / max(ttft_total[AGENTKV_RUN], 1e-9),
         "total_prefilled": {
-            "agentkv": sum(r.prefilled for r in agentkv_rows),
-            "full": sum(r.prefilled for r in full_rows),
+            AGENTKV_RUN: sum(r.prefilled for r in ours),
+            FULL_RUN: sum(r.prefilled for r in full),
         },
-        "recall_question": RECALL_QUESTION,
-        "recall_answer": {"agentkv": RECALL_PREFIX + ours, "full": RECALL_PREFIX + theirs},
-        "recall_matches_full_cache": ours.strip() == theirs.strip(),
+        "total_reused": {AGENTKV_RUN: sum(r.reused for r in ours), FULL_RUN: sum(r.reused for r in full)},
+        "events": sum(len(r.events) for r in ours),
+        "recall": [a.to_dict() for a in recall],
+        "recall_matches_full_cache": all(a.same for a in recall),
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(
-        json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2)
-    )
-    _plot_bytes(agentkv_rows, full_rows, budget_bytes, out / "device_bytes.png")
-    plot_span_strip(session, out / "spans.png")
-    session.save_snapshot(str(out / "session.json"))
-    console.print(Panel.fit(_summary_text(summary, out), title="summary"))
+    summary.update(extra or {})
     return summary
 
 
-def _summary_text(summary: dict[str, Any], out: Path) -> str:
+def summary_text(summary: dict[str, Any], files: Sequence[Path]) -> str:
+    """The summary panel's text."""
     final = summary["final_device_bytes"]
-    ttft = summary["last_turn_ttft_ms"]
+    unit, divisor = ("MiB", 2**20) if final[FULL_RUN] >= 10 * 2**20 else ("KiB", 2**10)
+    last = summary["ttft_ms_last_turn"]
+    total = summary["ttft_ms_total"]
     prefilled = summary["total_prefilled"]
+    budget = summary.get("budget_tokens")
     lines = [
-        f"device KV at the end: agentkv {final['agentkv'] / 1024:,.0f} KiB "
-        f"vs full {final['full'] / 1024:,.0f} KiB "
-        f"({summary['memory_saved']:.0%} saved)",
-        f"time to first token, last turn: {ttft['agentkv']:,.0f} ms vs {ttft['full']:,.0f} ms "
-        f"({summary['ttft_speedup_last_turn']:.1f}x faster)",
-        f"tokens prefilled in total: {prefilled['agentkv']:,} vs {prefilled['full']:,}",
-        f"recall: {summary['recall_question']!r}",
-        f"  agentkv: {summary['recall_answer']['agentkv']!r}",
-        f"  full:    {summary['recall_answer']['full']!r}",
-        f"  same answer as the full cache: {summary['recall_matches_full_cache']}",
-        f"wrote {out / 'demo.json'}, {out / 'device_bytes.png'}, {out / 'spans.png'}, {out / 'session.json'}",
+        f"device KV at the end: agentkv {_size(final[AGENTKV_RUN], divisor)} {unit} "
+        f"(+ {_size(summary['final_host_bytes'][AGENTKV_RUN], divisor)} {unit} on the host, "
+        f"{_size(summary['final_quantized_bytes'][AGENTKV_RUN], divisor)} {unit} quantized) "
+        f"vs full {_size(final[FULL_RUN], divisor)} {unit}: {summary['memory_saved']:.0%} saved"
+        + (f" at a {budget}-token budget" if budget else ""),
+        f"time to first token, last turn: {last[AGENTKV_RUN]:,.0f} ms vs {last[FULL_RUN]:,.0f} ms "
+        f"({summary['ttft_speedup_last_turn']:.1f}x); all turns: {total[AGENTKV_RUN]:,.0f} ms vs "
+        f"{total[FULL_RUN]:,.0f} ms ({summary['ttft_speedup_overall']:.1f}x)",
+        f"tokens prefilled in total: {prefilled[AGENTKV_RUN]:,} vs {prefilled[FULL_RUN]:,} "
+        f"({summary['total_reused'][AGENTKV_RUN]:,} served from the cache); "
+        f"{summary['events']} lifecycle events",
     ]
+    repaired = summary.get("repaired_tool_calls")
+    if repaired:
+        lines.append(
+            "forced tool calls whose arguments did not parse (called with defaults): "
+            f"agentkv {repaired[AGENTKV_RUN]}, full {repaired[FULL_RUN]}"
+        )
+    yes = {True: "yes", False: "no"}
+    for answer in summary["recall"]:
+        lines += [
+            f"recall: {answer['question']!r} -> {answer['prefix']!r} ... (the fact: {answer['gold']})",
+            f"  agentkv: {answer['agentkv'].strip()!r} ({yes[answer['agentkv_correct']]}); "
+            f"full: {answer['full'].strip()!r} ({yes[answer['full_correct']]}); "
+            f"same answer as the full cache: {yes[answer['same']]}",
+        ]
+    if "wall_seconds" in summary:
+        wall = summary["wall_seconds"]
+        lines.append(
+            f"wall time of the turns: agentkv {wall[AGENTKV_RUN]:.1f} s, full {wall[FULL_RUN]:.1f} s"
+        )
+    lines.append("wrote " + ", ".join(str(f) for f in files))
     return "\n".join(lines)
 
 
-def _plot_bytes(ours: list[DemoTurn], full: list[DemoTurn], budget: int | None, path: Path) -> None:
+def write_demo_json(path: Path, summary: dict[str, Any], rows: Sequence[DemoTurn]) -> Path:
+    """`demo.json`: the summary and every row."""
+    path.write_text(json.dumps({"summary": summary, "turns": [asdict(r) for r in rows]}, indent=2))
+    return path
+
+
+def plot_device_bytes(rows: Sequence[DemoTurn], budget_bytes: int | None, path: Path) -> Path:
+    """Device KV bytes per turn for both runs (and agentkv's host tier), with the budget line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ours = [r for r in rows if r.run == AGENTKV_RUN]
+    full = [r for r in rows if r.run == FULL_RUN]
+    unit, divisor = _unit(rows)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(
-        [r.turn for r in full], [r.device_bytes / 1024 for r in full], "o-", label="full cache (re-encoded)"
+        [r.turn for r in full],
+        [r.device_bytes / divisor for r in full],
+        "o-",
+        label="full cache, re-encoded each call",
     )
-    ax.plot([r.turn for r in ours], [r.device_bytes / 1024 for r in ours], "o-", label="agentkv lifecycle")
-    ax.plot([r.turn for r in ours], [r.host_bytes / 1024 for r in ours], "--", label="agentkv host tier")
-    if budget:
-        ax.axhline(budget / 1024, color="grey", linestyle=":", label="device budget")
-    ax.set_xlabel("turn")
-    ax.set_ylabel("KV bytes (KiB)")
+    ax.plot([r.turn for r in ours], [r.device_bytes / divisor for r in ours], "o-", label="agentkv lifecycle")
+    if any(r.host_bytes for r in ours):
+        ax.plot(
+            [r.turn for r in ours], [r.host_bytes / divisor for r in ours], "--", label="agentkv host tier"
+        )
+    if any(r.quantized_bytes for r in ours):
+        ax.plot(
+            [r.turn for r in ours],
+            [r.quantized_bytes / divisor for r in ours],
+            ":",
+            label="agentkv quantized",
+        )
+    if budget_bytes:
+        ax.axhline(budget_bytes / divisor, color="grey", linestyle=":", label="device budget")
+    ax.set_xlabel("user turn")
+    ax.set_ylabel(f"KV bytes ({unit})")
     ax.legend()
-    ax.set_title("Device KV bytes per turn")
+    ax.set_title("Device KV bytes at the end of each turn")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,8 +34,9 @@ from typing import Any, Literal
 import platformdirs
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from agentkv.progress import ProgressCallback, report
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -173,6 +173,7 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -188,6 +189,9 @@ def load_model(
         dtype: One of `DTYPE_NAMES` or a floating `torch.dtype`. Default: float32 on
             CPU (half precision is slow there), bfloat16 on CUDA when the GPU supports
             it, else float16.
+        progress: Called with a `ProgressStep` per step of a GGUF's first-load conversion
+            (hashing, tokenizer, weights, saving; ~15 s for the default model); nothing is
+            printed here (the `agentkv` CLI shows a bar).
 
     Returns:
         `(model, tokenizer)`.
@@ -202,7 +206,7 @@ def load_model(
     resolved_dtype = _resolve_dtype(dtype, resolved_device)
 
     if name_or_path is None:
-        model, tokenizer = _load_gguf(default_model_path(), resolved_device, resolved_dtype)
+        model, tokenizer = _load_gguf(default_model_path(), resolved_device, resolved_dtype, progress)
     else:
         source = os.fspath(name_or_path)
         path = Path(source).expanduser()
@@ -215,7 +219,7 @@ def load_model(
                     f"got the file {source!r}"
                 )
                 raise ValueError(msg)
-            model, tokenizer = _load_gguf(path, resolved_device, resolved_dtype)
+            model, tokenizer = _load_gguf(path, resolved_device, resolved_dtype, progress)
         elif not isinstance(name_or_path, str) or _looks_like_path(source):
             msg = f"no such model file or directory: {str(path)!r}"
             raise ModelNotFoundError(msg)
@@ -315,7 +319,7 @@ def _load_pretrained_wrapped(
 
 
 def _load_gguf(
-    path: Path, device: torch.device, dtype: _Dtype
+    path: Path, device: torch.device, dtype: _Dtype, progress: ProgressCallback | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF through the conversion cache, converting it on the first load."""
     path = path.expanduser().resolve()
@@ -330,46 +334,41 @@ def _load_gguf(
             return loaded
 
     started = time.perf_counter()
-    with tqdm(
-        total=3 if digest is not None else 4,
-        desc=f"agentkv: preparing {path.name} (first load only)",
-        unit="step",
-        file=sys.stderr,
-        disable=None,
-        leave=False,
-    ) as bar:
-        if digest is None:
-            with _step(bar, "hashing"):
-                digest = _sha256(path)
-            _memo_put(memo_file, path, digest)
-            loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
-            if loaded is not None:
-                logger.info("loaded %s from cache %s", path.name, models_dir / digest[:16])
-                return loaded
-        try:
-            gguf_model, gguf_tokenizer = _read_gguf(path, bar)
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            msg = (
-                f"could not read GGUF file {str(path)!r}: {e}. Transformers dequantises only the GGUF "
-                "architectures it supports; pass a model directory or a Hugging Face id instead"
-            )
-            raise ModelLoadError(msg) from e
-        try:
-            with _step(bar, "saving"):
-                entry = _write_cache_entry(models_dir, digest, gguf_model, gguf_tokenizer, source=path)
-        except OSError as e:
-            logger.warning(
-                "could not write the model cache under %s (%s); using the GGUF-loaded model, "
-                "and the next load will convert %s again",
-                models_dir,
-                e,
-                path.name,
-            )
-            module: torch.nn.Module = gguf_model  # typed as Module: transformers wraps `.to`
-            module.to(device=device, dtype=None if dtype == "auto" else dtype)
-            return gguf_model, gguf_tokenizer
+    logger.info("preparing %s (first load only): converting the GGUF into the cache", path.name)
+    steps = _Steps(progress, f"preparing {path.name} (first load only)", 3 if digest is not None else 4)
+    if digest is None:
+        with steps.step("hashing"):
+            digest = _sha256(path)
+        _memo_put(memo_file, path, digest)
+        loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
+        if loaded is not None:
+            steps.finish()
+            logger.info("loaded %s from cache %s", path.name, models_dir / digest[:16])
+            return loaded
+    try:
+        gguf_model, gguf_tokenizer = _read_gguf(path, steps)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        msg = (
+            f"could not read GGUF file {str(path)!r}: {e}. Transformers dequantises only the GGUF "
+            "architectures it supports; pass a model directory or a Hugging Face id instead"
+        )
+        raise ModelLoadError(msg) from e
+    try:
+        with steps.step("saving"):
+            entry = _write_cache_entry(models_dir, digest, gguf_model, gguf_tokenizer, source=path)
+    except OSError as e:
+        logger.warning(
+            "could not write the model cache under %s (%s); using the GGUF-loaded model, "
+            "and the next load will convert %s again",
+            models_dir,
+            e,
+            path.name,
+        )
+        module: torch.nn.Module = gguf_model  # typed as Module: transformers wraps `.to`
+        module.to(device=device, dtype=None if dtype == "auto" else dtype)
+        return gguf_model, gguf_tokenizer
 
     logger.info("converted %s in %.1f s; cached at %s", path.name, time.perf_counter() - started, entry)
     del gguf_model  # free the dequantised copy before loading the cached one
@@ -380,26 +379,40 @@ def _load_gguf(
     return loaded
 
 
-def _read_gguf(path: Path, bar: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _read_gguf(path: Path, steps: _Steps) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Read tokenizer and weights from a GGUF: the slow path the cache exists to avoid.
 
     Weights are kept in float32: dequantised values fit it exactly, and the cache
     then serves every requested dtype by a plain cast.
     """
-    with _step(bar, "tokenizer"):
+    with steps.step("tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    with _step(bar, "weights"):
+    with steps.step("weights"):
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
         )
     return model, tokenizer
 
 
-@contextmanager
-def _step(bar: Any, label: str) -> Iterator[None]:
-    bar.set_postfix_str(label, refresh=True)
-    yield
-    bar.update(1)
+class _Steps:
+    """The conversion's steps, reported to a progress callback as they start and end."""
+
+    def __init__(self, progress: ProgressCallback | None, task: str, total: int) -> None:
+        self.progress = progress
+        self.task = task
+        self.total = total
+        self.done = 0
+
+    @contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        report(self.progress, self.task, self.done, self.total, label)
+        yield
+        self.done += 1
+        report(self.progress, self.task, self.done, self.total, label)
+
+    def finish(self) -> None:
+        """Mark the task complete (the cache turned out to hold the model after hashing)."""
+        report(self.progress, self.task, self.total, self.total, "cached")
 
 
 # ---------------------------------------------------------------------------- the cache

@@ -15,147 +15,26 @@ Every model call sends the whole history, and `ChatAgentKV` encodes only what th
 cache does not hold yet. Run `python examples/tool_assistant.py` to see the per-turn
 prefill against re-encoding the whole history each call (what a stateless chat model
 does), and the device KV bytes at the end with a lifecycle budget on and off.
+The agent (tools, script, graph) is `agentkv_langgraph.demo_agent`, shared with
+`agentkv demo`, which runs it with and without agentkv side by side.
 """
 
 from __future__ import annotations
 
-import operator
 import time
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AnyMessage
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import tool
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
-from langgraph.prebuilt import InjectedState, ToolNode, tools_condition
-from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import shared_backend, with_kv_lifecycle
 
-SYSTEM = (
-    "You are a concise research assistant. "
-    "Use a tool when asked, then answer in one sentence from its result."
-)
+# The agent itself (tools, script, graph) ships in the package, so `agentkv demo` runs it too.
+from agentkv_langgraph.demo_agent import SCRIPT, TOOLS, State, Turn, build_graph, turn_input
 
-TOPICS: dict[str, list[str]] = {
-    "eiffel": [
-        "The Eiffel Tower in Paris was completed in 1889 for the World's Fair.",
-        "It is 330 metres tall and was the tallest man-made structure for 41 years.",
-        "Gustave Eiffel's company designed and built it with about 18,000 iron parts.",
-    ],
-    "coffee": [
-        "Coffee plants originated in Ethiopia; the drink spread through Yemen in the 15th century.",
-        "Arabica and robusta are the two main species grown commercially.",
-        "Brazil is the largest producer, followed by Vietnam and Colombia.",
-    ],
-    "rust": [
-        "Rust is a systems programming language first released as 1.0 in 2015.",
-        "Its ownership model guarantees memory safety without a garbage collector.",
-        "Cargo is Rust's build tool and package manager; crates are hosted on crates.io.",
-    ],
-    "mars": [
-        "Mars has two small moons, Phobos and Deimos.",
-        "Olympus Mons on Mars is the tallest known volcano in the solar system.",
-        "A Martian day, a sol, lasts about 24 hours and 39 minutes.",
-    ],
-}
-RECORDS: dict[str, str] = {
-    "order-1042": "Order 1042: 3 notebooks, shipped 2024-05-02, tracking ZX-99, delivered to Lyon.",
-    "order-2077": "Order 2077: 1 espresso machine, shipped 2024-06-11, tracking QP-17, in transit.",
-}
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One scripted user turn."""
-
-    text: str
-    tool: str | None = None
-    """The tool the model is forced to call on this turn (None = answer directly)."""
-    topic: str = ""
-    """What the tool works on (search topic or record id), read by the tools from the graph state."""
-
-
-SCRIPT: tuple[Turn, ...] = (
-    Turn("Please search for facts about the Eiffel Tower.", "search", "eiffel"),
-    Turn("Thanks. In which year was it completed?"),
-    Turn("Look up order-1042 for me.", "lookup", "order-1042"),
-    Turn("Which city was that order delivered to?"),
-    Turn("Search for the history of coffee.", "search", "coffee"),
-    Turn("Look up order-9999 please.", "lookup", "order-9999"),
-    Turn("Never mind that one. Which country grows the most coffee?"),
-    Turn("Search for facts about the Rust language.", "search", "rust"),
-    Turn("What is Cargo?"),
-    Turn("Search for facts about Mars.", "search", "mars"),
-    Turn("How long is a day on Mars?"),
-    Turn("Look up order-2077.", "lookup", "order-2077"),
-)
-
-
-class State(TypedDict):
-    """Graph state: the conversation and what the current turn asks of the tools."""
-
-    messages: Annotated[list[AnyMessage], add_messages]
-    tool: str | None
-    topic: str
-    repaired: Annotated[int, operator.add]
-    """Forced calls whose arguments did not parse, over the whole thread (summed by the reducer)."""
-
-
-@tool
-def search(state: Annotated[dict[str, Any], InjectedState], query: str = "") -> str:
-    """Search the web and return the top results."""
-    facts = TOPICS.get(state.get("topic", ""), ["No results."])
-    lines = [
-        f"Result {i + 1}: {fact} Source: encyclopedia entry {i + 1}, retrieved today."
-        for i, fact in enumerate(facts)
-    ]
-    # Long results, as real search tools return: snippets plus boilerplate the model does not need.
-    filler = " ".join(f"Related link {j}: more pages about {query or 'this topic'}." for j in range(12))
-    return "\n".join([f"Search results for {query or state.get('topic')!r}:", *lines, filler])
-
-
-@tool
-def lookup(state: Annotated[dict[str, Any], InjectedState], record_id: str = "") -> str:
-    """Look up an order record by its id."""
-    key = state.get("topic", "")
-    if key not in RECORDS:
-        msg = f"no record {key!r}"
-        raise KeyError(msg)
-    history = " ".join(f"Status update {j}: scanned at depot {j}." for j in range(10))
-    return f"{RECORDS[key]}\n{history}"
-
-
-TOOLS = [search, lookup]
-
-
-def build_graph(llm: ChatAgentKV) -> Any:
-    """The agent: model ⇄ tools, with the tool choice scripted per turn."""
-
-    def agent(state: State, config: RunnableConfig) -> dict[str, Any]:
-        forced = state.get("tool") if isinstance(state["messages"][-1], HumanMessage) else None
-        model = llm.bind_tools(TOOLS, tool_choice=forced or "none")
-        answer = model.invoke([SystemMessage(SYSTEM), *state["messages"]], config)
-        if forced and isinstance(answer, AIMessage) and not answer.tool_calls:
-            # A forced call whose arguments did not parse: call the tool with its defaults.
-            # The session then re-encodes this message (it differs from what was generated).
-            call = {"name": forced, "args": {}, "id": f"call_{answer.id}", "type": "tool_call"}
-            answer = AIMessage(content="", tool_calls=[call], id=answer.id)
-            return {"messages": [answer], "repaired": 1}
-        return {"messages": [answer], "repaired": 0}
-
-    builder = StateGraph(State)
-    builder.add_node("agent", agent)
-    builder.add_node("tools", ToolNode(TOOLS, handle_tool_errors=True))
-    builder.add_edge(START, "agent")
-    builder.add_conditional_edges("agent", tools_condition, ["tools", END])
-    builder.add_edge("tools", "agent")
-    return builder.compile(checkpointer=InMemorySaver())
+__all__ = ["SCRIPT", "TOOLS", "State", "Turn", "build_graph", "main", "replay"]
 
 
 def main(
@@ -193,12 +72,8 @@ def main(
     run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
     calls: list[dict[str, Any]] = []
     for i in range(turns):
-        turn = SCRIPT[i % len(SCRIPT)]
         before = len(graph.get_state(run_config).values.get("messages", []))
-        out = graph.invoke(
-            {"messages": [HumanMessage(turn.text)], "tool": turn.tool, "topic": turn.topic},
-            run_config,
-        )
+        out = graph.invoke(turn_input(i), run_config)
         messages: list[AnyMessage] = out["messages"]
         for message in messages[before:]:
             if isinstance(message, AIMessage):

@@ -62,6 +62,7 @@ from agentkv.events import (
     TurnEnded,
     UserConfirmed,
 )
+from agentkv.progress import ProgressCallback, report
 from agentkv.session import Session
 
 logger = logging.getLogger("agentkv.bench")
@@ -80,8 +81,6 @@ ACCEPTANCE_BUDGET = 0.25
 
 QUICK_WORKLOADS: tuple[str, ...] = ("support",)
 """`quick=True` runs only these (the shortest shipped workload)."""
-
-Progress = Callable[[str], None]
 
 
 # -- methods ------------------------------------------------------------------------------------
@@ -568,8 +567,8 @@ def run_memory_bench(
     methods: Sequence[str] | None = None,
     workloads: Sequence[str | Path] | None = None,
     out_dir: str | Path = "runs/memory",
-    progress: Progress | None = None,
-    show_table: bool = True,
+    progress: ProgressCallback | None = None,
+    show_table: bool = False,
     quick: bool = False,
 ) -> dict[str, Any]:
     """Run every (workload, method, budget), write `memory.json` and PNG plots under `out_dir`.
@@ -581,8 +580,8 @@ def run_memory_bench(
         methods: names from `METHODS` (default: all). `full` always runs: it is the reference.
         workloads: shipped workload names or JSON paths (default: all shipped ones).
         out_dir: where `memory.json`, `memory_accuracy.png` and `memory_device.png` go.
-        progress: called with one line per run.
-        show_table: print the summary table with rich.
+        progress: called with a `ProgressStep` after each run (its `detail`: the run's figures).
+        show_table: print the summary table with rich (the CLI prints it itself; off by default).
         quick: a smoke-sized run: `QUICK_WORKLOADS` and the 25% budget, unless `workloads`
             or `budgets` are given explicitly.
 
@@ -694,16 +693,15 @@ def run_memory_bench(
     return result
 
 
-def _report(progress: Progress | None, done: int, total: int, run: RunRow) -> None:
-    line = (
-        f"[{done}/{total}] {run.workload} {run.method}"
+def _report(progress: ProgressCallback | None, done: int, total: int, run: RunRow) -> None:
+    detail = (
+        f"{run.workload} {run.method}"
         + ("" if run.budget is None else f" @{run.budget:g} ({run.budget_tokens} tok)")
         + f": EM {100 * run.exact_match:.0f}%, peak {run.peak_device_bytes / 2**20:.1f} MiB, "
         f"overhead {run.overhead_pct:.1f}%, {run.wall_seconds:.1f}s"
     )
-    logger.info(line)
-    if progress is not None:
-        progress(line)
+    logger.info("[%d/%d] %s", done, total, detail)
+    report(progress, "memory", done, total, detail)
 
 
 # -- aggregation ----------------------------------------------------------------------------------

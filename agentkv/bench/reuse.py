@@ -21,6 +21,7 @@ from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.conversation import build_conversation, iter_histories
 from agentkv.config import AgentKVConfig
+from agentkv.progress import ProgressCallback, report
 from agentkv.session import Session
 from agentkv.store.cache import PhysicalCache
 
@@ -110,9 +111,13 @@ def run_reuse_bench(
     max_new_tokens: int = 24,
     tool_words: int = 90,
     out_dir: str | Path = "runs/reuse",
-    progress: Any = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
-    """Run both modes and write `reuse.json` and `reuse.png` under `out_dir`."""
+    """Run both modes and write `reuse.json` and `reuse.png` under `out_dir`.
+
+    `progress` is called after each turn of each mode (task "reuse: session" or
+    "reuse: re-encode") and once the decode-rate comparison is done.
+    """
     conversation = build_conversation(turns, tool_words=tool_words)
     backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
     session = backend.session("reuse")
@@ -122,8 +127,7 @@ def run_reuse_bench(
         row = timed_answer(session, history, max_new_tokens)
         reuse_rows.append(TurnRow(**{**asdict(row), "turn": index + 1}))
         answers.append(row.answer)
-        if progress is not None:
-            progress(f"reuse turn {index + 1}/{turns}")
+        report(progress, "reuse: session", index + 1, turns)
 
     reencode_rows: list[TurnRow] = []
     matches = 0
@@ -133,11 +137,12 @@ def run_reuse_bench(
         backend.close(fresh.session_id)
         matches += row.answer == answers[index]
         reencode_rows.append(TurnRow(**{**asdict(row), "turn": index + 1}))
-        if progress is not None:
-            progress(f"re-encode turn {index + 1}/{turns}")
+        report(progress, "reuse: re-encode", index + 1, turns)
 
     final_ids = session.token_ids()
+    report(progress, "reuse: decode loop vs generate", 0, 1)
     decode = decode_rate_ratio(model, final_ids)
+    report(progress, "reuse: decode loop vs generate", 1, 1)
     reuse_total = sum(r.ttft_s + r.decode_tokens / max(r.decode_tok_s, 1e-9) for r in reuse_rows)
     reencode_total = sum(r.ttft_s + r.decode_tokens / max(r.decode_tok_s, 1e-9) for r in reencode_rows)
     template_tokens = session.stats().prefill_tokens - len(final_ids)

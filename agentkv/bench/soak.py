@@ -49,6 +49,7 @@ from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, ToolCallCompleted, ToolCallFailed, TurnEnded, UserConfirmed
 from agentkv.lifecycle import Lease
+from agentkv.progress import ProgressCallback, report
 from agentkv.session import Session
 
 _CITIES = ("Paris", "Lisbon", "Osaka", "Quito", "Tallinn", "Nairobi", "Hobart", "Bergen", "Cusco", "Tbilisi")
@@ -120,7 +121,7 @@ def run_soak(
     max_new_tokens: int = 3,
     tool_words: int = 30,
     seed: int = 0,
-    progress: Any = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """Run `turns` agent turns in one session under a device budget; write `soak.json` and `soak.png`.
 
@@ -135,7 +136,7 @@ def run_soak(
         max_new_tokens: Length of each model answer (short: a soak measures the cache, not decoding).
         tool_words: Words in each tool result.
         seed: Seeds the conversation text.
-        progress: Optional callable taking a status string (the CLI shows it).
+        progress: Called with a `ProgressStep` after each turn (the CLI shows a bar).
 
     Returns:
         The summary dict (also the `summary` entry of `soak.json`).
@@ -237,8 +238,7 @@ def run_soak(
                 faults=stats.faults,
             )
         )
-        if progress is not None:
-            progress(f"soak turn {turn}/{turns}")
+        report(progress, "soak", turn, turns)
 
     wall = time.perf_counter() - started
     stats = session.stats()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
@@ -113,8 +114,10 @@ class ChatAgentKV(BaseChatModel):
 
     Usage: `usage_metadata["input_token_details"]["cache_read"]` counts the history
     tokens served from the cache in this call; `response_metadata` also has
-    `prefill_tokens` (encoded by the model in this call), `reused_tokens` and
-    `session_id`.
+    `prefill_tokens` (encoded by the model in this call), `reused_tokens`,
+    `session_id` and `time_to_first_token_s` (seconds from the call's start to its
+    first decoded text, tool-call text that is not streamed included; None when the
+    model ended at once).
 
     Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
     chat template that supports tools, they are passed to the template; otherwise
@@ -389,19 +392,23 @@ class ChatAgentKV(BaseChatModel):
         kwargs: Mapping[str, Any],
     ) -> Generator[str | _Answer, None, None]:
         """Extend the session, decode, bind the answer; yield content text, then the `_Answer`."""
+        started = time.perf_counter()
         plan = self._plan(messages, stop, kwargs)
-        session = session_for(self.backend, metadata, self.session_id)
+        session = self._session(metadata)
         visible = ToolCallStreamFilter() if plan.tools else None
         if visible is not None:
             visible.feed(plan.prefix)
         call_end = CallEnd(plan.prefix) if plan.prefix else None
         raw: list[str] = []
+        first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
             extended = session.extend(plan.messages)
             pieces = session.stream(**plan.sampling, prefix=plan.prefix, message_id=message_id)
             try:
                 for piece in pieces:
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - started
                     raw.append(piece)
                     text = visible.feed(piece) if visible is not None else piece
                     if text:
@@ -454,9 +461,18 @@ class ChatAgentKV(BaseChatModel):
                 "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
                 "reused_tokens": extended.reused_tokens,
                 "cropped_tokens": extended.cropped_tokens,
+                "time_to_first_token_s": first_token_s,
             },
             generation_info={"finish_reason": finish},
         )
+
+    def _session(self, metadata: Mapping[str, Any]) -> Session:
+        """The session this call extends: the thread's (or `session_id`'s), see `agentkv_langchain.sessions`.
+
+        The one place a call picks its KV cache; a subclass that wants another cache per
+        call (a stateless baseline that re-encodes everything) overrides only this.
+        """
+        return session_for(self.backend, metadata, self.session_id)
 
     # -- one call's plan ----------------------------------------------------------------------
 

@@ -87,6 +87,8 @@ def test_second_call_prefills_only_the_new_message(llm, backend):
     assert meta["prefill_tokens"] == usage["input_tokens"] - history_after_first + tail
     new_user = next(s for s in session.spans if s.owner == "h2")
     assert new_user.kind is SpanKind.USER
+    # Time to first token: within the call, measured where the token is decoded.
+    assert isinstance(meta["time_to_first_token_s"], float) and meta["time_to_first_token_s"] > 0
     session.check()
 
 

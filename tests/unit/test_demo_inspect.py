@@ -2,38 +2,128 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import sys
 
+import pytest
+import torch
 from rich.console import Console
 
-from agentkv.cli import build_parser
-from agentkv.demo import run_demo
+from agentkv.cli import build_parser, main
+from agentkv.config import AgentKVConfig
+from agentkv.demo import DEFAULT_BUDGET_TOKENS, RecallAnswer, demo_config, first_word
 from agentkv.inspect import load_snapshot, plot_span_strip, print_inspection
 
 
-def test_demo_runs_both_modes_and_writes_outputs(tiny_model, tiny_tokenizer, tmp_path):
-    console = Console(file=open(tmp_path / "console.txt", "w"), width=160)  # noqa: SIM115
-    summary = run_demo(
-        tiny_model,
-        tiny_tokenizer,
-        turns=3,
-        budget_tokens=96,
-        max_new_tokens=3,
-        out_dir=tmp_path,
-        console=console,
-    )
-    assert summary["turns"] == 3
+@pytest.fixture(scope="module")
+def demo_model(tiny_model) -> torch.nn.Module:
+    """The tiny random Llama with room for the agent's histories (its tokenizer is verbose)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = copy.deepcopy(tiny_model.config)
+    config.max_position_embeddings = 16384
+    model = LlamaForCausalLM(config).eval().to(torch.float32)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_model, tiny_tokenizer, tmp_path_factory):
+    """One demo run (3 turns: a tool turn, an answer turn, a tool turn) shared by the checks below."""
+    pytest.importorskip("langgraph")
+    from agentkv_langgraph.demo import run_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    seen = []
+    with open(out / "console.txt", "w") as f:
+        summary = run_demo(
+            demo_model,
+            tiny_tokenizer,
+            turns=3,
+            budget_tokens=600,
+            max_new_tokens=4,
+            out_dir=out,
+            console=Console(file=f, width=200),
+            on_turn=seen.append,
+        )
+    return summary, seen, out
+
+
+def test_demo_runs_the_agent_twice_and_reports_each_turn(demo_run):
+    summary, seen, out = demo_run
+    rows = json.loads((out / "demo.json").read_text())["turns"]
+    # The runs alternate turn by turn (load drift on the machine slows both alike).
+    assert [(r["run"], r["turn"]) for r in rows] == [
+        (run, t) for t in (1, 2, 3) for run in ("agentkv", "full")
+    ]
+    assert [(r.run, r.turn) for r in seen] == [(r["run"], r["turn"]) for r in rows]  # on_turn saw each, live
+    ours = [r for r in rows if r["run"] == "agentkv"]
+    full = [r for r in rows if r["run"] == "full"]
+    # The script: turns 1 and 3 force a tool call (call + answer), turn 2 answers directly.
+    assert [r["model_calls"] for r in ours] == [r["model_calls"] for r in full] == [2, 1, 2]
+    # The lifecycle run encodes only what is new; the baseline re-encodes every call's whole history.
     assert summary["total_prefilled"]["agentkv"] < summary["total_prefilled"]["full"]
+    assert all(r["reused"] > 0 for r in ours[1:]) and all(r["reused"] == 0 for r in full)
+    assert ours[-1]["prefilled"] < full[-1]["prefilled"]
+    # Events: the handler's, per turn. Tool turns complete their call; every turn ends.
+    assert ours[0]["events"] == ["tool_call_completed", "turn_ended"]
+    assert ours[1]["events"] == ["turn_ended"]
+    assert all(r["events"] == [] for r in full)
+    assert any(r["moves"].get("committed") for r in ours)
+    assert all(sum(r["tokens_by_state"].values()) > 0 for r in rows)
+    assert all(r["ttft_ms"] > 0 for r in rows)
+    # The budget holds the agentkv session's device KV below the baseline's full cache.
+    assert summary["budget_tokens"] == 600 and summary["budget_bytes"] > 0
     assert summary["final_device_bytes"]["agentkv"] < summary["final_device_bytes"]["full"]
+    assert summary["memory_saved"] > 0
+    assert summary["handler_errors"] == 0
+    assert [a["gold"] for a in summary["recall"]] == ["1889", "Lyon"]
+    for answer in summary["recall"]:
+        assert answer["same"] == (first_word(answer["agentkv"]) == first_word(answer["full"]))
+        assert answer["agentkv_correct"] == (first_word(answer["agentkv"]) == answer["gold"].casefold())
+    assert summary["recall_matches_full_cache"] == all(a["same"] for a in summary["recall"])
+    assert summary["wall_seconds"]["agentkv"] > 0 and summary["wall_seconds"]["full"] > 0
+
+
+def test_demo_writes_its_files_and_summary(demo_run):
+    summary, _, out = demo_run
     for name in ("demo.json", "device_bytes.png", "spans.png", "session.json"):
-        assert (tmp_path / name).stat().st_size > 0
-    rows = json.loads((tmp_path / "demo.json").read_text())["turns"]
-    assert {r["run"] for r in rows} == {"agentkv", "full"}
-    assert any("turn_ended" in r["events"] for r in rows)
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "demo.json").read_text())["summary"] == json.loads(json.dumps(summary))
+    snapshot = load_snapshot(out / "session.json")
+    assert snapshot["session_id"] == "demo"
+    assert {"tool_call", "tool_result", "user", "assistant"} <= {s["kind"] for s in snapshot["spans"]}
+    text = (out / "console.txt").read_text()
+    for phrase in ("agentkv demo", "TTFT ms", "tool_call_completed", "same answer as the full cache", "1889"):
+        assert phrase in text
+
+
+def test_demo_budget_convention():
+    assert demo_config(None, None).budget.device_tokens == DEFAULT_BUDGET_TOKENS
+    assert demo_config(None, 100).budget.device_tokens == 100
+    unlimited = demo_config(AgentKVConfig.from_dict({"budget": {"device_bytes": "1MiB"}}), 0)
+    assert unlimited.budget.device_tokens is None and unlimited.budget.device_bytes is None
+    own = AgentKVConfig.from_dict({"budget": {"device_bytes": "1MiB"}})
+    assert demo_config(own, None) == own  # the config's own budget wins when --budget is not given
+    with pytest.raises(ValueError, match="budget"):
+        demo_config(None, -1)
+
+
+def test_recall_answers_compare_the_fact_not_the_rambling():
+    answer = RecallAnswer(
+        "Which city?", "It went to", "Lyon", agentkv=" Lyon, France.", full=" Lyon.\n\nThe E"
+    )
+    assert answer.same and answer.to_dict()["agentkv_correct"] and answer.to_dict()["full_correct"]
+    wrong = RecallAnswer("Which year?", "It was done in", "1889", agentkv=" 1987.", full=" 1889 for the")
+    assert not wrong.same
+    assert wrong.to_dict()["full_correct"] and not wrong.to_dict()["agentkv_correct"]
+    assert first_word("") == ""
 
 
 def test_inspect_renders_a_saved_snapshot(tiny_model, tiny_tokenizer, tmp_path):
-    from agentkv import AgentKVConfig, TransformersBackend
+    from agentkv import TransformersBackend
 
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig())
     session = backend.session("inspect-me")
@@ -50,10 +140,35 @@ def test_inspect_renders_a_saved_snapshot(tiny_model, tiny_tokenizer, tmp_path):
     assert plot_span_strip(path, tmp_path / "strip.png").stat().st_size > 0
 
 
-def test_cli_help_names_the_commands():
+def test_cli_help_names_the_commands_and_demo_options(capsys):
     parser = build_parser()
     text = parser.format_help()
     for command in ("demo", "bench", "inspect"):
         assert command in text
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--help"])
+    assert exit_.value.code == 0
+    demo_help = " ".join(capsys.readouterr().out.split())
+    options = ("--model", "--budget", "--config", "--turns", "--out", "--max-new-tokens", "--no-progress")
+    assert all(option in demo_help for option in options)
+    assert "0 = unlimited" in demo_help and "agentkv:" in demo_help and "re-encoded" in demo_help
     args = parser.parse_args(["demo", "--turns", "3", "--budget", "0"])
     assert args.turns == 3 and args.budget == 0
+    assert parser.parse_args(["demo"]).budget is None  # the config's budget, else 512
+
+
+def test_cli_demo_bad_config_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "graph.yaml"
+    bad.write_text("agentkv:\n  budget:\n    device_tokens: -5\n")
+    assert main(["demo", "--config", str(bad)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "agentkv.budget.device_tokens" in err
+    assert main(["demo", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_cli_demo_without_langgraph_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "agentkv_langgraph.demo", None)  # import fails as if not installed
+    assert main(["demo", "--turns", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "pip install 'agentkv-lifecycle[agents]'" in err
