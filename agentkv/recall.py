@@ -126,14 +126,17 @@ def choose_within_room(
     relative_floor: float,
     resolution: int = 512,
 ) -> list[int]:
-    """Indices into `ranked` of the spans to attend: the most total relevance that fits `room`.
+    """Indices into `ranked` of the spans to attend: the best match, then the most relevance that fits.
 
-    Greedy by score lets one long, loosely relevant span (a 255-token policy text
+    The best-matching span is taken first whenever it fits: it is the one most
+    likely to hold what the question asks for, whatever its length (a long tool
+    result with the fitted parameter). The rest of the room is a 0/1 knapsack:
+    the set of spans with the most summed relevance whose costs fit. Greedy by
+    score would let one long, loosely relevant span (a 255-token policy text
     matching "broken headphones") take the room of three short ones, one of which
-    holds the answer. Recall instead solves the 0/1 knapsack: maximise the summed
-    relevance of the chosen spans, their costs summing to at most `room`. Only
-    spans at least `relative_floor` times as relevant as the best one compete, so
-    many barely relevant short spans cannot outvote one clearly relevant long one.
+    holds the answer. Only spans at least `relative_floor` times as relevant as
+    the best compete, so many barely relevant short spans cannot crowd out a few
+    clearly relevant ones.
 
     Costs are rounded up to `room / resolution` so the dynamic programme stays
     `len(ranked) x resolution` however large the budget; the rounding only ever
@@ -155,23 +158,38 @@ def choose_within_room(
     eligible = [i for i, (_, score) in enumerate(ranked) if score > 0 and score >= floor]
     if room is None or sum(costs[i] for i in eligible) <= room:
         return eligible
+    first: list[int] = []
+    if costs[eligible[0]] <= room:
+        first = [eligible[0]]
+        room -= costs[eligible[0]]
+        eligible = eligible[1:]
+    return first + _knapsack(
+        [ranked[i][1] for i in eligible], [costs[i] for i in eligible], eligible, room, resolution
+    )
+
+
+def _knapsack(
+    values: Sequence[float], costs: Sequence[int], ids: Sequence[int], room: int, resolution: int
+) -> list[int]:
+    """The ids whose summed value is largest with summed cost at most `room` (sorted)."""
+    if not ids or room <= 0:
+        return []
     unit = max(1, math.ceil(room / resolution))
     capacity = room // unit
-    best = torch.zeros(capacity + 1, dtype=torch.float64)  # best[c]: most relevance within c units
-    taken = torch.zeros(len(eligible), capacity + 1, dtype=torch.bool)
-    for row, i in enumerate(eligible):
-        weight = math.ceil(costs[i] / unit)
+    best = torch.zeros(capacity + 1, dtype=torch.float64)  # best[c]: most value within c units
+    taken = torch.zeros(len(ids), capacity + 1, dtype=torch.bool)
+    weights = [math.ceil(cost / unit) for cost in costs]
+    for row, (value, weight) in enumerate(zip(values, weights, strict=True)):
         if weight > capacity:
             continue
         with_item = torch.full_like(best, -1.0)
-        with_item[weight:] = best[: capacity + 1 - weight] + ranked[i][1]
+        with_item[weight:] = best[: capacity + 1 - weight] + value
         taken[row] = with_item > best
         best = torch.maximum(best, with_item)
     chosen: list[int] = []
     c = capacity
-    for row in range(len(eligible) - 1, -1, -1):
+    for row in range(len(ids) - 1, -1, -1):
         if taken[row, c]:
-            i = eligible[row]
-            chosen.append(i)
-            c -= math.ceil(costs[i] / unit)
+            chosen.append(ids[row])
+            c -= weights[row]
     return sorted(chosen)

@@ -24,12 +24,22 @@ def test_short_relevant_spans_beat_one_long_loosely_relevant_span():
     assert sum(costs[i] for i in chosen) <= 310
 
 
+def test_the_best_match_is_taken_first_when_it_fits():
+    # The research workload: the fitted parameter sits in a 317-token tool result that ranks
+    # first; two short messages have more summed relevance but do not hold the answer.
+    ranked = _ranked([0.54, 0.52, 0.34, 0.25])
+    costs = [317, 26, 29, 21]
+    assert choose_within_room(ranked, costs, 329, relative_floor=0.5) == [0]
+    # When it cannot fit, the room goes to the others.
+    assert choose_within_room(ranked, costs, 300, relative_floor=0.5) == [1, 2]
+
+
 def test_the_floor_keeps_many_weak_spans_from_outvoting_one_strong_span():
-    ranked = _ranked([0.9] + [0.2] * 10)
-    costs = [250] + [25] * 10
-    assert choose_within_room(ranked, costs, 260, relative_floor=0.5) == [0]
+    ranked = _ranked([0.9, 0.8] + [0.2] * 10)
+    costs = [10, 250] + [25] * 10
+    assert choose_within_room(ranked, costs, 260, relative_floor=0.5) == [0, 1]
     # Without the floor, the ten weak spans' summed relevance (2.0) would win.
-    assert choose_within_room(ranked, costs, 260, relative_floor=0.0) == list(range(1, 11))
+    assert choose_within_room(ranked, costs, 260, relative_floor=0.0) == [0, *range(2, 12)]
 
 
 def test_unlimited_room_takes_every_eligible_span_and_nothing_irrelevant():
