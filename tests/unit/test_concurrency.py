@@ -235,8 +235,15 @@ def test_asyncio_to_thread_drives_sessions_without_leakage(tiny_model, tiny_toke
         return out
 
     async def main() -> list[dict[str, Any]]:
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(WORKERS))
-        return list(await asyncio.wait_for(asyncio.gather(*(drive(i) for i in range(SESSIONS))), TIMEOUT_S))
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(WORKERS))
+        work = asyncio.gather(*(drive(i) for i in range(SESSIONS)))
+        try:
+            return list(await asyncio.wait_for(work, TIMEOUT_S))
+        except TimeoutError:
+            # asyncio.run would wait forever for stuck workers: hand it an idle executor to close.
+            loop.set_default_executor(ThreadPoolExecutor(1))
+            raise
 
     results = asyncio.run(main())
     assert_same_as_solo(results, solo)
