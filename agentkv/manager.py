@@ -46,6 +46,7 @@ from agentkv.lifecycle import ACTION_STATES, TRANSITIONS, Lease, Rules, check_tr
 from agentkv.policies import AttentionProbe, LifecyclePolicy, Policy, SpanView, make_policy
 from agentkv.recall import choose_within_room, rank_for_recall
 from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.store.block import tensor_bytes
 
 if TYPE_CHECKING:
     from agentkv.session import Session
@@ -186,6 +187,8 @@ class LifecycleManager:
         self.system_lease: Lease | None = None
         self.branches_seen: set[str] = set()
         self._token_keys: dict[int, str] = {}
+        self._recall_memo: dict[Any, Any] = {}
+        """Per-span recall features and embeddings, computed once (`rank_for_recall(memo=...)`)."""
         self._timing_stack: list[list[float]] = []
 
     # -- timing ---------------------------------------------------------------------------------
@@ -864,7 +867,12 @@ class LifecycleManager:
         with self._timed("policy_seconds"):
             query = session.format.encode(message.content)
             ranked = rank_for_recall(
-                query, demoted + attended, session.spans, embed=self._embedder(), canonical=self._canonical
+                query,
+                demoted + attended,
+                session.spans,
+                embed=self._embedder(),
+                canonical=self._canonical,
+                memo=self._recall_memo,
             )
         ranked = [
             (span, score)
@@ -1054,9 +1062,9 @@ class LifecycleManager:
                 problems.append(f"tool call {call_id!r} registered to unknown span {span_id}")
         # Accounting: what the tiers report is what their tensors hold.
         tiers = session.store.bytes_by_tier()
-        per_slot = physical.bytes_per_token()
-        if physical.length and physical.nbytes() != per_slot * physical.length:
-            problems.append("device bytes are not a whole number of slots")
+        walked = sum(tensor_bytes(t) for t in physical.tensors())
+        if walked != physical.nbytes():
+            problems.append(f"the cache's tensors hold {walked} B, its accounting says {physical.nbytes()} B")
         if tiers.device != physical.nbytes():
             problems.append(f"device tier reports {tiers.device} B, the cache holds {physical.nbytes()} B")
         if self.budget_satisfied and self.last_limit is not None:

@@ -80,6 +80,7 @@ def rank_for_recall(
     *,
     embed: Any = None,
     canonical: Canonical | None = None,
+    memo: dict[Hashable, Any] | None = None,
 ) -> list[tuple[Span, float]]:
     """Candidates sorted by relevance to the query (best first), with their scores.
 
@@ -89,6 +90,9 @@ def rank_for_recall(
         all_spans: every span of the session (for IDF statistics).
         embed: the model's input embedding module (optional).
         canonical: token id → the key overlap is counted on (default: the id itself).
+        memo: a dict the caller keeps across calls: each span's features and mean
+            embedding are computed once (a span's tokens only change when a rewrite
+            truncates it, and the key includes its length).
 
     Returns:
         `(span, score)` pairs, best first; a score is the IDF-weighted fraction of the
@@ -96,21 +100,31 @@ def rank_for_recall(
         cosine when there is any overlap), 0 without overlap.
     """
     key = canonical or _identity
-    features = {span.span_id: _features(span.token_ids, key) for span in all_spans}
-    for span in candidates:
-        if span.span_id not in features:
-            features[span.span_id] = _features(span.token_ids, key)
-    idf = _idf([features[s.span_id] for s in all_spans])
+    memo = {} if memo is None else memo
+
+    def span_features(span: Span) -> set[Hashable]:
+        slot = ("features", span.span_id, len(span.token_ids))
+        if slot not in memo:
+            memo[slot] = _features(span.token_ids, key)
+        return memo[slot]
+
+    def span_embedding(span: Span) -> torch.Tensor | None:
+        slot = ("embedding", span.span_id, len(span.token_ids))
+        if slot not in memo:
+            memo[slot] = _mean_embedding(embed, span.token_ids)
+        return memo[slot]
+
+    idf = _idf([span_features(s) for s in all_spans])
     query = _features(query_ids, key)
     total = sum(idf.get(t, 0.0) for t in query)
     query_vec = _mean_embedding(embed, query_ids)
     ranked: list[tuple[Span, float]] = []
     for span in candidates:
-        shared = query & features[span.span_id]
+        shared = query & span_features(span)
         lexical = sum(idf.get(t, 0.0) for t in shared) / total if total > 0 else 0.0
         score = lexical
         if lexical > 0 and query_vec is not None:
-            span_vec = _mean_embedding(embed, span.token_ids)
+            span_vec = span_embedding(span)
             if span_vec is not None:
                 score += EMBEDDING_WEIGHT * float(torch.cosine_similarity(query_vec, span_vec, dim=0))
         ranked.append((span, score if lexical > 0 else 0.0))

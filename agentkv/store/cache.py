@@ -132,6 +132,7 @@ class PhysicalCache:
         self.slot_attention = torch.empty(0, dtype=torch.float32)
         """Attention each slot has received, accumulated with an EMA (H2O-style signal)."""
         self._pending: torch.Tensor | None = None
+        self._slot_bytes: int | None = None
         """Inside `deferred_removal`: `[length]` bool, slots removed but not yet compacted away."""
 
     # -- size and accounting -------------------------------------------------------------
@@ -157,8 +158,9 @@ class PhysicalCache:
         return sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.prefix_tensors())
 
     def nbytes(self) -> int:
-        """Bytes of everything this cache attends to (own + shared)."""
-        return self.own_bytes() + self.shared_bytes()
+        """Bytes of everything this cache attends to (own + shared), less removals not compacted yet."""
+        pending = int(self._pending.sum()) if self._pending is not None else 0
+        return (self.length - pending) * self.bytes_per_token()
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Every tensor referenced (own and shared), for global de-duplicated accounting."""
@@ -167,8 +169,17 @@ class PhysicalCache:
             yield from layer.own_tensors()
 
     def bytes_per_token(self) -> int:
-        """Bytes one token costs across all layers (0 while nothing is cached)."""
-        return self.nbytes() // self.length if self.length else 0
+        """Bytes one slot costs across all layers (0 while nothing is cached).
+
+        Every layer holds every slot in the same dtype and shape, so this is a constant
+        of the cache: measured once from the tensors, after which `nbytes` is a product
+        instead of a walk over every layer's tensors (budget checks read it after every
+        move). `Session.check` compares it with a walk.
+        """
+        if self._slot_bytes is None and self.length:
+            held = sum(tensor_bytes(t) for t in self.tensors())
+            self._slot_bytes = held // self.length
+        return self._slot_bytes or 0
 
     # -- bookkeeping after a forward ---------------------------------------------------------
 

@@ -64,7 +64,7 @@ class HostBlock:
     """The host copy; on CUDA machines its tensors are in pinned (page-locked) memory."""
 
     @classmethod
-    def offload(cls, block: KVBlock) -> HostBlock:
+    def offload(cls, block: KVBlock, *, fresh: bool = False) -> HostBlock:
         """Copy a block to host memory.
 
         From CUDA, every tensor is copied asynchronously into pinned memory (pinned
@@ -81,13 +81,16 @@ class HostBlock:
 
         Args:
             block: The block to copy; it is not modified.
+            fresh: The block's tensors are new copies nothing else references (what
+                `PhysicalCache.extract` returns): CPU tensors are then kept as they
+                are instead of being cloned a second time.
 
         Returns:
             The host block; its tensors are contiguous and own exactly their bytes.
         """
         devices: set[torch.device] = set()
-        keys = [_to_host(k, devices) for k in block.keys]
-        values = [_to_host(v, devices) for v in block.values]
+        keys = [_to_host(k, devices, fresh=fresh) for k in block.keys]
+        values = [_to_host(v, devices, fresh=fresh) for v in block.values]
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
         return cls(KVBlock(keys=keys, values=values, offsets=list(block.offsets)))
@@ -132,9 +135,12 @@ class HostBlock:
         return self.block.to(device, non_blocking=non_blocking)
 
 
-def _to_host(t: torch.Tensor, cuda_devices: set[torch.device]) -> torch.Tensor:
+def _to_host(t: torch.Tensor, cuda_devices: set[torch.device], *, fresh: bool = False) -> torch.Tensor:
     """A contiguous CPU copy of `t` that owns its storage; records CUDA sources to sync."""
     if t.device.type == "cpu":
+        owns_storage = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if fresh and owns_storage:
+            return t
         return t.clone(memory_format=torch.contiguous_format)
     if t.device.type == "cuda":
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)

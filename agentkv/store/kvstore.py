@@ -96,7 +96,7 @@ class KVStore:
         stored: HostBlock | QuantizedBlock
         if tier == "host":
             check_host_limit(self.host_bytes(), block.nbytes, self.host_limit_bytes)
-            stored = HostBlock.offload(block)
+            stored = HostBlock.offload(block, fresh=True)  # `extract` made new tensors
             new_tier = Tier.HOST
         else:
             stored = QuantizedBlock.from_block(

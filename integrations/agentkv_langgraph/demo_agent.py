@@ -125,9 +125,15 @@ class RecallQuestion:
 
 RECALL_QUESTIONS: tuple[RecallQuestion, ...] = (
     RecallQuestion(
-        "In which year was the Eiffel Tower completed?", "The Eiffel Tower was completed in", "1889"
+        "In which year was the Eiffel Tower completed?",
+        'The search result says: "The Eiffel Tower in Paris was completed in',
+        "1889",
     ),
-    RecallQuestion("Which city was order-1042 delivered to?", "Order 1042 was delivered to", "Lyon"),
+    RecallQuestion(
+        "Which city was order-1042 delivered to?",
+        'The order record says it was "delivered to',
+        "Lyon",
+    ),
 )
 """Facts from the first turns' tool results: by the end they are long committed (and, under a
 budget, archived), so answering them needs the cache to have kept them or recall to bring them back."""
