@@ -132,8 +132,9 @@ class PhysicalCache:
         self.slot_attention = torch.empty(0, dtype=torch.float32)
         """Attention each slot has received, accumulated with an EMA (H2O-style signal)."""
         self._pending: torch.Tensor | None = None
-        self._slot_bytes: int | None = None
         """Inside `deferred_removal`: `[length]` bool, slots removed but not yet compacted away."""
+        self._slot_bytes: int | None = None
+        """What one slot costs across all layers, measured once (`bytes_per_token`)."""
 
     # -- size and accounting -------------------------------------------------------------
 
@@ -145,13 +146,11 @@ class PhysicalCache:
     def own_bytes(self) -> int:
         """Bytes of the tensors this cache owns (not a shared prefix), less removals not compacted yet."""
         held = sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.own_tensors())
-        return held - self._pending_bytes(held + self.shared_bytes())
+        return held - self._pending_slots() * self.bytes_per_token()
 
-    def _pending_bytes(self, held: int) -> int:
-        """Bytes the pending removals will free (every slot costs the same across layers)."""
-        if self._pending is None or not self.length:
-            return 0
-        return held * int(self._pending.sum()) // self.length
+    def _pending_slots(self) -> int:
+        """Slots removed inside `deferred_removal` and not compacted away yet."""
+        return 0 if self._pending is None else int(self._pending.sum())
 
     def shared_bytes(self) -> int:
         """Bytes of the prefix tensors this cache shares with another one."""
@@ -159,8 +158,7 @@ class PhysicalCache:
 
     def nbytes(self) -> int:
         """Bytes of everything this cache attends to (own + shared), less removals not compacted yet."""
-        pending = int(self._pending.sum()) if self._pending is not None else 0
-        return (self.length - pending) * self.bytes_per_token()
+        return (self.length - self._pending_slots()) * self.bytes_per_token()
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Every tensor referenced (own and shared), for global de-duplicated accounting."""
@@ -216,7 +214,7 @@ class PhysicalCache:
 
     def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
         """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty)."""
-        self._flush_pending()
+        self.compact_pending()
         full = self.cache.managed_layers[layer_idx].full()
         return None if full is None else full[0]
 
@@ -272,40 +270,34 @@ class PhysicalCache:
         try:
             yield
         finally:
-            pending, self._pending = self._pending, None
-            self._compact(pending)
+            self.compact_pending()
+            self._pending = None
 
     def compact_pending(self) -> None:
-        """Compact the removals marked so far (before a forward attends the cache)."""
-        self._flush_pending()
+        """Compact the removals marked so far (before anything attends or grows the cache).
 
-    def _flush_pending(self) -> None:
-        """Compact the removals marked so far; stay deferred for the rest of the block."""
-        if self._pending is None or not bool(self._pending.any()):
-            return
+        Inside `deferred_removal` the block stays deferred for what follows.
+        """
         pending = self._pending
-        self._pending = None
-        self._compact(pending)
+        if pending is None or not bool(pending.any()):
+            return
+        self._select((~pending).nonzero().flatten())
         self._pending = torch.zeros(self.length, dtype=torch.bool)
-
-    def _compact(self, pending: torch.Tensor | None) -> None:
-        if pending is not None and bool(pending.any()):
-            self._select((~pending).nonzero().flatten())
 
     def permute(self, order: torch.Tensor) -> None:
         """Reorder physical slots (tests use this to prove order does not matter)."""
-        self._flush_pending()
+        self.compact_pending()
         self._select(order)
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` physical slots."""
-        self._flush_pending()
+        self.compact_pending()
         if length < self.length:
             self._select(torch.arange(length))
 
     def accumulate_attention(self, attention: torch.Tensor, decay: float) -> None:
         """Fold a new attention signal `[S]` into the per-slot EMA."""
-        self._flush_pending()
+        self.compact_pending()
         if attention.numel() != self.length:
             return
         self.slot_attention = decay * self.slot_attention + attention.float().cpu()
@@ -348,7 +340,7 @@ class PhysicalCache:
         """
         if not items:
             return
-        self._flush_pending()
+        self.compact_pending()
         before = self.length
         blocks = [block for _, block, _ in items]
         try:
