@@ -43,7 +43,15 @@ from agentkv.events import (
     UserRejected,
 )
 from agentkv.lifecycle import ACTION_STATES, TRANSITIONS, Lease, Rules, check_transition
-from agentkv.policies import AttentionProbe, LifecyclePolicy, Policy, SpanView, make_policy
+from agentkv.policies import (
+    AttentionProbe,
+    LifecyclePolicy,
+    Policy,
+    SpanView,
+    attention_window,
+    make_policy,
+    needs_accumulated_attention,
+)
 from agentkv.recall import choose_within_room, rank_for_recall
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.block import tensor_bytes
@@ -262,12 +270,14 @@ class LifecycleManager:
         wants = self.policy is not None and self.policy.needs_attention and len(feed) > 1
         if not wants or kwargs.get("attention_mask") is not None:
             return session.runner.forward(physical, feed, **kwargs)
-        window = min(len(feed), session.config.commit.window)
-        with AttentionProbe(session.runner.model, window=window) as probe:
+        # Each policy's own observation window (SnapKV's W, TOVA's last query); the commit window otherwise.
+        window = min(len(feed), attention_window(self.policy, default=session.config.commit.window))
+        heavy = needs_accumulated_attention(self.policy)
+        with AttentionProbe(session.runner.model, window=window, heavy=heavy) as probe:
             logits = session.runner.forward(physical, feed, **kwargs)
         attention = probe.attention()
-        if attention is not None:
-            physical.accumulate_attention(attention, ATTENTION_DECAY)
+        physical.accumulate_attention(attention, ATTENTION_DECAY)
+        physical.observe_window(attention, probe.heavy_attention() if heavy else None)
         return logits
 
     # -- events ---------------------------------------------------------------------------------
@@ -578,8 +588,9 @@ class LifecycleManager:
             span_ids=physical.slot_span[slots],
             span_kinds=kinds,
             sequence_length=session.logical_length,
-            attention=physical.slot_attention[slots],
-            accumulated_attention=physical.slot_attention[slots],
+            attention=physical.slot_window_attention[slots],
+            accumulated_attention=physical.slot_heavy_attention[slots],
+            decayed_attention=physical.slot_attention[slots],
             query_keys=query_keys,
         )
 
@@ -695,7 +706,9 @@ class LifecycleManager:
                         with session.store.physical.deferred_removal():  # one compaction for all moves
                             self._demote_spans(target)
                     else:
-                        self._evict_tokens(target)
+                        # Generic compressors hold a fixed-size cache (the papers' budget): they
+                        # keep up to the high watermark, the same room recall fills for agentkv.
+                        self._evict_tokens(int(limit * self.budget.high))
                     usage = self.usage_bytes()
                 satisfied = usage <= limit * self.budget.high
                 if not satisfied and self.budget_satisfied:

@@ -1,6 +1,11 @@
 """Policies: which tokens to keep. Each scorer fills in `Policy.score(view)` (higher = keep)."""
 
-from agentkv.policies.attention import AttentionProbe, attention_modules, attention_window
+from agentkv.policies.attention import (
+    AttentionProbe,
+    attention_modules,
+    attention_window,
+    needs_accumulated_attention,
+)
 from agentkv.policies.base import Policy, SpanView, check_count, lift, recent_mask, require_attention
 from agentkv.policies.composed import ProtectRecentPolicy, ProtectSinksPolicy, WeightedSumPolicy
 from agentkv.policies.factory import POLICIES, POLICY_NAMES, make_policy, policy_params
@@ -33,6 +38,7 @@ __all__ = [
     "WeightedSumPolicy",
     "attention_modules",
     "attention_window",
+    "needs_accumulated_attention",
     "check_count",
     "lift",
     "make_policy",

@@ -22,12 +22,13 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from agentkv.policies.base import Policy
 
-__all__ = ["AttentionProbe", "attention_modules", "attention_window"]
+__all__ = ["AttentionProbe", "attention_modules", "attention_window", "needs_accumulated_attention"]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -64,6 +65,11 @@ def attention_window(policy: Policy | None, default: int = 32) -> int:
     return max(windows) if windows else default
 
 
+def needs_accumulated_attention(policy: Policy | None) -> bool:
+    """Whether `policy` or any part of it reads H2O's accumulated attention (probe every query)."""
+    return any(bool(getattr(p, "needs_accumulated_attention", False)) for p in _walk(policy))
+
+
 def _walk(policy: object) -> Iterator[object]:
     if policy is None:
         return
@@ -98,7 +104,9 @@ class AttentionProbe:
     (rehydration, branches) are honoured.
     """
 
-    def __init__(self, model: nn.Module, window: int, *, keep_queries: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, window: int, *, keep_queries: bool = False, heavy: bool = False
+    ) -> None:
         """Prepare a probe; nothing is attached until `__enter__`.
 
         Args:
@@ -106,6 +114,9 @@ class AttentionProbe:
             window: W, how many trailing queries of each forward to score (>= 1).
             keep_queries: Also keep each layer's window queries (`query_states`), for
                 intent scoring; off by default because they cost memory on the device.
+            heavy: Also sum the attention of *every* query of every forward inside the
+                block (`heavy_attention`), as H2O accumulates it. Costs about one more
+                attention pass (computed in blocks of `HEAVY_BLOCK` queries).
         """
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             msg = f"AttentionProbe window must be an int >= 1, got {window!r}"
@@ -113,8 +124,10 @@ class AttentionProbe:
         self.model = model
         self.window = window
         self.keep_queries = keep_queries
+        self.heavy = heavy
         self._handles: list[RemovableHandle] = []
         self._attention: dict[int, torch.Tensor] = {}
+        self._heavy: dict[int, torch.Tensor] = {}
         self._queries: dict[int, torch.Tensor] = {}
 
     # -- attach / detach ----------------------------------------------------------------------
@@ -124,6 +137,7 @@ class AttentionProbe:
             msg = "AttentionProbe is already attached; use one `with` block at a time"
             raise RuntimeError(msg)
         self._attention.clear()
+        self._heavy.clear()
         self._queries.clear()
         try:
             for module in attention_modules(self.model):
@@ -173,6 +187,22 @@ class AttentionProbe:
             raise ValueError(msg)
         return torch.stack(list(self._attention.values())).mean(dim=0)  # [S]
 
+    def heavy_attention(self) -> torch.Tensor:
+        """`[S]` float32 CPU: attention summed over every query seen, averaged over layers and heads.
+
+        Each query row sums to ~1, so the total is about the number of queries; slots
+        that were not yet cached when an earlier chunk ran got nothing from it.
+
+        Raises:
+            RuntimeError: The probe was not built with `heavy=True`, or saw no forward.
+        """
+        if not self.heavy or not self._heavy:
+            msg = "AttentionProbe.heavy_attention needs heavy=True and a forward inside the `with` block"
+            raise RuntimeError(msg)
+        length = max(int(a.numel()) for a in self._heavy.values())
+        padded = [F.pad(a, (0, length - int(a.numel()))) for a in self._heavy.values()]
+        return torch.stack(padded).mean(dim=0)  # [S]
+
     @property
     def query_states(self) -> tuple[torch.Tensor, ...] | None:
         """Per layer (in order), the RoPE'd window queries `[B, H_q, W, D]`; None unless `keep_queries`."""
@@ -201,6 +231,13 @@ class AttentionProbe:
         self._attention[layer_idx] = probs.mean(dim=(0, 1, 2)).cpu()  # [S]
         if self.keep_queries:
             self._queries[layer_idx] = q.detach()
+        if self.heavy:
+            with torch.no_grad():
+                summed = _summed_probs(module, hidden, position_embeddings, keys, kwargs.get("attention_mask"))
+            before = self._heavy.get(layer_idx)
+            if before is not None:
+                summed[: before.numel()] += before[: summed.numel()]
+            self._heavy[layer_idx] = summed
 
 
 def _head_dim(module: Any) -> int:
@@ -271,33 +308,83 @@ def _layer_keys(
     return _project(module, module.k_proj, getattr(module, "k_norm", None), hidden, position_embeddings)
 
 
-def _window_probs(module: Any, q: torch.Tensor, keys: torch.Tensor, attention_mask: Any) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask) for the window rows, float32 `[B, H_q, W, S]`."""
+def _summed_probs(
+    module: Any,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    attention_mask: Any,
+) -> torch.Tensor:
+    """`[S]` float32 CPU: attention of every query of this forward, summed over queries, mean over heads.
+
+    Computed in blocks of `HEAVY_BLOCK` queries so a 1k-token chunk over a long cache
+    never materialises the whole `[H, T, S]` probability tensor.
+    """
+    t = int(hidden.shape[-2])
+    cos, sin = position_embeddings
+    total = torch.zeros(int(keys.shape[-2]), dtype=torch.float32)  # [S]
+    for begin in range(0, t, HEAVY_BLOCK):
+        stop = min(t, begin + HEAVY_BLOCK)
+        block_pe = (cos[..., begin:stop, :], sin[..., begin:stop, :])
+        q = _window_queries(module, hidden[..., begin:stop, :], block_pe, stop - begin)  # [B, H_q, b, D]
+        probs = _window_probs(module, q, keys, attention_mask, first=begin, forward_len=t)  # [B, H_q, b, S]
+        total += probs.sum(dim=2).mean(dim=(0, 1)).cpu()
+    return total
+
+
+HEAVY_BLOCK = 256
+"""Queries per block when `AttentionProbe(heavy=True)` sums every query's attention."""
+
+
+def _window_probs(
+    module: Any,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    attention_mask: Any,
+    *,
+    first: int | None = None,
+    forward_len: int | None = None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scaling + mask) for the probed rows, float32 `[B, H_q, W, S]`.
+
+    The rows are queries `first .. first + W - 1` of a forward of `forward_len` new
+    tokens (default: the last W), so their cache slots are `S - forward_len + first + j`.
+    """
     w, s = q.shape[-2], keys.shape[-2]
     groups = q.shape[1] // keys.shape[1]
     # GQA: repeat_interleave maps query head h to key head h // groups, as transformers' repeat_kv.
     k = keys.to(q.device).repeat_interleave(groups, dim=1).float()  # [B, H_q, S, D]
     scaling = float(getattr(module, "scaling", _head_dim(module) ** -0.5))
     logits = torch.matmul(q.float(), k.transpose(-1, -2)) * scaling  # [B, H_q, W, S]
-    logits = logits + _window_bias(attention_mask, w, s, logits.device)
+    t = w if forward_len is None else forward_len
+    start = t - w if first is None else first
+    logits = logits + _window_bias(attention_mask, w, s, logits.device, start=start, forward_len=t)
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)  # a fully masked (padding) row attends to nothing
 
 
-def _window_bias(attention_mask: Any, w: int, s: int, device: torch.device) -> torch.Tensor:
-    """Additive mask for the window rows, broadcastable to `[B, H, W, S]`.
+def _window_bias(
+    attention_mask: Any, w: int, s: int, device: torch.device, *, start: int | None = None, forward_len: int | None = None
+) -> torch.Tensor:
+    """Additive mask for the probed rows, broadcastable to `[B, H, W, S]`.
 
-    Uses the model's 4D mask when it is a tensor covering exactly the S cached slots
-    (bool: True = attend; float: additive), otherwise plain causality over the last
-    W slots.
+    The rows are queries `start .. start + w - 1` of a forward of `forward_len` new
+    tokens (default: its last w). Uses the model's 4D mask when it is a tensor
+    covering exactly the S cached slots (bool: True = attend; float: additive),
+    otherwise plain causality (query j of the forward sits in slot S - forward_len + j).
     """
+    t = w if forward_len is None else forward_len
+    start = t - w if start is None else start
     usable = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
     if usable and attention_mask.shape[-1] == s:
-        rows = attention_mask[..., -w:, :].to(device)  # [B, 1, W, S]
+        q_rows = attention_mask.shape[-2]
+        first_row = q_rows - t + start  # the mask's rows are the forward's queries
+        rows = attention_mask[..., first_row : first_row + w, :].to(device)  # [B, 1, W, S]
         if rows.dtype == torch.bool:
             return torch.zeros(rows.shape, device=device).masked_fill(~rows, float("-inf"))
         return rows.float()
     slots = torch.arange(s, device=device)  # [S]
-    query_slots = torch.arange(s - w, s, device=device)  # [W]
+    first_slot = s - t + start
+    query_slots = torch.arange(first_slot, first_slot + w, device=device)  # [W]
     allowed = slots[None, :] <= query_slots[:, None]  # [W, S]
     return torch.zeros(w, s, device=device).masked_fill(~allowed, float("-inf"))

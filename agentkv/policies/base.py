@@ -36,9 +36,15 @@ class SpanView:
     sequence_length: int
     """Logical length of the whole conversation (recency is measured from here)."""
     attention: torch.Tensor | None = None
-    """`[n]` attention the last W queries paid to each token (mean over layers, heads, queries)."""
+    """`[n]` attention the last probed observation window (W queries) paid to each token.
+
+    Mean over layers, heads and the window's queries; W is the policy's `window`
+    (SnapKV's observation window, TOVA's last query), see `attention_window`.
+    """
     accumulated_attention: torch.Tensor | None = None
-    """`[n]` attention accumulated over past steps with an EMA (H2O), when the session tracks it."""
+    """`[n]` attention summed over every probed query so far, undecayed (H2O's heavy-hitter score)."""
+    decayed_attention: torch.Tensor | None = None
+    """`[n]` window attention folded into an EMA over forwards (the lifecycle policy's signal)."""
     query_keys: tuple[torch.Tensor, ...] | None = None
     """Per layer, keys of the new input `[B, H_kv, m, D]` (intent: what the user now asks about)."""
     query_states: tuple[torch.Tensor, ...] | None = None
@@ -57,6 +63,8 @@ class Policy(ABC):
     """True when `score` reads `view.attention` (the session then runs the attention hook)."""
     needs_query: bool = False
     """True when `score` reads `view.query_keys` / `view.query_states`."""
+    needs_accumulated_attention: bool = False
+    """True when `score` reads `view.accumulated_attention` (the probe then sums every query, H2O)."""
 
     @abstractmethod
     def score(self, view: SpanView) -> torch.Tensor:

@@ -86,7 +86,7 @@ class LifecyclePolicy(Policy):
             scores[span_ids == span_id] = self.kind_priors.get(kind, UNKNOWN_KIND_PRIOR)
         if self.recency_weight:
             scores += self.recency_weight * _recency(view)
-        attention = view.attention if view.attention is not None else view.accumulated_attention
+        attention = view.decayed_attention if view.decayed_attention is not None else view.attention
         if self.attention_weight and attention is not None:
             scores += self.attention_weight * _normalised_attention(attention.float().cpu())
         return scores

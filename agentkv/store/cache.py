@@ -130,7 +130,11 @@ class PhysicalCache:
         self.slot_offset = torch.empty(0, dtype=torch.long)
         self.slot_position = torch.empty(0, dtype=torch.long)
         self.slot_attention = torch.empty(0, dtype=torch.float32)
-        """Attention each slot has received, accumulated with an EMA (H2O-style signal)."""
+        """Attention each slot has received, accumulated with an EMA (the lifecycle policy's signal)."""
+        self.slot_window_attention = torch.empty(0, dtype=torch.float32)
+        """Attention the last probed observation window paid to each slot (SnapKV, TOVA); 0 for newer slots."""
+        self.slot_heavy_attention = torch.empty(0, dtype=torch.float32)
+        """Attention summed over every probed query, undecayed (H2O's accumulated score)."""
         self._pending: torch.Tensor | None = None
         """Inside `deferred_removal`: `[length]` bool, slots removed but not yet compacted away."""
         self._slot_bytes: int | None = None
@@ -187,7 +191,10 @@ class PhysicalCache:
         self.slot_span = torch.cat([self.slot_span, span_ids.to("cpu", torch.long)])
         self.slot_offset = torch.cat([self.slot_offset, offsets.to("cpu", torch.long)])
         self.slot_position = torch.cat([self.slot_position, positions.to("cpu", torch.long)])
-        self.slot_attention = torch.cat([self.slot_attention, torch.zeros(int(span_ids.numel()))])
+        new = torch.zeros(int(span_ids.numel()))
+        self.slot_attention = torch.cat([self.slot_attention, new])
+        self.slot_window_attention = torch.cat([self.slot_window_attention, new])
+        self.slot_heavy_attention = torch.cat([self.slot_heavy_attention, new])
         if self._pending is not None:
             self._pending = torch.cat([self._pending, torch.zeros(int(span_ids.numel()), dtype=torch.bool)])
         self._check_lengths()
@@ -302,6 +309,20 @@ class PhysicalCache:
             return
         self.slot_attention = decay * self.slot_attention + attention.float().cpu()
 
+    def observe_window(self, attention: torch.Tensor, heavy: torch.Tensor | None = None) -> None:
+        """Record the last observation window's attention `[S]` and add `heavy` `[S]` to the sums.
+
+        The window signal is *replaced* (SnapKV and TOVA score with the queries that
+        just ran); `heavy` is the attention summed over every query of the forward
+        and is *added*, undecayed, as H2O accumulates it. Signals of another length
+        (a forward the probe saw only part of) are ignored.
+        """
+        self.compact_pending()
+        if attention.numel() == self.length:
+            self.slot_window_attention = attention.float().cpu().clone()
+        if heavy is not None and heavy.numel() == self.length:
+            self.slot_heavy_attention = self.slot_heavy_attention + heavy.float().cpu()
+
     def _select(self, keep: torch.Tensor) -> None:
         for layer in self.cache.managed_layers:
             full = layer.full()
@@ -326,6 +347,8 @@ class PhysicalCache:
         self.slot_offset = self.slot_offset[keep]
         self.slot_position = self.slot_position[keep]
         self.slot_attention = self.slot_attention[keep]
+        self.slot_window_attention = self.slot_window_attention[keep]
+        self.slot_heavy_attention = self.slot_heavy_attention[keep]
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
         """Append a block's KV at the end of the physical cache (restore / recall)."""
@@ -378,6 +401,8 @@ class PhysicalCache:
             self.slot_offset = self.slot_offset[:length]
             self.slot_position = self.slot_position[:length]
             self.slot_attention = self.slot_attention[:length]
+            self.slot_window_attention = self.slot_window_attention[:length]
+            self.slot_heavy_attention = self.slot_heavy_attention[:length]
         self._check_lengths()
 
     def fork(self) -> PhysicalCache:
@@ -400,6 +425,8 @@ class PhysicalCache:
         child.slot_offset = self.slot_offset.clone()
         child.slot_position = self.slot_position.clone()
         child.slot_attention = self.slot_attention.clone()
+        child.slot_window_attention = self.slot_window_attention.clone()
+        child.slot_heavy_attention = self.slot_heavy_attention.clone()
         return child
 
 

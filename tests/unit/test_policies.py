@@ -325,7 +325,7 @@ def test_factory_builds_every_name() -> None:
         assert isinstance(make_policy(name), Policy)
     snap = make_policy("snapkv", {"window": 16, "kernel_size": 7})
     assert isinstance(snap, SnapKVPolicy) and (snap.window, snap.kernel_size) == (16, 7)
-    assert policy_params("h2o") == ("recent_tokens",)
+    assert policy_params("h2o") == ("recent_ratio", "recent_tokens")
 
 
 def test_factory_errors_list_what_is_allowed() -> None:
