@@ -233,7 +233,9 @@ class AttentionProbe:
             self._queries[layer_idx] = q.detach()
         if self.heavy:
             with torch.no_grad():
-                summed = _summed_probs(module, hidden, position_embeddings, keys, kwargs.get("attention_mask"))
+                summed = _summed_probs(
+                    module, hidden, position_embeddings, keys, kwargs.get("attention_mask")
+                )
             before = self._heavy.get(layer_idx)
             if before is not None:
                 summed[: before.numel()] += before[: summed.numel()]
@@ -364,7 +366,13 @@ def _window_probs(
 
 
 def _window_bias(
-    attention_mask: Any, w: int, s: int, device: torch.device, *, start: int | None = None, forward_len: int | None = None
+    attention_mask: Any,
+    w: int,
+    s: int,
+    device: torch.device,
+    *,
+    start: int | None = None,
+    forward_len: int | None = None,
 ) -> torch.Tensor:
     """Additive mask for the probed rows, broadcastable to `[B, H, W, S]`.
 

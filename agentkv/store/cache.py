@@ -132,7 +132,7 @@ class PhysicalCache:
         self.slot_attention = torch.empty(0, dtype=torch.float32)
         """Attention each slot has received, accumulated with an EMA (the lifecycle policy's signal)."""
         self.slot_window_attention = torch.empty(0, dtype=torch.float32)
-        """Attention the last probed observation window paid to each slot (SnapKV, TOVA); 0 for newer slots."""
+        """Attention the last probed observation window paid to each slot (SnapKV, TOVA); 0 for new slots."""
         self.slot_heavy_attention = torch.empty(0, dtype=torch.float32)
         """Attention summed over every probed query, undecayed (H2O's accumulated score)."""
         self._pending: torch.Tensor | None = None

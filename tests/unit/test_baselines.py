@@ -28,6 +28,7 @@ from agentkv.policies import (
     attention_window,
     needs_accumulated_attention,
 )
+from agentkv.session import Session
 from agentkv.spans import SpanKind
 
 N = 40
@@ -137,9 +138,12 @@ HISTORY = [
 ]
 
 
-def _session(tiny_model: PreTrainedModel, tiny_tokenizer: object, policy: dict[str, object], **budget: object):
+def _session(
+    model: PreTrainedModel, tokenizer: object, policy: dict[str, object], **budget: object
+) -> Session:
+    """A one-session backend with `policy` (and a budget when given)."""
     config = AgentKVConfig.from_dict({"policy": policy, "budget": budget} if budget else {"policy": policy})
-    return TransformersBackend(tiny_model, tiny_tokenizer, config).session("t")
+    return TransformersBackend(model, tokenizer, config).session("t")
 
 
 def _probe_all(model: PreTrainedModel, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
