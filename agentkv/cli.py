@@ -142,6 +142,9 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """`agentkv bench reuse|memory|soak`."""
     console = Console()
+    # Scoping options are checked before the model loads (~15 s): a typo fails at once.
+    budgets = _fractions(args.budgets) if args.budgets else (0.25,) if args.quick else (0.5, 0.25, 0.125)
+    methods, workloads = _names(args.methods), _names(args.workloads)
     model, tokenizer = _load(args)
     out = Path(args.out) / args.which
     if args.which == "reuse":
@@ -180,9 +183,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "memory":
         from agentkv.bench.memory import acceptance_line, memory_table, run_memory_bench
 
-        budgets = (0.25,) if args.quick else (0.5, 0.25, 0.125)
         with _progress(args, log_details=True) as bars:
-            result = run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=bars)
+            result = run_memory_bench(
+                model,
+                tokenizer,
+                budgets=budgets,
+                methods=methods,
+                workloads=workloads,
+                out_dir=out,
+                progress=bars,
+            )
         console.print(memory_table(result))
         console.print(acceptance_line(result["acceptance"]))
     elif args.which == "soak":
@@ -193,6 +203,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_kv("soak", summary, console)
     console.print(f"results in {out}/")
     return 0
+
+
+def _names(value: str | None) -> list[str] | None:
+    """`a,b , c` → `["a", "b", "c"]`; None or empty → None (the default set)."""
+    if not value:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()] or None
+
+
+def _fractions(value: str) -> tuple[float, ...]:
+    """`0.5,0.25` → `(0.5, 0.25)`; a clear error for anything that is not a fraction in (0, 1]."""
+    out: list[float] = []
+    for part in _names(value) or []:
+        try:
+            fraction = float(part)
+        except ValueError as e:
+            msg = f"--budgets: expected comma-separated fractions in (0, 1] such as 0.5,0.25, got {part!r}"
+            raise ValueError(msg) from e
+        out.append(fraction)
+    if not out:
+        msg = f"--budgets: expected comma-separated fractions in (0, 1] such as 0.5,0.25, got {value!r}"
+        raise ValueError(msg)
+    return tuple(out)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -281,6 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
     bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
+    bench.add_argument(
+        "--methods",
+        help="memory: comma-separated methods (default: all; `full` always runs as the reference)",
+    )
+    bench.add_argument(
+        "--workloads",
+        help="memory: comma-separated workload names or JSON paths (default: every shipped one)",
+    )
+    bench.add_argument(
+        "--budgets",
+        help="memory: comma-separated device budgets as fractions of the full cache (0.5,0.25,0.125)",
+    )
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
     bench.set_defaults(func=cmd_bench)
 

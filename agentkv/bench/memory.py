@@ -6,12 +6,15 @@ recall questions about facts stated many turns earlier. The conversations are
 scripted (user turns, tool results, branches *and* assistant answers), so every
 method sees exactly the same history and only the final answers are generated.
 
-Methods, all measured in one run:
+Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in one run:
 
 - `full`: policy `full`, no budget: the reference every figure is compared with.
-- `window`, `streaming_llm`, `h2o`, `snapkv`: token-mode baselines. They get no
-  lifecycle events (a generic compressor does not know them); under pressure they
-  re-score every attended token and keep the top ones.
+- `window`, `streaming_llm`, `h2o`, `snapkv`, `tova`: token-mode baselines as their
+  papers define them. They get no lifecycle events (a generic compressor does not
+  know them); under pressure they re-score every attended token and keep the top
+  ones, up to the same high watermark agentkv's recall fills. SnapKV and TOVA score
+  with their own observation window (SnapKV's last `window` queries, TOVA's last
+  query), H2O with attention summed over every query, half its budget recent tokens.
 - `agentkv`: the `lifecycle` policy with the host archive tier, fed the events an
   agent framework sends (tool call completed/failed, turn ended, user confirmed,
   branch opened/pruned/selected).
@@ -19,27 +22,30 @@ Methods, all measured in one run:
   are dropped and recall recomputes them from their token ids.
 
 Budgets are fractions of the `full` cache's size at the final question of each
-workload (`budget.device_tokens`), the same for every budgeted method.
+workload (`budget.device_tokens`), the same for every budgeted method. A device
+budget limits the device only: agentkv's host tier holds what it archives, so
+every run reports device, host and total bytes (see `agentkv.bench.memory_report`),
+and the tuned and fresh workloads are summarised separately.
 
 Figures per (workload, method, budget): exact match of the greedy answer per
 question (`exact_match`), the teacher-forced log-probability of the gold answer,
-KL(full ‖ method) of the next-token distribution at the answer position, device
-KV bytes (peak and final), host and quantized bytes, and time spent in lifecycle
-+ policy + store against model forward time.
+KL(full ‖ method) of the next-token distribution at the answer position, KV bytes
+per tier (peak and at answer time), tokens restored from the host and recomputed
+by rehydration, and time spent in lifecycle + policy + store against model
+forward time.
 
 Caveats a reader of the numbers needs: peaks are sampled after each operation's
 budget check (a prefill or an answer may exceed the budget while it runs, for
 every method alike); agentkv never demotes active or pinned spans, so a budget
 smaller than the turn in progress is reported as exceeded, not enforced; the
-attention probe that `lifecycle`, `h2o` and `snapkv` use runs inside the model's
-forward, so its cost is in `forward_seconds`, not in the overhead.
+attention probe that `lifecycle`, `h2o`, `snapkv` and `tova` use runs inside the
+model's forward, so its cost is in `forward_seconds`, not in the overhead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 import unicodedata
@@ -51,8 +57,24 @@ from typing import Any
 import torch
 
 from agentkv.backend.transformers import TransformersBackend
+from agentkv.bench.memory_report import (
+    ACCEPTANCE_BUDGET,
+    MIB,
+    QuestionRow,
+    RunRow,
+    StepSample,
+    SummaryRow,
+    _mean,
+    acceptance,
+    acceptance_line,
+    markdown_table,
+    memory_table,
+    plot_accuracy,
+    plot_device_bytes,
+    summarise,
+)
+from agentkv.bench.methods import BASELINES, METHODS, NOHOST_TIER, SUITES, Method, suite_of
 from agentkv.bench.workloads import Question, Workload, load_workloads
-from agentkv.config import AgentKVConfig
 from agentkv.events import (
     BranchOpened,
     BranchPruned,
@@ -65,64 +87,45 @@ from agentkv.events import (
 from agentkv.progress import ProgressCallback, report
 from agentkv.session import Session
 
+__all__ = [
+    "ACCEPTANCE_BUDGET",
+    "BASELINES",
+    "DEFAULT_BUDGETS",
+    "METHODS",
+    "MIB",
+    "NOHOST_TIER",
+    "Method",
+    "QuestionRow",
+    "RunRow",
+    "StepSample",
+    "SummaryRow",
+    "acceptance",
+    "acceptance_line",
+    "answer_text",
+    "ask",
+    "decided",
+    "exact_match",
+    "gold_logprob",
+    "kl_divergence",
+    "markdown_table",
+    "memory_table",
+    "normalise_answer",
+    "replay",
+    "run_memory_bench",
+    "run_one",
+    "summarise",
+]
+
 logger = logging.getLogger("agentkv.bench")
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.5, 0.25, 0.125)
 """Device budgets as fractions of the full cache's size at the final question."""
 
-NOHOST_TIER = "drop"
-"""Archive tier of `agentkv-nohost`: archived spans are dropped and recomputed on recall."""
-
 ANSWER_EXTRA_TOKENS = 3
 """Greedy answers get the gold answer's token count plus this many tokens."""
 
-ACCEPTANCE_BUDGET = 0.25
-"""The budget the acceptance figures are read at."""
-
 QUICK_WORKLOADS: tuple[str, ...] = ("support",)
 """`quick=True` runs only these (the shortest shipped workload)."""
-
-
-# -- methods ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Method:
-    """One way to run a session under a budget."""
-
-    name: str
-    policy: str
-    """`AgentKVConfig.policy` name."""
-    archive_tier: str = "host"
-    budgeted: bool = True
-    """False for `full`: it runs once per workload, with no budget."""
-    events: bool = False
-    """True when the session gets the lifecycle events an agent framework sends."""
-
-    def config(self, budget_tokens: int | None) -> AgentKVConfig:
-        """The session config of this method at a device budget in tokens (None = unlimited)."""
-        data: dict[str, Any] = {"policy": self.policy, "archive_tier": self.archive_tier}
-        if self.budgeted and budget_tokens is not None:
-            data["budget"] = {"device_tokens": int(budget_tokens)}
-        return AgentKVConfig.from_dict(data)
-
-
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("full", "full", budgeted=False),
-        Method("window", "window"),
-        Method("streaming_llm", "streaming_llm"),
-        Method("h2o", "h2o"),
-        Method("snapkv", "snapkv"),
-        Method("agentkv", "lifecycle", archive_tier="host", events=True),
-        Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
-    )
-}
-"""Every method the benchmark knows, in report order."""
-
-BASELINES: tuple[str, ...] = ("window", "streaming_llm", "h2o", "snapkv")
-"""Generic compressors (token mode, no events)."""
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -178,103 +181,6 @@ def gold_logprob(logits: torch.Tensor, prompt_len: int, target: Sequence[int]) -
     rows = torch.log_softmax(logits[prompt_len - 1 : prompt_len - 1 + len(target)].float(), dim=-1)  # [T, V]
     picked = rows[torch.arange(len(target)), torch.tensor(list(target), dtype=torch.long)]
     return float(picked.sum()), rows[0]
-
-
-# -- rows ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """Device memory after one step of a replay (a turn, or a question)."""
-
-    step: str
-    """`t1`, `t2`, … for turns, `q:<id>` for questions."""
-    device_bytes: int
-    host_bytes: int
-    quantized_bytes: int
-    attended_tokens: int
-    logical_tokens: int
-
-
-@dataclass(frozen=True)
-class QuestionRow:
-    """One question answered by one method at one budget."""
-
-    workload: str
-    method: str
-    budget: float | None
-    question: str
-    source: str
-    turn: int
-    gold: str
-    answer: str
-    exact_match: bool
-    logprob: float
-    kl: float
-    """KL(full ‖ method) at the answer position; 0 for `full` itself."""
-
-
-@dataclass(frozen=True)
-class RunRow:
-    """One (workload, method, budget) run."""
-
-    workload: str
-    method: str
-    budget: float | None
-    budget_tokens: int | None
-    budget_bytes: int | None
-    """`budget_tokens` in full-precision KV bytes (what `peak_device_bytes` is held to)."""
-    full_tokens: int
-    """Tokens the full cache attends at the final question (budgets are fractions of it)."""
-    questions: int
-    exact_match: float
-    """Fraction of questions answered exactly."""
-    mean_logprob: float
-    mean_kl: float
-    peak_device_bytes: int
-    final_device_bytes: int
-    host_bytes: int
-    quantized_bytes: int
-    peak_host_bytes: int
-    peak_quantized_bytes: int
-    lifecycle_seconds: float
-    policy_seconds: float
-    store_seconds: float
-    forward_seconds: float
-    overhead_seconds: float
-    """lifecycle + policy + store (see `overhead_seconds`)."""
-    overhead_pct: float
-    """overhead_seconds / forward_seconds, in percent."""
-    prefill_tokens: int
-    restored_tokens: int
-    rehydrated_tokens: int
-    budget_unmet: int
-    events_applied: int
-    wall_seconds: float
-    steps: list[StepSample] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class SummaryRow:
-    """One (method, budget) aggregated over workloads."""
-
-    method: str
-    budget: float | None
-    questions: int
-    exact_match_pct: float
-    mean_logprob: float
-    mean_kl: float
-    budget_bytes: float | None
-    """Mean over workloads of the device budget in bytes (None for `full`)."""
-    peak_device_bytes: float
-    """Mean over workloads of the session's peak device KV bytes (sampled after each budget check)."""
-    final_device_bytes: float
-    host_bytes: float
-    quantized_bytes: float
-    overhead_pct: float
-    """Sum of overhead seconds over sum of forward seconds, in percent."""
-    forward_seconds: float
-    em_by_source: dict[str, float]
 
 
 def overhead_seconds(stats: Any) -> float:
@@ -382,6 +288,8 @@ class _Answer:
     first_logprobs: torch.Tensor
     attended_tokens: int
     """Tokens the cache attended right after the question was encoded (before answering)."""
+    at_answer: StepSample
+    """Bytes per tier once the question is encoded: the cache the answer is generated from."""
 
 
 def answer_text(prefix: str, gold: str) -> str:
@@ -431,39 +339,49 @@ def ask(session: Session, history: list[dict[str, Any]], question: Question) -> 
     session.
     """
     session.extend([*history, {"role": "user", "content": question.question, "id": f"q-{question.id}"}])
-    attended = session.stats().attended_tokens
+    at_answer = _sample(session, f"q:{question.id}")
     fmt = session.format
     prompt = fmt.generation_prompt_ids(session.messages) + fmt.encode(question.prefix)
     target = fmt.encode(answer_text(question.prefix, question.gold))
     logits = session.continuation_logits(prompt + target)
     logprob, first = gold_logprob(logits, len(prompt), target)
     answer = greedy_answer(session, question.prefix, question.gold, len(target) + ANSWER_EXTRA_TOKENS)
-    return _Answer(answer, exact_match(answer, question.gold), logprob, first, attended)
+    return _Answer(
+        answer, exact_match(answer, question.gold), logprob, first, at_answer.attended_tokens, at_answer
+    )
 
 
 # -- one run ------------------------------------------------------------------------------------
+
+
+def _sample(session: Session, step: str) -> StepSample:
+    stats = session.stats()
+    return StepSample(
+        step,
+        stats.device_bytes,
+        stats.host_bytes,
+        stats.quantized_bytes,
+        stats.attended_tokens,
+        stats.logical_tokens,
+    )
 
 
 @dataclass
 class _Peaks:
     host: int = 0
     quantized: int = 0
+    total: int = 0
     samples: list[StepSample] = field(default_factory=list)
 
     def sample(self, session: Session, step: str) -> None:
-        stats = session.stats()
-        self.host = max(self.host, stats.host_bytes)
-        self.quantized = max(self.quantized, stats.quantized_bytes)
-        self.samples.append(
-            StepSample(
-                step,
-                stats.device_bytes,
-                stats.host_bytes,
-                stats.quantized_bytes,
-                stats.attended_tokens,
-                stats.logical_tokens,
-            )
-        )
+        self.add(_sample(session, step))
+
+    def add(self, sample: StepSample, *, plot: bool = True) -> None:
+        self.host = max(self.host, sample.host_bytes)
+        self.quantized = max(self.quantized, sample.quantized_bytes)
+        self.total = max(self.total, sample.device_bytes + sample.quantized_bytes + sample.host_bytes)
+        if plot:
+            self.samples.append(sample)
 
 
 def run_one(
@@ -493,10 +411,13 @@ def run_one(
     rows: list[QuestionRow] = []
     first_logprobs: dict[str, torch.Tensor] = {}
     attended_at_last = 0
+    at_answer: list[StepSample] = []
     for question in workload.questions:
         result = ask(session, history, question)
         attended_at_last = result.attended_tokens
-        peaks.sample(session, f"q:{question.id}")
+        at_answer.append(result.at_answer)
+        peaks.add(result.at_answer)  # the plotted step: the cache the answer is generated from
+        peaks.add(_sample(session, f"q:{question.id}:after"), plot=False)  # the answer's own KV
         first_logprobs[question.id] = result.first_logprobs
         kl = 0.0 if reference is None else kl_divergence(reference[question.id], result.first_logprobs)
         rows.append(
@@ -518,6 +439,7 @@ def run_one(
     overhead = overhead_seconds(stats)
     run = RunRow(
         workload=workload.name,
+        suite=suite_of(workload.name),
         method=method.name,
         budget=budget,
         budget_tokens=budget_tokens,
@@ -533,6 +455,12 @@ def run_one(
         quantized_bytes=stats.quantized_bytes,
         peak_host_bytes=peaks.host,
         peak_quantized_bytes=peaks.quantized,
+        peak_total_bytes=max(peaks.total, stats.peak_device_bytes),
+        answer_device_bytes=_mean(float(a.device_bytes) for a in at_answer),
+        answer_quantized_bytes=_mean(float(a.quantized_bytes) for a in at_answer),
+        answer_host_bytes=_mean(float(a.host_bytes) for a in at_answer),
+        answer_total_bytes=_mean(float(a.device_bytes + a.quantized_bytes + a.host_bytes) for a in at_answer),
+        answer_attended_tokens=_mean(float(a.attended_tokens) for a in at_answer),
         lifecycle_seconds=stats.lifecycle_seconds,
         policy_seconds=stats.policy_seconds,
         store_seconds=stats.store_seconds,
@@ -549,11 +477,6 @@ def run_one(
     )
     backend.close(session_id)
     return run, rows, first_logprobs, attended_at_last
-
-
-def _mean(values: Iterable[float]) -> float:
-    items = [v for v in values if not math.isnan(v)]
-    return sum(items) / len(items) if items else float("nan")
 
 
 # -- the benchmark --------------------------------------------------------------------------------
@@ -634,6 +557,7 @@ def run_memory_bench(
         workload_info.append(
             {
                 "name": workload.name,
+                "suite": suite_of(workload.name),
                 "title": workload.title,
                 "turns": len(workload.turns),
                 "questions": len(workload.questions),
@@ -677,11 +601,19 @@ def run_memory_bench(
         "questions": [asdict(q) for q in questions],
         "summary": [asdict(s) for s in summary],
         "acceptance": acceptance(summary),
+        "acceptance_by_suite": {
+            suite: acceptance(summary, suite=suite)
+            for suite in SUITES
+            if any(s.suite == suite for s in summary)
+        },
         "wall_seconds": time.perf_counter() - started,
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(result, indent=2))
+    lines = [markdown_table(result), "", acceptance_line(result["acceptance"])]
+    lines += [acceptance_line(figures) for figures in result["acceptance_by_suite"].values()]
+    (out / "memory.md").write_text("\n".join(lines) + "\n")
     plot_accuracy(summary, out / "memory_accuracy.png")
     plot_device_bytes(runs, summary, out / "memory_device.png")
     if show_table:
@@ -702,212 +634,3 @@ def _report(progress: ProgressCallback | None, done: int, total: int, run: RunRo
     )
     logger.info("[%d/%d] %s", done, total, detail)
     report(progress, "memory", done, total, detail)
-
-
-# -- aggregation ----------------------------------------------------------------------------------
-
-
-def summarise(runs: Sequence[RunRow], questions: Sequence[QuestionRow]) -> list[SummaryRow]:
-    """One row per (method, budget), pooled over workloads; `full` first, then methods in `METHODS` order."""
-    keys: list[tuple[str, float | None]] = []
-    for run in runs:
-        if (run.method, run.budget) not in keys:
-            keys.append((run.method, run.budget))
-    order = list(METHODS)
-    keys.sort(key=lambda k: (order.index(k[0]) if k[0] in order else len(order), -(k[1] or 2.0)))
-    rows: list[SummaryRow] = []
-    for method, budget in keys:
-        mine = [r for r in runs if r.method == method and r.budget == budget]
-        qs = [q for q in questions if q.method == method and q.budget == budget]
-        forward = sum(r.forward_seconds for r in mine)
-        by_source: dict[str, float] = {}
-        for source in sorted({q.source for q in qs}):
-            picked = [q for q in qs if q.source == source]
-            by_source[source] = 100.0 * sum(q.exact_match for q in picked) / len(picked)
-        rows.append(
-            SummaryRow(
-                method=method,
-                budget=budget,
-                questions=len(qs),
-                exact_match_pct=100.0 * sum(q.exact_match for q in qs) / max(1, len(qs)),
-                mean_logprob=_mean(q.logprob for q in qs),
-                mean_kl=_mean(q.kl for q in qs),
-                budget_bytes=None if budget is None else _mean(float(r.budget_bytes or 0) for r in mine),
-                peak_device_bytes=_mean(float(r.peak_device_bytes) for r in mine),
-                final_device_bytes=_mean(float(r.final_device_bytes) for r in mine),
-                host_bytes=_mean(float(r.peak_host_bytes) for r in mine),
-                quantized_bytes=_mean(float(r.peak_quantized_bytes) for r in mine),
-                overhead_pct=100.0 * sum(r.overhead_seconds for r in mine) / forward if forward > 0 else 0.0,
-                forward_seconds=forward,
-                em_by_source=by_source,
-            )
-        )
-    return rows
-
-
-def acceptance(summary: Sequence[SummaryRow], budget: float = ACCEPTANCE_BUDGET) -> dict[str, Any]:
-    """The issue's acceptance figures at `budget`: agentkv vs full and vs the best baseline.
-
-    Targets: exact match within 5 points of the full cache, at least 15 points above
-    the best baseline, and lifecycle + policy + store overhead <= 5% of forward time.
-    Empty when the run did not include that budget, `full` or `agentkv`.
-    """
-    by_key = {(s.method, s.budget): s for s in summary}
-    full = by_key.get(("full", None))
-    ours = by_key.get(("agentkv", budget))
-    if full is None or ours is None:
-        return {}
-    baselines = [by_key[(b, budget)] for b in BASELINES if (b, budget) in by_key]
-    best = max(baselines, key=lambda s: s.exact_match_pct, default=None)
-    out: dict[str, Any] = {
-        "budget": budget,
-        "full_em_pct": full.exact_match_pct,
-        "agentkv_em_pct": ours.exact_match_pct,
-        "agentkv_overhead_pct": ours.overhead_pct,
-        "within_5_points_of_full": ours.exact_match_pct >= full.exact_match_pct - 5.0,
-        "overhead_at_most_5_pct": ours.overhead_pct <= 5.0,
-    }
-    if best is not None:
-        out.update(
-            best_baseline=best.method,
-            best_baseline_em_pct=best.exact_match_pct,
-            margin_over_best_baseline=ours.exact_match_pct - best.exact_match_pct,
-            at_least_15_points_above_best_baseline=ours.exact_match_pct - best.exact_match_pct >= 15.0,
-        )
-    nohost = by_key.get(("agentkv-nohost", budget))
-    if nohost is not None:
-        out.update(nohost_em_pct=nohost.exact_match_pct, nohost_overhead_pct=nohost.overhead_pct)
-    return out
-
-
-# -- presentation ---------------------------------------------------------------------------------
-
-
-def memory_table(result: dict[str, Any]) -> Any:
-    """A rich table of the summary: one row per (method, budget), pooled over workloads."""
-    from rich.table import Table
-
-    workloads = ", ".join(w["name"] for w in result["workloads"])
-    table = Table(title=f"agentkv bench memory ({workloads}; budgets are fractions of the full cache)")
-    for name in (
-        "method",
-        "budget",
-        "EM %",
-        "EM user/tool/conf",
-        "mean logprob",
-        "mean KL",
-        "budget MiB",
-        "peak device MiB",
-        "host MiB",
-        "overhead %",
-    ):
-        table.add_column(name, justify="left" if name == "method" else "right")
-    for row in result["summary"]:
-        budget = "—" if row["budget"] is None else f"{100 * row['budget']:g}%"
-        src = row["em_by_source"]
-        by_source = "/".join(f"{src[s]:.0f}" if s in src else "-" for s in ("user", "tool", "confirmed"))
-        table.add_row(
-            row["method"],
-            budget,
-            f"{row['exact_match_pct']:.1f}",
-            by_source,
-            f"{row['mean_logprob']:.2f}",
-            f"{row['mean_kl']:.3f}",
-            "—" if row["budget_bytes"] is None else f"{row['budget_bytes'] / 2**20:.1f}",
-            f"{row['peak_device_bytes'] / 2**20:.1f}",
-            f"{row['host_bytes'] / 2**20:.1f}",
-            f"{row['overhead_pct']:.2f}",
-        )
-    return table
-
-
-def acceptance_line(figures: dict[str, Any]) -> str:
-    """One line with the acceptance figures (empty dict: a note that they were not measured)."""
-    if not figures:
-        return f"acceptance figures need full, agentkv and the {ACCEPTANCE_BUDGET:g} budget in one run"
-    parts = [
-        f"at {100 * figures['budget']:g}%: agentkv EM {figures['agentkv_em_pct']:.1f}% vs full "
-        f"{figures['full_em_pct']:.1f}%"
-    ]
-    if "best_baseline" in figures:
-        parts.append(
-            f"best baseline {figures['best_baseline']} {figures['best_baseline_em_pct']:.1f}% "
-            f"(margin {figures['margin_over_best_baseline']:+.1f} points)"
-        )
-    parts.append(f"overhead {figures['agentkv_overhead_pct']:.2f}% of forward time")
-    return "; ".join(parts)
-
-
-def plot_accuracy(summary: Sequence[SummaryRow], path: Path) -> None:
-    """Exact match vs budget, one line per method; the full cache as a dashed reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    budgets = sorted({s.budget for s in summary if s.budget is not None})
-    for method in METHODS:
-        rows = sorted(
-            (s for s in summary if s.method == method and s.budget is not None), key=lambda s: s.budget or 0
-        )
-        if rows:
-            style = "o-" if method.startswith("agentkv") else "s--"
-            ax.plot(
-                [100 * (r.budget or 0) for r in rows], [r.exact_match_pct for r in rows], style, label=method
-            )
-    full = next((s for s in summary if s.method == "full"), None)
-    if full is not None:
-        ax.axhline(full.exact_match_pct, color="black", linestyle=":", label="full cache")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([100 * b for b in budgets])
-    ax.set_xticklabels([f"{100 * b:g}%" for b in budgets])
-    ax.set_xlabel("device KV budget (fraction of the full cache)")
-    ax.set_ylabel("exact match (%)")
-    ax.set_ylim(-2, 102)
-    ax.legend(fontsize=8)
-    ax.set_title("Recall of early facts vs device budget")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_device_bytes(runs: Sequence[RunRow], summary: Sequence[SummaryRow], path: Path) -> None:
-    """Device KV bytes per step (turns, then questions): full vs agentkv vs the best baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    budgets = sorted({r.budget for r in runs if r.budget is not None})
-    budget = min(budgets, key=lambda b: abs(b - ACCEPTANCE_BUDGET)) if budgets else None
-    baselines = [s for s in summary if s.method in BASELINES and s.budget == budget]
-    baseline = max(baselines, key=lambda s: s.exact_match_pct).method if baselines else None
-    workloads = list(dict.fromkeys(r.workload for r in runs))
-    fig, axes = plt.subplots(
-        1, max(1, len(workloads)), figsize=(4.2 * max(1, len(workloads)), 3.8), squeeze=False
-    )
-    for ax, workload in zip(axes[0], workloads, strict=False):
-        for method, want in (("full", None), ("agentkv", budget), (baseline, budget)):
-            run = next(
-                (r for r in runs if r.workload == workload and r.method == method and r.budget == want), None
-            )
-            if run is None:
-                continue
-            label = method if want is None else f"{method} @{100 * want:g}%"
-            ax.plot(range(len(run.steps)), [s.device_bytes / 2**20 for s in run.steps], ".-", label=label)
-            if method == "agentkv":
-                ax.plot(
-                    range(len(run.steps)),
-                    [s.host_bytes / 2**20 for s in run.steps],
-                    ":",
-                    label="agentkv host tier",
-                )
-        ax.set_title(workload)
-        ax.set_xlabel("turn, then questions")
-        ax.set_ylabel("KV MiB")
-        ax.legend(fontsize=7)
-    fig.suptitle("Device KV bytes per step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

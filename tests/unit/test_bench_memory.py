@@ -14,7 +14,9 @@ import torch
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.bench import memory
 from agentkv.bench.memory import (
+    BASELINES,
     METHODS,
+    Method,
     answer_text,
     decided,
     exact_match,
@@ -24,6 +26,7 @@ from agentkv.bench.memory import (
     replay,
     run_memory_bench,
 )
+from agentkv.bench.methods import suite_of
 from agentkv.bench.workloads import MAX_TURNS, MIN_TURNS, load_workload, load_workloads, parse_workload
 from agentkv.spans import SpanKind, SpanState
 
@@ -353,6 +356,54 @@ def test_runner_writes_json_and_plots(tiny_model: Any, tiny_tokenizer: Any, tmp_
     figures = result["acceptance"]
     assert figures["budget"] == 0.25 and "best_baseline" not in figures  # no baseline in this run
     assert "within_5_points_of_full" in figures and "overhead_at_most_5_pct" in figures
+    assert (tmp_path / "out" / "memory.md").read_text().startswith("| suite | method |")
+
+
+def test_runner_counts_every_tier(tiny_model: Any, tiny_tokenizer: Any, tmp_path: Path) -> None:
+    """Device, host and total bytes at peak and at answer time; the host tier is not left out."""
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(tiny_workload()))
+    result = run_memory_bench(
+        tiny_model,
+        tiny_tokenizer,
+        budgets=(0.25,),
+        methods=("full", "agentkv", "window"),
+        workloads=[path],
+        out_dir=tmp_path / "out",
+        show_table=False,
+    )
+    runs = {r["method"]: r for r in result["runs"]}
+    for run in runs.values():
+        assert run["suite"] == "fresh"  # not one of the four tuned workloads
+        assert run["answer_total_bytes"] == pytest.approx(
+            run["answer_device_bytes"] + run["answer_quantized_bytes"] + run["answer_host_bytes"]
+        )
+        assert run["peak_total_bytes"] >= run["peak_device_bytes"] > 0
+    ours, full, window = runs["agentkv"], runs["full"], runs["window"]
+    assert ours["peak_host_bytes"] > 0  # archived spans went to the host: they are counted
+    assert ours["answer_total_bytes"] > ours["answer_device_bytes"]
+    assert window["peak_host_bytes"] == 0 and full["peak_host_bytes"] == 0
+    summary = {(s["suite"], s["method"]): s for s in result["summary"]}
+    assert {suite for suite, _ in summary} == {"all"}  # one suite: no duplicate rows
+    assert summary[("all", "full")]["answer_total_pct_of_full"] == pytest.approx(100.0)
+    agentkv = summary[("all", "agentkv")]
+    assert agentkv["answer_total_pct_of_full"] > agentkv["answer_device_pct_of_full"]
+    assert agentkv["rehydrated_tokens"] == ours["rehydrated_tokens"] >= 0
+    line = memory.acceptance_line(result["acceptance"])
+    assert "in total (device + host)" in line
+
+
+def test_suites_split_tuned_and_fresh_workloads() -> None:
+    assert [suite_of(n) for n in ("travel", "support", "incident", "research")] == ["tuned"] * 4
+    assert suite_of("tiny") == "fresh"
+
+
+def test_every_baseline_is_a_method() -> None:
+    assert set(BASELINES) == {"window", "streaming_llm", "h2o", "snapkv", "tova"}
+    assert all(not METHODS[name].events for name in BASELINES)
+    variant = Method("snapkv-w8", "snapkv", baseline=True, policy_params={"window": 8})
+    config = variant.config(64)
+    assert config.policy.params == {"window": 8} and config.budget.device_tokens == 64
 
 
 def test_runner_rejects_unknown_methods_and_budgets(tiny_model: Any, tiny_tokenizer: Any) -> None:

@@ -157,6 +157,15 @@ def test_cli_help_names_the_commands_and_demo_options(capsys):
     assert parser.parse_args(["demo"]).budget is None  # the config's budget, else 512
 
 
+def test_cli_bench_memory_scoping_options(capsys):
+    args = build_parser().parse_args(
+        ["bench", "memory", "--methods", "agentkv, h2o", "--workloads", "travel", "--budgets", "0.5,0.25"]
+    )
+    assert (args.methods, args.workloads, args.budgets) == ("agentkv, h2o", "travel", "0.5,0.25")
+    assert main(["bench", "memory", "--budgets", "half"]) == 2  # checked before the model loads
+    assert "--budgets: expected comma-separated fractions" in " ".join(capsys.readouterr().err.split())
+
+
 def test_cli_demo_bad_config_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "graph.yaml"
     bad.write_text("agentkv:\n  budget:\n    device_tokens: -5\n")

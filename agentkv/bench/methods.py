@@ -1,0 +1,81 @@
+"""The methods `agentkv bench memory` compares, and which workloads are which.
+
+A method is a session config plus whether the session hears lifecycle events. To
+add a variant (a different archive tier, a policy parameter, recall in pages),
+add one `Method(...)` line to `METHODS`: the runner, the tables and the plots
+read everything from this table, and `--methods` selects from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.config import AgentKVConfig
+
+NOHOST_TIER = "drop"
+"""Archive tier of `agentkv-nohost`: archived spans are dropped and recomputed on recall."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to run a session under a budget."""
+
+    name: str
+    policy: str
+    """`AgentKVConfig.policy` name."""
+    archive_tier: str = "host"
+    budgeted: bool = True
+    """False for `full`: it runs once per workload, with no budget."""
+    events: bool = False
+    """True when the session gets the lifecycle events an agent framework sends."""
+    baseline: bool = False
+    """A generic compressor from the literature (token mode, no events); `acceptance` compares with these."""
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    """Parameters of the policy (`policy: {name: ..., params: ...}`), e.g. a variant's window."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Further top-level config keys (e.g. `{"commit": {...}}`) for variants."""
+
+    def config(self, budget_tokens: int | None) -> AgentKVConfig:
+        """The session config of this method at a device budget in tokens (None = unlimited)."""
+        policy: Any = (
+            {"name": self.policy, "params": dict(self.policy_params)} if self.policy_params else self.policy
+        )
+        data: dict[str, Any] = {**dict(self.extra), "policy": policy, "archive_tier": self.archive_tier}
+        if self.budgeted and budget_tokens is not None:
+            data["budget"] = {"device_tokens": int(budget_tokens)}
+        return AgentKVConfig.from_dict(data)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("full", "full", budgeted=False),
+        Method("window", "window", baseline=True),
+        Method("streaming_llm", "streaming_llm", baseline=True),
+        Method("h2o", "h2o", baseline=True),
+        Method("snapkv", "snapkv", baseline=True),
+        Method("tova", "tova", baseline=True),
+        Method("agentkv", "lifecycle", archive_tier="host", events=True),
+        Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
+    )
+}
+"""Every method the benchmark knows, in report order."""
+
+BASELINES: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.baseline)
+"""Generic compressors (token mode, no events)."""
+
+TUNED_WORKLOADS: tuple[str, ...] = ("incident", "research", "support", "travel")
+"""The four workloads written while the recall heuristics were tuned (recall code cites their spans).
+
+Every other workload is reported as `fresh`: written afterwards, never used to tune.
+"""
+
+SUITES: tuple[str, ...] = ("tuned", "fresh")
+"""How the summary groups workloads (plus `all`)."""
+
+
+def suite_of(workload: str) -> str:
+    """`tuned` for the original four workloads, `fresh` for every other one."""
+    return "tuned" if workload in TUNED_WORKLOADS else "fresh"
