@@ -10,8 +10,10 @@ the summary figures computed from the rows, the PNG of device KV bytes per turn,
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,9 @@ __all__ = [
     "demo_config",
     "demo_table",
     "first_word",
+    "budget_line",
     "plot_device_bytes",
+    "quiet_budget_warnings",
     "summarize",
     "summary_text",
     "write_demo_json",
@@ -83,6 +87,11 @@ class DemoTurn:
     """The agent's final answer of the turn (kept in demo.json, not shown in the table)."""
     seconds: float = 0.0
     """Wall time of the whole turn (every model call and tool)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """KV bytes held on every tier: device (full precision and quantized) plus host."""
+        return self.device_bytes + self.quantized_bytes + self.host_bytes
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,7 @@ def demo_table(rows: Sequence[DemoTurn], *, budget_tokens: int | None, budget_by
         (f"device {unit}", "right"),
         (f"int {unit}", "right"),
         (f"host {unit}", "right"),
+        (f"total {unit}", "right"),
         ("tokens by state", "left"),
         ("events", "left"),
         ("span moves", "left"),
@@ -197,6 +207,7 @@ def demo_table(rows: Sequence[DemoTurn], *, budget_tokens: int | None, budget_by
             _size(row.device_bytes, divisor),
             _size(row.quantized_bytes, divisor),
             _size(row.host_bytes, divisor),
+            _size(row.total_bytes, divisor),
             states,
             ", ".join(row.events),
             moves,
@@ -240,7 +251,12 @@ def summarize(
         "final_host_bytes": {AGENTKV_RUN: ours[-1].host_bytes, FULL_RUN: full[-1].host_bytes},
         "final_quantized_bytes": {AGENTKV_RUN: ours[-1].quantized_bytes, FULL_RUN: full[-1].quantized_bytes},
         "peak_device_bytes": dict(peak_device_bytes),
-        "memory_saved": 1 - ours[-1].device_bytes / max(full[-1].device_bytes, 1),
+        "final_total_bytes": {AGENTKV_RUN: ours[-1].total_bytes, FULL_RUN: full[-1].total_bytes},
+        # Device = full precision + quantized (both on the accelerator); total adds the host tier.
+        "device_saved": 1
+        - (ours[-1].device_bytes + ours[-1].quantized_bytes)
+        / max(full[-1].device_bytes + full[-1].quantized_bytes, 1),
+        "total_saved": 1 - ours[-1].total_bytes / max(full[-1].total_bytes, 1),
         "ttft_ms_last_turn": {AGENTKV_RUN: ours[-1].ttft_ms, FULL_RUN: full[-1].ttft_ms},
         "ttft_speedup_last_turn": full[-1].ttft_ms / max(ours[-1].ttft_ms, 1e-9),
         "ttft_ms_total": ttft_total,
@@ -266,12 +282,17 @@ def summary_text(summary: dict[str, Any], files: Sequence[Path]) -> str:
     total = summary["ttft_ms_total"]
     prefilled = summary["total_prefilled"]
     budget = summary.get("budget_tokens")
+    ours_device = final[AGENTKV_RUN] + summary["final_quantized_bytes"][AGENTKV_RUN]
+    full_device = final[FULL_RUN] + summary["final_quantized_bytes"][FULL_RUN]
+    totals = summary["final_total_bytes"]
     lines = [
-        f"device KV at the end: agentkv {_size(final[AGENTKV_RUN], divisor)} {unit} "
-        f"(+ {_size(summary['final_host_bytes'][AGENTKV_RUN], divisor)} {unit} on the host, "
-        f"{_size(summary['final_quantized_bytes'][AGENTKV_RUN], divisor)} {unit} quantized) "
-        f"vs full {_size(final[FULL_RUN], divisor)} {unit}: {summary['memory_saved']:.0%} saved"
-        + (f" at a {budget}-token budget" if budget else ""),
+        f"KV at the end: device {_size(ours_device, divisor)} vs {_size(full_device, divisor)} {unit} "
+        f"({summary['device_saved']:.0%} less"
+        + (f", {budget}-token budget" if budget else "")
+        + f"); host {_size(summary['final_host_bytes'][AGENTKV_RUN], divisor)} {unit}; "
+        f"total {_size(totals[AGENTKV_RUN], divisor)} vs {_size(totals[FULL_RUN], divisor)} {unit} "
+        f"({summary['total_saved']:.0%} less) (agentkv vs full; device includes "
+        f"{_size(summary['final_quantized_bytes'][AGENTKV_RUN], divisor)} {unit} quantized)",
         f"time to first token, last turn: {last[AGENTKV_RUN]:,.0f} ms vs {last[FULL_RUN]:,.0f} ms "
         f"({summary['ttft_speedup_last_turn']:.1f}x); all turns: {total[AGENTKV_RUN]:,.0f} ms vs "
         f"{total[FULL_RUN]:,.0f} ms ({summary['ttft_speedup_overall']:.1f}x)",
@@ -279,6 +300,8 @@ def summary_text(summary: dict[str, Any], files: Sequence[Path]) -> str:
         f"({summary['total_reused'][AGENTKV_RUN]:,} served from the cache); "
         f"{summary['events']} lifecycle events",
     ]
+    if "budget_checks_unmet" in summary:
+        lines.append(budget_line(summary))
     repaired = summary.get("repaired_tool_calls")
     if repaired:
         lines.append(
@@ -300,6 +323,57 @@ def summary_text(summary: dict[str, Any], files: Sequence[Path]) -> str:
         )
     lines.append("wrote " + ", ".join(str(f) for f in files))
     return "\n".join(lines)
+
+
+class _BudgetWarningFilter(logging.Filter):
+    """Drops the lifecycle's "device budget … cannot be met" warnings and counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and "cannot be met" in str(record.msg):
+            self.dropped += 1
+            return False
+        return True
+
+
+@contextmanager
+def quiet_budget_warnings() -> Iterator[_BudgetWarningFilter]:
+    """Inside the block, budget warnings from agentkv's loggers are not printed (the demo sums them up).
+
+    A demo turn whose pinned and active spans exceed the budget would otherwise print
+    a WARNING over the live table on every turn; the summary's `budget_line` says it
+    once, with the count from `SessionStats.budget_unmet`. Other warnings still show.
+    """
+    quiet = _BudgetWarningFilter()
+    names = ["agentkv", *(n for n in logging.Logger.manager.loggerDict if n.startswith("agentkv."))]
+    loggers = [logging.getLogger(n) for n in names]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def budget_line(summary: dict[str, Any]) -> str:
+    """One line on the device budget for the whole run (instead of a warning per turn)."""
+    unmet = int(summary.get("budget_checks_unmet", 0))
+    budget = summary.get("budget_tokens")
+    name = f"the {budget}-token device budget" if budget else "the device budget"
+    if not summary.get("budget_bytes"):
+        return "device budget: none (unlimited)"
+    if unmet == 0:
+        return f"{name} was met after every operation"
+    peak = summary["peak_device_bytes"][AGENTKV_RUN]
+    return (
+        f"{name} was exceeded after {unmet} operation(s) (pinned and active spans alone were larger; "
+        f"they are never demoted); peak device {peak / 2**20:,.1f} MiB vs budget "
+        f"{summary['budget_bytes'] / 2**20:,.1f} MiB"
+    )
 
 
 def write_demo_json(path: Path, summary: dict[str, Any], rows: Sequence[DemoTurn]) -> Path:
@@ -330,6 +404,12 @@ def plot_device_bytes(rows: Sequence[DemoTurn], budget_bytes: int | None, path: 
         ax.plot(
             [r.turn for r in ours], [r.host_bytes / divisor for r in ours], "--", label="agentkv host tier"
         )
+        ax.plot(
+            [r.turn for r in ours],
+            [r.total_bytes / divisor for r in ours],
+            "-.",
+            label="agentkv total (device + host)",
+        )
     if any(r.quantized_bytes for r in ours):
         ax.plot(
             [r.turn for r in ours],
@@ -342,7 +422,7 @@ def plot_device_bytes(rows: Sequence[DemoTurn], budget_bytes: int | None, path: 
     ax.set_xlabel("user turn")
     ax.set_ylabel(f"KV bytes ({unit})")
     ax.legend()
-    ax.set_title("Device KV bytes at the end of each turn")
+    ax.set_title("KV bytes at the end of each turn (device, host and total)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -51,6 +51,7 @@ from agentkv.demo import (
     demo_config,
     demo_table,
     plot_device_bytes,
+    quiet_budget_warnings,
     summarize,
     summary_text,
     write_demo_json,
@@ -252,7 +253,10 @@ def run_demo(
     baseline = ReencodingChatAgentKV(backend=full, max_tokens=max_new_tokens)
     baseline_graph = build_graph(baseline)
 
-    with Live(demo_table(rows, **budget), console=console, refresh_per_second=4) as live:
+    with (
+        quiet_budget_warnings(),
+        Live(demo_table(rows, **budget), console=console, refresh_per_second=4) as live,
+    ):
 
         def record(row: DemoTurn) -> None:
             rows.append(row)
@@ -304,6 +308,7 @@ def run_demo(
                 run: sum(r.seconds for r in rows if r.run == run) for run in (AGENTKV_RUN, FULL_RUN)
             },
             "handler_errors": handler.errors,
+            "budget_checks_unmet": session.stats().budget_unmet,
             "repaired_tool_calls": {
                 AGENTKV_RUN: lifecycle_graph.get_state(thread).values.get("repaired", 0),
                 FULL_RUN: baseline_graph.get_state(thread).values.get("repaired", 0),

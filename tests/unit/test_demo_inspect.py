@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import sys
 
 import pytest
@@ -77,7 +78,16 @@ def test_demo_runs_the_agent_twice_and_reports_each_turn(demo_run):
     # The budget holds the agentkv session's device KV below the baseline's full cache.
     assert summary["budget_tokens"] == 600 and summary["budget_bytes"] > 0
     assert summary["final_device_bytes"]["agentkv"] < summary["final_device_bytes"]["full"]
-    assert summary["memory_saved"] > 0
+    assert summary["device_saved"] > 0
+    # Total counts the host tier too: what was archived there is not "saved".
+    final = summary["final_total_bytes"]["agentkv"]
+    assert final == (
+        summary["final_device_bytes"]["agentkv"]
+        + summary["final_quantized_bytes"]["agentkv"]
+        + summary["final_host_bytes"]["agentkv"]
+    )
+    assert summary["total_saved"] <= summary["device_saved"]
+    assert summary["budget_checks_unmet"] >= 0
     assert summary["handler_errors"] == 0
     assert [a["gold"] for a in summary["recall"]] == ["1889", "Lyon"]
     for answer in summary["recall"]:
@@ -98,6 +108,8 @@ def test_demo_writes_its_files_and_summary(demo_run):
     text = (out / "console.txt").read_text()
     for phrase in ("agentkv demo", "TTFT ms", "tool_call_completed", "same answer as the full cache", "1889"):
         assert phrase in text
+    flat = " ".join(text.split())
+    assert "KV at the end: device" in flat and "total" in flat and "600-token device budget" in flat
 
 
 def test_demo_budget_convention():
@@ -181,3 +193,27 @@ def test_cli_demo_without_langgraph_names_the_extra(monkeypatch, capsys):
     assert main(["demo", "--turns", "1"]) == 2
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "pip install 'agentkv-lifecycle[agents]'" in err
+
+
+def test_budget_warnings_become_one_summary_line(caplog):
+    from agentkv.demo import budget_line, quiet_budget_warnings
+
+    lifecycle = logging.getLogger("agentkv.lifecycle")
+    with caplog.at_level(logging.WARNING), quiet_budget_warnings() as quiet:
+        for _ in range(3):
+            lifecycle.warning("session %s: device budget %d B cannot be met (%d B held)", "demo", 10, 20)
+        lifecycle.warning("session demo: rehydrate of span 3 failed")
+    assert quiet.dropped == 3
+    assert [r.getMessage() for r in caplog.records] == ["session demo: rehydrate of span 3 failed"]
+    lifecycle.warning("session %s: device budget %d B cannot be met (%d B held)", "demo", 10, 20)
+    assert len(caplog.records) == 2  # outside the block, warnings show again
+    summary = {
+        "budget_tokens": 512,
+        "budget_bytes": 2**20,
+        "budget_checks_unmet": 4,
+        "peak_device_bytes": {"agentkv": 3 * 2**20},
+    }
+    line = budget_line(summary)
+    assert "512-token device budget was exceeded after 4 operation(s)" in line and "3.0 MiB" in line
+    assert "was met after every operation" in budget_line({**summary, "budget_checks_unmet": 0})
+    assert budget_line({**summary, "budget_bytes": None}) == "device budget: none (unlimited)"
