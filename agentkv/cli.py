@@ -151,34 +151,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from agentkv.bench.reuse import run_reuse_bench
 
         with _progress(args) as bars:
-            result = run_reuse_bench(model, tokenizer, turns=args.turns or 22, out_dir=out, progress=bars)
-        table = Table(title="agentkv bench reuse: per turn (reuse | re-encode)")
+            result = run_reuse_bench(model, tokenizer, turns=args.turns or 30, out_dir=out, progress=bars)
+        table = Table(
+            title="agentkv bench reuse: per turn (reuse | re-encode | bare forward, medians of repeats)"
+        )
         for name in (
             "turn",
-            "history",
-            "prefill reuse",
+            "cached",
+            "new",
             "prefill re-enc",
             "TTFT reuse ms",
             "TTFT re-enc ms",
-            "decode tok/s reuse",
-            "decode tok/s re-enc",
+            "TTFT bare ms",
+            "reuse / bare",
+            "re-enc / reuse",
+            "decode tok/s",
         ):
             table.add_column(name, justify="right")
+        overhead = {r["turn"]: r for r in result["overhead"]}
         for a, b in zip(result["reuse"], result["reencode"], strict=True):
+            o = overhead.get(a["turn"])
             table.add_row(
                 str(a["turn"]),
-                str(a["history_tokens"]),
-                str(a["prefill_tokens"]),
+                str(a["cached_tokens"]),
+                str(a["new_tokens"]),
                 str(b["prefill_tokens"]),
-                f"{a['ttft_s'] * 1000:,.0f}",
+                f"{a['ttft_s'] * 1000:,.0f}" if o is None else f"{o['session_ttft_s'] * 1000:,.0f}",
                 f"{b['ttft_s'] * 1000:,.0f}",
+                "—" if o is None else f"{o['bare_ttft_s'] * 1000:,.0f}",
+                "—" if o is None else f"{o['ratio_to_bare']:.2f}",
+                f"{b['ttft_s'] / max(a['ttft_s'], 1e-9):.1f}",
                 f"{a['decode_tok_s']:.1f}",
-                f"{b['decode_tok_s']:.1f}",
             )
         console.print(table)
         summary = dict(result["summary"])
         decode = summary.pop("decode")
+        per_call = summary.pop("overhead")
         _print_kv("totals", summary, console)
+        for kind in ("short", "long"):
+            if kind in per_call:
+                _print_kv(
+                    f"per-call overhead, {kind} turns over >= {per_call['cache_at_least']} cached",
+                    per_call[kind],
+                    console,
+                )
         _print_kv("decode loop vs model.generate (same full cache)", decode, console)
     elif args.which == "memory":
         from agentkv.bench.memory import acceptance_line, memory_table, run_memory_bench
@@ -312,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )
-    bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
+    bench.add_argument("--turns", type=int, help="turns (reuse: 30, ~4.5k tokens; soak: 300)")
     bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
     bench.add_argument(
         "--methods",
