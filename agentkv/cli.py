@@ -142,6 +142,8 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """`agentkv bench reuse|memory|soak`."""
     console = Console()
+    if not console.is_terminal:  # a pipe or file would get 80 columns and squeeze the wide tables
+        console = Console(width=220)
     # Scoping options are checked before the model loads (~15 s): a typo fails at once.
     budgets = _fractions(args.budgets) if args.budgets else (0.25,) if args.quick else (0.5, 0.25, 0.125)
     methods, workloads = _names(args.methods), _names(args.workloads)
