@@ -297,6 +297,7 @@ class ChatFormat:
         self.tools_in_template = "tool_calls" in self.template
         self._suffix_ids: list[int] | None = None
         self._prompt_ids: list[int] | None = None
+        self._stop_ids: frozenset[int] | None = None
 
     # -- rendering --------------------------------------------------------------------------
 
@@ -362,7 +363,16 @@ class ChatFormat:
         return self._suffix_ids
 
     def stop_token_ids(self) -> set[int]:
-        """Token ids that end an assistant turn: EOS and the template's end-of-turn token."""
+        """Token ids that end an assistant turn: EOS and the template's end-of-turn token.
+
+        Computed once: `get_vocab()` builds a dict of the whole vocabulary (~135 ms for
+        a 49k vocabulary on a loaded CPU), which was paid before every answer's first token.
+        """
+        if self._stop_ids is None:
+            self._stop_ids = frozenset(self._find_stop_token_ids())
+        return set(self._stop_ids)
+
+    def _find_stop_token_ids(self) -> set[int]:
         ids: set[int] = set()
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(eos, int):
