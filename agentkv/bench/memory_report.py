@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.bench.methods import BASELINES, METHODS, SUITES
+from agentkv.bench.workloads import QUESTION_SOURCES
 
 ACCEPTANCE_BUDGET = 0.25
 """The budget the acceptance figures are read at."""
@@ -290,7 +291,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
     "method",
     "budget",
     "EM %",
-    "EM user/tool/conf",
+    "EM user/tool/conf/chosen",
     "mean KL",
     "budget MiB",
     "peak dev MiB",
@@ -326,7 +327,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     """One summary row (as in `memory.json`) as the strings of `TABLE_COLUMNS`."""
     budget = "—" if row["budget"] is None else f"{100 * row['budget']:g}%"
     src = row["em_by_source"]
-    by_source = "/".join(f"{src[s]:.0f}" if s in src else "-" for s in ("user", "tool", "confirmed"))
+    by_source = "/".join(f"{src[s]:.0f}" if s in src else "-" for s in QUESTION_SOURCES)
     peak_dev = row["peak_device_bytes"] + row["peak_quantized_bytes"]
     return [
         row["suite"],
