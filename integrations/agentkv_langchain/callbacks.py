@@ -66,6 +66,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv.session_ids import branch_session_id, is_branch_of
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ class _RunContext:
 
     @property
     def session_id(self) -> str:
-        return f"{self.thread}/{self.branch}" if self.branch else self.thread
+        return branch_session_id(self.thread, self.branch)
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             if session_id is not None:
                 wanted = [session_id] if session_id in self._pending else []
             elif thread is not None:
-                wanted = [s for s in self._pending if s == thread or s.startswith(f"{thread}/")]
+                wanted = [s for s in self._pending if s == thread or is_branch_of(s, thread)]
             else:
                 wanted = list(self._pending)
             batches = [(sid, self._pending.pop(sid)) for sid in wanted]
