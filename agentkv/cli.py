@@ -248,7 +248,7 @@ def _fractions(value: str) -> tuple[float, ...]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """`agentkv inspect SNAPSHOT`."""
-    from agentkv.inspect import plot_span_strip, print_inspection
+    from agentkv.inspection import plot_span_strip, print_inspection
 
     print_inspection(args.snapshot)
     if args.png:

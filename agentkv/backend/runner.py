@@ -2,18 +2,24 @@
 
 Tokens are fed with their *logical* `position_ids` (RoPE) while the mask and the
 cache grow physically. `generate()` would derive positions from the cache length,
-which is wrong once tokens were removed or restored (DESIGN.md §5), so the decode
+which is wrong once tokens were removed or restored (docs/design.md §5), so the decode
 loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from agentkv.policies import AttentionProbe, Policy, attention_window, needs_accumulated_attention
+from agentkv.spans import Span, Tier
 from agentkv.store.cache import PhysicalCache
+
+ATTENTION_DECAY = 0.9
+"""EMA decay of the accumulated attention signal (H2O-style) collected on prefills."""
 
 _NO_CUSTOM_MASK = ("flash_attention", "paged")
 """Attention implementations (prefixes) that ignore or reject an arbitrary 4D mask."""
@@ -32,6 +38,23 @@ class Feed:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @staticmethod
+    def pending(spans: Iterable[Span]) -> Feed:
+        """Every token of attended spans whose KV is not computed yet, in logical order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        span_ids: list[int] = []
+        offsets: list[int] = []
+        for span in spans:
+            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
+                continue
+            for offset in range(span.n_computed, span.length):
+                ids.append(span.token_ids[offset])
+                positions.append(span.start + offset)
+                span_ids.append(span.span_id)
+                offsets.append(offset)
+        return Feed(ids, positions, span_ids, offsets)
 
     def chunk(self, start: int, stop: int) -> Feed:
         """A slice of the feed."""
@@ -132,6 +155,31 @@ class ModelRunner:
             if want:
                 outputs.append(out.logits[0].float())  # [n or 1, V]
         return outputs
+
+    def forward_observed(
+        self, cache: PhysicalCache, feed: Feed, policy: Policy | None, *, window: int, **kwargs: Any
+    ) -> torch.Tensor | None:
+        """`forward`, collecting the attention signals on prefills when `policy` uses them.
+
+        The probe runs with the policy's own observation window (SnapKV's `window`, TOVA's
+        last query; `window` when the policy names none, see `attention_window`). Its
+        attention is kept three ways on the cache's slots: replaced as the last window's
+        (SnapKV, TOVA), folded into an EMA (the kind-prior policy), and, when the policy
+        asks for it (`needs_accumulated_attention`, H2O), summed over every query of the
+        forward. Forwards with an explicit mask (rehydration) and single-token decode
+        steps skip it.
+        """
+        wants = policy is not None and policy.needs_attention and len(feed) > 1
+        if not wants or kwargs.get("attention_mask") is not None:
+            return self.forward(cache, feed, **kwargs)
+        probed = min(len(feed), attention_window(policy, default=window))
+        heavy = needs_accumulated_attention(policy)
+        with AttentionProbe(self.model, window=probed, heavy=heavy) as probe:
+            logits = self.forward(cache, feed, **kwargs)
+        attention = probe.attention()
+        cache.accumulate_attention(attention, ATTENTION_DECAY)
+        cache.observe_window(attention, probe.heavy_attention() if heavy else None)
+        return logits
 
     def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
         """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.memory_report import (
     ACCEPTANCE_BUDGET,
@@ -85,7 +86,6 @@ from agentkv.events import (
     UserConfirmed,
 )
 from agentkv.progress import ProgressCallback, report
-from agentkv.session import Session
 
 __all__ = [
     "ACCEPTANCE_BUDGET",

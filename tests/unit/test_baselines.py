@@ -18,7 +18,7 @@ import copy
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from agentkv import AgentKVConfig, TransformersBackend
+from agentkv import AgentKVConfig, Session, TransformersBackend
 from agentkv.policies import (
     AttentionProbe,
     H2OPolicy,
@@ -28,7 +28,6 @@ from agentkv.policies import (
     attention_window,
     needs_accumulated_attention,
 )
-from agentkv.session import Session
 from agentkv.spans import SpanKind
 
 N = 40
