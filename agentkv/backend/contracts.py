@@ -60,3 +60,5 @@ class ExtendResult:
     first_changed_message: int | None
     """Index of the first message that differed from the cache (None = pure append)."""
     seconds: float
+    pending_tokens: int = 0
+    """New tokens left for the next answer to encode (`extend(..., prefill=False)`)."""

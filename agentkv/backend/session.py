@@ -74,6 +74,8 @@ class Session:
         self.table = SpanTable(session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
         self.last_logits: torch.Tensor | None = None
+        self.prefill_deferred = False
+        """True after `extend(..., prefill=False)` until the next answer encodes the pending tokens."""
         self.branch = branch
         self.parent = parent
         self.closed = False
@@ -151,7 +153,7 @@ class Session:
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def extend(self, messages: Sequence[Any]) -> ExtendResult:
+    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
         """Bring the cache in line with `messages`, encoding only what it does not hold.
 
         Messages are matched with the cached ones by fingerprint (role, content, tool
@@ -159,6 +161,16 @@ class Session:
         rest encoded. Inside that first changed message, tokens equal to the cached
         ones are kept, so a rewritten middle message re-encodes from its first
         changed token.
+
+        Args:
+            messages: The whole conversation so far (dicts or LangChain messages).
+            prefill: False leaves the new messages' tokens pending: the next
+                `generate` / `stream` encodes them together with its generation
+                prompt in one forward. A model call is then one forward over the cache
+                instead of two (the second, for a 3-token prompt, costs about as much
+                as the first over a long cache); `ChatAgentKV` calls it this way. Any
+                other call that needs the model (`continuation_logits`, the next
+                `extend`) encodes pending tokens first.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -210,7 +222,11 @@ class Session:
                 new_spans.append(span.span_id)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
-            prefilled = self._prefill()
+            prefilled = self._prefill() if prefill else 0
+            pending = 0 if prefill else len(Feed.pending(self.spans))
+            self.prefill_deferred = pending > 0
+            if self.prefill_deferred:
+                self.last_logits = None  # the next answer computes them
             self.counters.reused_tokens += reused
             self.counters.cropped_tokens += cropped
             self.manager.after_operation()
@@ -221,6 +237,7 @@ class Session:
                 new_spans=tuple(new_spans),
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
+                pending_tokens=pending,
             )
             self.table.record(
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
@@ -418,14 +435,17 @@ class Session:
             span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
             span.message_index = len(self.messages)
             self.manager.on_span_created(span)
+            deferred, self.prefill_deferred = self.prefill_deferred, False
             try:
-                self._prefill()
+                self._prefill()  # the deferred messages and the generation prompt: one forward
             except BaseException:
                 # No answer was started: take the prompt span back, so spans and messages stay aligned.
                 self.table.remove(span)
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
+            if deferred:
+                self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
             if logits is None:
                 msg = "no logits after prefill"

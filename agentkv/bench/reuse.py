@@ -73,7 +73,7 @@ class OverheadRow:
 def timed_answer(session: Session, history: list[dict[str, Any]], max_new_tokens: int) -> TurnRow:
     """Extend with the history and stream an answer, timing the first token and the decode rate."""
     started = time.perf_counter()
-    result = session.extend(history)
+    result = session.extend(history, prefill=False)  # as ChatAgentKV calls it: one forward per call
     pieces: list[str] = []
     first_at: float | None = None
     generated_before = session.counters.generated_tokens
@@ -96,7 +96,7 @@ def timed_answer(session: Session, history: list[dict[str, Any]], max_new_tokens
         decode_tokens=produced,
         decode_tok_s=(produced - 1) / decode_time if produced > 1 and decode_time > 0 else 0.0,
         answer="".join(pieces),
-        new_tokens=result.prefilled_tokens + prompt,
+        new_tokens=result.prefilled_tokens + result.pending_tokens + prompt,
         cached_tokens=result.reused_tokens,
     )
 
@@ -111,7 +111,7 @@ def first_token_seconds(
     """
     session.extend(before)
     started = time.perf_counter()
-    session.extend(history)
+    session.extend(history, prefill=False)
     stream = session.stream(max_new_tokens=1)
     try:
         next(iter(stream), None)

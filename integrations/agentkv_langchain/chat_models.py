@@ -403,7 +403,8 @@ class ChatAgentKV(BaseChatModel):
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
-            extended = session.extend(plan.messages)
+            # One forward per call: the new messages are encoded with the generation prompt.
+            extended = session.extend(plan.messages, prefill=False)
             pieces = session.stream(**plan.sampling, prefix=plan.prefix, message_id=message_id)
             try:
                 for piece in pieces:
