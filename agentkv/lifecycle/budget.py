@@ -120,10 +120,12 @@ class BudgetKeeper:
                     with self.port.store.deferred_removal():  # one compaction for all moves
                         self._demote_spans(target)
                 else:
-                    # Generic compressors hold a fixed-size cache (the papers' budget): they
-                    # keep up to the high watermark, the same room recall fills for agentkv.
+                    # Token mode drops tokens, not spans; a span left with none is evicted, whatever
+                    # its state (the generic baselines drop active tokens too, by design). Generic
+                    # compressors hold a fixed-size cache (the papers' budget): they keep up to the
+                    # high watermark, the same room recall fills for agentkv at answer time.
                     for span in self.compressor.evict_tokens(int(limit * self.limits.high)):
-                        self.mover.move(span, SpanState.EVICTED, reason="budget")
+                        self.mover.move(span, SpanState.EVICTED, reason="no tokens left")
                 usage = self.usage_bytes()
             satisfied = usage <= limit * self.limits.high
             if not satisfied and self.satisfied:
