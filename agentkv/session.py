@@ -25,7 +25,8 @@ import torch
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import SamplingParams, StopMatcher, sample_next
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
-from agentkv.events import Event
+from agentkv.events import Event, TurnEnded
+from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle import Lease
 from agentkv.metrics import Counters, LogRecord, SessionStats
 from agentkv.spans import Span, SpanKind, SpanState, Tier
@@ -99,6 +100,8 @@ class Session:
         self.closed = False
         self._next_span_id = itertools.count()
         self.lifecycle: LifecycleManager = LifecycleManager(self)
+        self.forget = ForgetController(self)
+        """The forgetting side thread and `forget_tool_outputs` requests (see `agentkv.forget`)."""
         if parent is not None:
             self._fork_from(parent)
 
@@ -171,6 +174,9 @@ class Session:
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
                 k += 1
+            if any(m.role == "user" for m in incoming[k:]):
+                # A turn boundary: forget decisions (side thread, agent requests) are applied now.
+                self.forget.at_turn_boundary()
             reused = sum(s.length for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -568,7 +574,12 @@ class Session:
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            return self.lifecycle.apply(event)
+            if isinstance(event, ForgetRequested):
+                return self.forget.request(event)
+            result = self.lifecycle.apply(event)
+            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+                self.forget.on_turn_ended()
+            return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
@@ -585,9 +596,12 @@ class Session:
         with self.lock:
             return self.lifecycle.release(lease)
 
-    def fork(self, branch: str) -> Session:
-        """A branch session sharing this session's KV as a read-only prefix (no copy)."""
-        return self.backend.fork(self.session_id, branch)
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Session:
+        """A branch session sharing this session's KV as a read-only prefix (no copy).
+
+        `config` = the branch's own settings (None = this session's).
+        """
+        return self.backend.fork(self.session_id, branch, config=config)
 
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:
