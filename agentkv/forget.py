@@ -34,7 +34,6 @@ same boundary.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -218,9 +217,11 @@ class ForgetStats:
 def parse_forget_answer(text: str, offered: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
     """Read the handles the side thread named after the prefilled `"handles": [`.
 
-    Strict on purpose (a malformed answer releases nothing): the text up to the first
-    `]` must be a JSON list body of strings, each an offered handle (case-insensitive
-    `t3` reads as `T3`). Duplicates are dropped, order kept.
+    The list must be closed (`]`) and hold only offered handles, separated by commas,
+    each quoted as JSON or bare (small models drop the quotes: `T1, T3]` is as clear
+    as `"T1", "T3"]`; case-insensitive, `t3` reads as `T3`). Anything else — an
+    unclosed list, a handle that was not offered, any other text — rejects the whole
+    answer: a malformed answer releases nothing. Duplicates are dropped, order kept.
 
     Returns:
         `(handles, None)`, or `((), reason)` when the answer is rejected.
@@ -228,11 +229,19 @@ def parse_forget_answer(text: str, offered: Sequence[str]) -> tuple[tuple[str, .
     end = text.find("]")
     if end < 0:
         return (), f"no closing ] in {text[:80]!r} (the answer ran out of tokens)"
-    try:
-        items = json.loads("[" + text[:end] + "]")
-    except json.JSONDecodeError as e:
-        return (), f"not a JSON list of handles: {text[: end + 1][:80]!r} ({e.msg})"
+    body = text[:end].strip()
+    items = [_unquote(item) for item in body.split(",")] if body else []
+    if any(item is None for item in items):
+        return (), f"not a list of handles: {text[: end + 1][:80]!r}"
     return check_handles(items, offered)
+
+
+def _unquote(item: str) -> str | None:
+    """A list item as text: `"T1"` or bare `T1`; None for an empty item or stray quotes."""
+    item = item.strip()
+    if len(item) >= 2 and item[0] == item[-1] == '"':
+        item = item[1:-1]
+    return item if item and '"' not in item else None
 
 
 def check_handles(items: Sequence[object], offered: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
@@ -284,6 +293,8 @@ class ForgetController:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.config: ForgetConfig = session.config.forget
+        self.enabled = self.config.enabled
+        """Whether the side thread runs at turn ends (`forget.enabled`; set it to pause or resume)."""
         self.stats = ForgetStats()
         self.pending: list[ForgetDecision] = []
         """Decisions waiting for the next turn boundary."""
@@ -382,7 +393,7 @@ class ForgetController:
 
     def at_turn_boundary(self) -> list[ApplyResult]:
         """A new user message is about to be encoded: end the previous turn's decisions and apply them."""
-        if self.config.enabled:
+        if self.enabled:
             self.on_turn_ended()
         return self.apply_pending()
 
@@ -422,7 +433,7 @@ class ForgetController:
 
     def _trigger(self) -> str | None:
         config = self.config
-        if not config.enabled:
+        if not self.enabled:
             return None
         if config.every_turns is not None and self.session.turn - self.last_run_turn >= config.every_turns:
             return "every_turns"
@@ -475,7 +486,7 @@ class ForgetController:
         fork = session.fork(f"{SIDE_THREAD_BRANCH}-{self.stats.runs}", config=fork_config)
         try:
             fork.extend([*session.messages, {"role": "user", "content": prompt}])
-            text = _until_list_end(fork, 4 + 5 * len(candidates))
+            text = _until_list_end(fork, 4 + 5 * len(candidates), offered)
             fork_stats = fork.stats()
         finally:
             session.backend.close(fork.session_id)
@@ -560,15 +571,23 @@ class ForgetController:
         return results
 
 
-def _until_list_end(fork: Session, max_new_tokens: int) -> str:
-    """Greedy answer after the prefilled opening, stopped as soon as the handle list closes."""
+def _until_list_end(fork: Session, max_new_tokens: int, offered: Sequence[str]) -> str:
+    """Greedy answer after the prefilled opening, stopped when the list closes or cannot be valid."""
     pieces: list[str] = []
     stream = fork.stream(max_new_tokens, prefix=side_thread_opening())
     try:
         for piece in stream:
             pieces.append(piece)
-            if "]" in piece:
+            if "]" in piece or _went_astray("".join(pieces), offered):
                 break
     finally:
         stream.close()  # type: ignore[attr-defined]
     return "".join(pieces)
+
+
+def _went_astray(text: str, offered: Sequence[str]) -> bool:
+    """Whether a complete item so far (before the last comma) is already not an offered handle."""
+    done = text.split(",")[:-1]
+    return any(check_handles([item], offered)[1] is not None for item in map(_unquote, done) if item) or any(
+        _unquote(item) is None for item in done
+    )

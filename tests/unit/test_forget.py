@@ -77,6 +77,7 @@ def result_span(session: Any, call_id: str) -> Any:
         ('"t2"]', ("T2",)),
         ('"T1", "T1"]', ("T1",)),
         (' "T3" ]', ("T3",)),
+        ("T1, t3]}}", ("T1", "T3")),  # bare handles, as the 135M model writes them
     ],
 )
 def test_well_formed_answers_name_offered_handles(text, handles):
@@ -87,11 +88,12 @@ def test_well_formed_answers_name_offered_handles(text, handles):
     ("text", "why"),
     [
         ('"T1", "T2"', "no closing ]"),
-        ("T1]", "not a JSON list"),
+        ('"T1, T2"]', "not a list of handles"),
+        ("T1 and T2]", "not one of the offered handles"),
         ('"T9"]', "not one of the offered handles"),
         ('"T1", 3]', "not one of the offered handles"),
         ('"Paris"]', "not one of the offered handles"),
-        ('"T1",, "T2"]', "not a JSON list"),
+        ('"T1",, "T2"]', "not a list of handles"),
     ],
 )
 def test_malformed_answers_name_nothing(text, why):
