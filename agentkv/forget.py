@@ -37,19 +37,15 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
-from agentkv.chat import TOOL_CALL_OPEN
-from agentkv.config import FORGET_PROMPT_FIELD
+from agentkv.chat import TOOL_CALL_OPEN, ChatMessage
+from agentkv.config import FORGET_PROMPT_FIELD, AgentKVConfig, ForgetConfig
 from agentkv.events import Custom, Event, TurnEnded
 from agentkv.manager import ApplyResult
 from agentkv.spans import Span, SpanKind, SpanState
-
-if TYPE_CHECKING:
-    from agentkv.config import ForgetConfig
-    from agentkv.session import Session
 
 logger = logging.getLogger("agentkv.forget")
 
@@ -62,6 +58,7 @@ __all__ = [
     "ForgetController",
     "ForgetDecision",
     "ForgetRequested",
+    "ForgetSession",
     "ForgetStats",
     "ToolOutputForgotten",
     "check_handles",
@@ -281,6 +278,58 @@ def cites(answer: str, result: str) -> bool:
 # ---------------------------------------------------------------------------- the controller
 
 
+class ForgetSession(Protocol):
+    """What the controller uses of its session (`agentkv.session.Session`): its public face only.
+
+    A protocol rather than an import: the session owns a controller, so the controller must
+    not import the session's module.
+    """
+
+    session_id: str
+    config: AgentKVConfig
+    backend: Any
+
+    @property
+    def spans(self) -> list[Span]:
+        """The span table, in logical order."""
+        ...
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation's messages, one per message span."""
+        ...
+
+    @property
+    def turn(self) -> int:
+        """The current turn (1 = the first user message)."""
+        ...
+
+    @property
+    def lifecycle(self) -> Any:
+        """The lifecycle manager (recallable spans, budget figures)."""
+        ...
+
+    def apply(self, event: Event) -> ApplyResult:
+        """Apply a lifecycle event."""
+        ...
+
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> ForgetSession:
+        """A branch session sharing this session's KV prefix."""
+        ...
+
+    def extend(self, messages: Sequence[Any]) -> Any:
+        """Encode what the cache does not hold yet."""
+        ...
+
+    def stream(self, max_new_tokens: int = 256, *, prefix: str = "") -> Iterator[str]:
+        """Decode an answer piece by piece."""
+        ...
+
+    def stats(self) -> Any:
+        """The session's counters."""
+        ...
+
+
 class ForgetController:
     """One per session: runs the side thread, holds decisions until the next turn boundary, applies them.
 
@@ -290,7 +339,7 @@ class ForgetController:
     through the session's public API (`fork`, `extend`, `generate`, `apply`).
     """
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: ForgetSession) -> None:
         self.session = session
         self.config: ForgetConfig = session.config.forget
         self.enabled = self.config.enabled
@@ -571,7 +620,7 @@ class ForgetController:
         return results
 
 
-def _until_list_end(fork: Session, max_new_tokens: int, offered: Sequence[str]) -> str:
+def _until_list_end(fork: ForgetSession, max_new_tokens: int, offered: Sequence[str]) -> str:
     """Greedy answer after the prefilled opening, stopped when the list closes or cannot be valid."""
     pieces: list[str] = []
     stream = fork.stream(max_new_tokens, prefix=side_thread_opening())
