@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Protocol
 from agentkv.chat import TOOL_CALL_OPEN, ChatMessage
 from agentkv.config import FORGET_PROMPT_FIELD, AgentKVConfig, ForgetConfig
 from agentkv.events import Custom, Event, TurnEnded
-from agentkv.manager import ApplyResult
+from agentkv.lifecycle.results import ApplyResult
 from agentkv.spans import Span, SpanKind, SpanState
 
 logger = logging.getLogger("agentkv.forget")
@@ -279,7 +279,7 @@ def cites(answer: str, result: str) -> bool:
 
 
 class ForgetSession(Protocol):
-    """What the controller uses of its session (`agentkv.session.Session`): its public face only.
+    """What the controller uses of its session (`agentkv.backend.session.Session`): its public face only.
 
     A protocol rather than an import: the session owns a controller, so the controller must
     not import the session's module.
@@ -305,8 +305,8 @@ class ForgetSession(Protocol):
         ...
 
     @property
-    def lifecycle(self) -> Any:
-        """The lifecycle manager (recallable spans, budget figures)."""
+    def manager(self) -> Any:
+        """The lifecycle manager (recallable spans, the budget keeper's figures)."""
         ...
 
     def apply(self, event: Event) -> ApplyResult:
@@ -498,8 +498,8 @@ class ForgetController:
         shows as spans the budget demoted since the last check, or as usage already in
         the band between the two watermarks.
         """
-        lifecycle = self.session.lifecycle
-        limit = lifecycle.last_limit
+        budget = self.session.manager.budget
+        limit = budget.last_limit
         if limit is None:
             return False
         demoted = sum(
@@ -509,7 +509,7 @@ class ForgetController:
         )
         grew = demoted > self.demoted_seen
         self.demoted_seen = demoted
-        return grew or lifecycle.usage_bytes() >= limit * lifecycle.budget.low
+        return grew or budget.usage_bytes() >= limit * budget.limits.low
 
     def run_side_thread(self, trigger: str = "manual") -> ForgetDecision | None:
         """Fork, ask, parse, close the fork. None when there is nothing to offer (no model call)."""
@@ -614,7 +614,7 @@ class ForgetController:
                 if result.applied:
                     self.forgotten.add(span.span_id)
                     # Released, not lost: recall may recompute it from its token ids when it is needed.
-                    session.lifecycle.recallable.add(span.span_id)
+                    session.manager.recallable.add(span.span_id)
                     self.stats.released_spans += 1
                     self.stats.released_tokens += span.length
         return results

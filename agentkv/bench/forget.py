@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.forget_traces import forget_traces, needed_handles
 from agentkv.bench.memory import ask, replay
@@ -47,7 +48,6 @@ from agentkv.bench.workloads import Workload
 from agentkv.config import AgentKVConfig
 from agentkv.forget import ForgetRequested
 from agentkv.progress import ProgressCallback, report
-from agentkv.session import Session
 
 __all__ = ["FORGET_METHODS", "ForgetRun", "forget_table", "run_forget_bench"]
 
