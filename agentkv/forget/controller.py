@@ -1,149 +1,34 @@
-"""The agent decides what to forget: a side thread that names stale tool results.
+"""The `ForgetController`: one per session; runs the side thread, holds decisions, applies them.
 
-Every other release in agentkv comes from a rule (a tool finished, a turn ended, a
-branch lost). SideQuest (arXiv 2602.22603) lets the model itself, in an auxiliary
-thread every K turns, name the tool outputs it no longer needs; they are deleted at
-the next turn boundary. This module does that without training and without touching
-the main conversation:
-
-1. At a turn end (an explicit `TurnEnded`, or implicitly when the next user message
-   arrives) the `ForgetController` of the session decides whether the side thread runs
-   (`forget.every_turns`, `forget.on_high_watermark`).
-2. It forks the session (`Session.fork`: the fork shares the KV prefix, no copy), adds
-   one user message listing the committed tool results by short handles (`T3` = the
-   conversation's third tool result), and lets the model answer with a
-   `forget_tool_outputs` call whose opening is prefilled up to the list
-   (`<tool_call>{"name": "forget_tool_outputs", "arguments": {"handles": [`, the
-   forced-call decoding of `agentkv_langchain.tools.forced_call_prefix`) and stops at `]`.
-3. The fork is closed at once (its own KV is freed); the answer is parsed strictly:
-   anything but a JSON list of offered handles releases nothing (logged).
-4. At the next turn boundary (a new user message, before it is encoded) each chosen
-   result becomes a `ToolOutputForgotten` event (rule `custom:forget_tool_output`,
-   default `evict`). Until then the main thread's cache and history are untouched.
-
-Guard rails, checked when a decision is made and again when it is applied: pinned
-spans, spans of the current turn and results the last answer cited are never
-released. A released result keeps its token ids and stays recallable: when a later
-question needs it, recall recomputes it (rehydration), so a wrong decision costs
-time, not facts.
-
-The same decision is open to the main agent as a tool (`ForgetRequested`, sent by
-`agentkv_langchain.forget_tool_outputs`); it goes through the same guards and the
-same boundary.
+See `agentkv.forget` for the whole story (when it runs, the fork, the guard rails).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
-from agentkv.chat import TOOL_CALL_OPEN, ChatMessage
+from agentkv.chat import ChatMessage
 from agentkv.config import FORGET_PROMPT_FIELD, AgentKVConfig, ForgetConfig
-from agentkv.events import Custom, Event, TurnEnded
+from agentkv.events import Event, TurnEnded
+from agentkv.forget.protocol import (
+    SIDE_THREAD_BRANCH,
+    ForgetRequested,
+    ToolOutputForgotten,
+    check_handles,
+    cites,
+    handle_of,
+    parse_forget_answer,
+    side_thread_opening,
+    went_astray,
+)
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.spans import Span, SpanKind, SpanState
 
 logger = logging.getLogger("agentkv.forget")
-
-__all__ = [
-    "FORGET_EVENT",
-    "FORGET_TOOL_NAME",
-    "FORGET_TOOL_PARAMETERS",
-    "SIDE_THREAD_BRANCH",
-    "Candidate",
-    "ForgetController",
-    "ForgetDecision",
-    "ForgetRequested",
-    "ForgetSession",
-    "ForgetStats",
-    "ToolOutputForgotten",
-    "check_handles",
-    "cites",
-    "handle_of",
-    "parse_forget_answer",
-    "side_thread_opening",
-]
-
-FORGET_EVENT = "forget_tool_output"
-"""The `Custom` event name a forgotten result is released with (rules key `custom:forget_tool_output`)."""
-
-FORGET_TOOL_NAME = "forget_tool_outputs"
-"""The tool the side thread answers with, and the LangChain tool the main agent can call."""
-
-FORGET_TOOL_PARAMETERS: dict[str, object] = {
-    "type": "object",
-    "properties": {
-        "handles": {
-            "type": "array",
-            "items": {"type": "string"},
-            "description": "Handles of tool results no longer needed (T1 = the first tool result).",
-        }
-    },
-    "required": ["handles"],
-}
-"""JSON schema of the tool's arguments (OpenAI `function.parameters`)."""
-
-SIDE_THREAD_BRANCH = "agentkv-forget"
-"""Branch name prefix of the side thread's forks (`<session>/agentkv-forget-<n>`)."""
-
-_HANDLE_RE = re.compile(r"^[Tt](\d+)$")
-_WORD_RE = re.compile(r"[\w][\w.:/-]*\w|\w")
-_CITE_WORDS = 4
-"""A run of this many words shared by the last answer and a result counts as citing it."""
-
-
-def handle_of(index: int) -> str:
-    """The handle of the `index`-th (0-based) tool result of a conversation: `T<index + 1>`."""
-    return f"T{index + 1}"
-
-
-def side_thread_opening() -> str:
-    """The prefilled opening of the side thread's answer: a forced `forget_tool_outputs` call, up to `[`.
-
-    It is what `agentkv_langchain.tools.forced_call_prefix(FORGET_TOOL_NAME,
-    FORGET_TOOL_PARAMETERS)` writes, plus the list's opening bracket: the model only
-    writes handles and `]`.
-    """
-    return f'{TOOL_CALL_OPEN}{{"name": "{FORGET_TOOL_NAME}", "arguments": {{"handles": ['
-
-
-# ---------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class ForgetRequested(Event):
-    """The main agent asks to forget tool results by handle (its `forget_tool_outputs` call).
-
-    Checked against the guard rails now, applied at the next turn boundary as
-    `ToolOutputForgotten` events. Unknown handles make the whole request a logged no-op.
-    """
-
-    name: ClassVar[str] = "forget_requested"
-    handles: tuple[str, ...] = ()
-    """Handles such as `T1` (the conversation's first tool result)."""
-    source: str = "agent"
-    """Who decided: `agent` (the tool) or `side_thread`."""
-    request_id: str = ""
-    """Distinguishes two requests with the same handles (e.g. the tool call id); "" = none."""
-
-
-@dataclass(frozen=True)
-class ToolOutputForgotten(Custom):
-    """A tool result released because the model said it is no longer needed.
-
-    A `Custom` event (rules key `custom:forget_tool_output`, target `owner` = the
-    result's `tool_call_id`); `at_turn` keeps two decisions about the same result in
-    different turns distinct (a result recalled after being forgotten can be forgotten
-    again).
-    """
-
-    event: str = FORGET_EVENT
-    at_turn: int = 0
-
 
 # ---------------------------------------------------------------------------- decisions
 
@@ -209,70 +94,6 @@ class ForgetStats:
     refused: int = 0
     """Handles the guard rails kept (at decision or at application)."""
     decisions: list[ForgetDecision] = field(default_factory=list)
-
-
-def parse_forget_answer(text: str, offered: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
-    """Read the handles the side thread named after the prefilled `"handles": [`.
-
-    The list must be closed (`]`) and hold only offered handles, separated by commas,
-    each quoted as JSON or bare (small models drop the quotes: `T1, T3]` is as clear
-    as `"T1", "T3"]`; case-insensitive, `t3` reads as `T3`). Anything else — an
-    unclosed list, a handle that was not offered, any other text — rejects the whole
-    answer: a malformed answer releases nothing. Duplicates are dropped, order kept.
-
-    Returns:
-        `(handles, None)`, or `((), reason)` when the answer is rejected.
-    """
-    end = text.find("]")
-    if end < 0:
-        return (), f"no closing ] in {text[:80]!r} (the answer ran out of tokens)"
-    body = text[:end].strip()
-    items = [_unquote(item) for item in body.split(",")] if body else []
-    if any(item is None for item in items):
-        return (), f"not a list of handles: {text[: end + 1][:80]!r}"
-    return check_handles(items, offered)
-
-
-def _unquote(item: str) -> str | None:
-    """A list item as text: `"T1"` or bare `T1`; None for an empty item or stray quotes."""
-    item = item.strip()
-    if len(item) >= 2 and item[0] == item[-1] == '"':
-        item = item[1:-1]
-    return item if item and '"' not in item else None
-
-
-def check_handles(items: Sequence[object], offered: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
-    """Normalise handles (`t3` -> `T3`) and check each is offered; `((), reason)` on the first bad one."""
-    allowed = set(offered)
-    out: list[str] = []
-    for item in items:
-        match = _HANDLE_RE.match(item.strip()) if isinstance(item, str) else None
-        handle = f"T{match.group(1)}" if match else None
-        if handle is None or handle not in allowed:
-            return (), f"{item!r} is not one of the offered handles ({', '.join(offered) or 'none'})"
-        if handle not in out:
-            out.append(handle)
-    return tuple(out), None
-
-
-def cites(answer: str, result: str) -> bool:
-    """Whether an answer cites a tool result (heuristic, errs on the side of keeping).
-
-    Cited = the answer repeats a word with a digit in it (a number, a code, a date:
-    what answers quote from tool output) that occurs in the result, or a run of
-    four consecutive words of the result.
-    """
-    answer_words = [w.casefold() for w in _WORD_RE.findall(answer)]
-    if not answer_words:
-        return False
-    result_words = [w.casefold() for w in _WORD_RE.findall(result)]
-    result_set = set(result_words)
-    if any(len(w) >= 2 and any(c.isdigit() for c in w) and w in result_set for w in answer_words):
-        return True
-    runs = {tuple(result_words[i : i + _CITE_WORDS]) for i in range(len(result_words) - _CITE_WORDS + 1)}
-    return any(
-        tuple(answer_words[i : i + _CITE_WORDS]) in runs for i in range(len(answer_words) - _CITE_WORDS + 1)
-    )
 
 
 # ---------------------------------------------------------------------------- the controller
@@ -627,16 +448,8 @@ def _until_list_end(fork: ForgetSession, max_new_tokens: int, offered: Sequence[
     try:
         for piece in stream:
             pieces.append(piece)
-            if "]" in piece or _went_astray("".join(pieces), offered):
+            if "]" in piece or went_astray("".join(pieces), offered):
                 break
     finally:
         stream.close()  # type: ignore[attr-defined]
     return "".join(pieces)
-
-
-def _went_astray(text: str, offered: Sequence[str]) -> bool:
-    """Whether a complete item so far (before the last comma) is already not an offered handle."""
-    done = text.split(",")[:-1]
-    return any(check_handles([item], offered)[1] is not None for item in map(_unquote, done) if item) or any(
-        _unquote(item) is None for item in done
-    )
