@@ -90,7 +90,7 @@ def timed_answer(session: Session, history: list[dict[str, Any]], max_new_tokens
     return TurnRow(
         turn=0,
         history_tokens=session.logical_length,
-        prefill_tokens=result.prefilled_tokens,
+        prefill_tokens=result.prefilled_tokens + result.pending_tokens + prompt,  # encoded for this call
         reused_tokens=result.reused_tokens,
         ttft_s=first_at - started,
         decode_tokens=produced,
@@ -287,7 +287,8 @@ def run_reuse_bench(
     report(progress, "reuse: decode loop vs generate", 1, 1)
     reuse_total = sum(r.ttft_s + r.decode_tokens / max(r.decode_tok_s, 1e-9) for r in reuse_rows)
     reencode_total = sum(r.ttft_s + r.decode_tokens / max(r.decode_tok_s, 1e-9) for r in reencode_rows)
-    template_tokens = session.stats().prefill_tokens - len(final_ids)
+    # From the turns' own rows: the session's counters also hold the overhead repeats' prefills.
+    template_tokens = sum(r.prefill_tokens + r.decode_tokens for r in reuse_rows) - len(final_ids)
     last_bare = overhead_rows[-1].bare_ttft_s if overhead_rows else float("nan")
     summary = {
         "turns": turns,
