@@ -291,3 +291,21 @@ def test_metrics_parse_sums_label_sets_and_reads_computed_tokens() -> None:
     metrics = parse_metrics(text)
     assert (metrics.prompt_tokens, metrics.prefix_cache_hits, metrics.external_hits) == (120, 64, 16)
     assert metrics.computed_tokens == 40
+
+
+def test_engine_yaml_block_is_validated_with_paths(tmp_path: Any) -> None:
+    from agentkv import AgentKVConfig
+
+    good = AgentKVConfig.model_validate(
+        {"engine": {"vllm_url": "http://127.0.0.1:8000", "coordinator_url": "http://127.0.0.1:9300"}}
+    )
+    assert good.engine is not None and good.engine.salt == "conversation" and good.engine.chunk_size == 256
+    assert AgentKVConfig().engine is None  # no block = the local model
+    path = tmp_path / "graph.yaml"
+    path.write_text("agentkv:\n  engine:\n    vllm_url: localhost:8000\n    salt: per_user\n    chunk: 3\n")
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(path)
+    text = str(info.value)
+    assert "agentkv.engine.vllm_url: expected an http:// or https:// URL, got 'localhost:8000'" in text
+    assert "agentkv.engine.salt: unknown value 'per_user'; allowed: 'conversation' or 'shared'" in text
+    assert "agentkv.engine.chunk" in text
