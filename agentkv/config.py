@@ -436,20 +436,22 @@ class EngineConfig(_Section):
     vllm_url: str = Field(description="Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000.")
     """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
     served_model: str = Field(
-        default="agentkv-default", min_length=1, description="The model name vLLM serves (--served-model-name)."
+        default="agentkv-default",
+        min_length=1,
+        description="The model name vLLM serves (--served-model-name).",
     )
     """The model name vLLM serves (--served-model-name)."""
     model_path: str | None = Field(
         default=None,
         min_length=1,
-        description="The model as LMCache knows it (vLLM's --model path); null = the converted default model.",
+        description="The model as LMCache knows it (vLLM's --model path); null = the default model's.",
     )
-    """The model as LMCache knows it (vLLM's --model path); null = the converted default model."""
+    """The model as LMCache knows it (vLLM's --model path); null = the default model's."""
     coordinator_url: str | None = Field(
         default=None,
-        description="LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM prefix caching alone, no hints.",
+        description="LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints.",
     )
-    """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM prefix caching alone, no hints."""
+    """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints."""
     salt: Literal["conversation", "shared"] = Field(
         default="conversation",
         description="cache_salt per conversation (branches share it), or shared = no salt.",
@@ -457,7 +459,10 @@ class EngineConfig(_Section):
     )
     """cache_salt per conversation (branches share it), or shared = no salt."""
     chunk_size: int = Field(
-        default=256, gt=0, strict=True, description="LMCache's --chunk-size (pins and deletes cover whole chunks)."
+        default=256,
+        gt=0,
+        strict=True,
+        description="LMCache's --chunk-size (pins and deletes cover whole chunks).",
     )
     """LMCache's --chunk-size (pins and deletes cover whole chunks)."""
     hint_timeout_s: float = Field(
