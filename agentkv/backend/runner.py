@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
+from agentkv.policies import AttentionProbe, Policy
 from agentkv.store.cache import PhysicalCache
+
+ATTENTION_DECAY = 0.9
+"""EMA decay of the accumulated attention signal (H2O-style) collected on prefills."""
 
 _NO_CUSTOM_MASK = ("flash_attention", "paged")
 """Attention implementations (prefixes) that ignore or reject an arbitrary 4D mask."""
@@ -132,6 +136,25 @@ class ModelRunner:
             if want:
                 outputs.append(out.logits[0].float())  # [n or 1, V]
         return outputs
+
+    def forward_observed(
+        self, cache: PhysicalCache, feed: Feed, policy: Policy | None, *, window: int, **kwargs: Any
+    ) -> torch.Tensor | None:
+        """`forward`, collecting the attention signal on prefills when `policy` uses it.
+
+        The last `window` queries' attention to every cached token is accumulated
+        into the cache's per-slot attention (an EMA, as H2O keeps it). Forwards with
+        an explicit mask (rehydration) and single-token decode steps skip it.
+        """
+        wants = policy is not None and policy.needs_attention and len(feed) > 1
+        if not wants or kwargs.get("attention_mask") is not None:
+            return self.forward(cache, feed, **kwargs)
+        with AttentionProbe(self.model, window=min(len(feed), window)) as probe:
+            logits = self.forward(cache, feed, **kwargs)
+        attention = probe.attention()
+        if attention is not None:
+            cache.accumulate_attention(attention, ATTENTION_DECAY)
+        return logits
 
     def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
         """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.

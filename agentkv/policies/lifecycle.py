@@ -68,6 +68,8 @@ class LifecyclePolicy(Policy):
 
     needs_attention = True
     needs_query = False
+    whole_spans = True
+    scores_spans = True
 
     def __post_init__(self) -> None:
         for name in ("attention_weight", "recency_weight"):

@@ -233,7 +233,7 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
         except Exception as e:
             if getattr(e, _REPORTED, False):  # counted where it happened; raise_error lets it through
                 raise
-            self._failed(method.__name__, e)
+            self.report_failure(method.__name__, e)
             return None
 
     return wrapper
@@ -437,11 +437,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
         if message is not None and message.status == "error":
-            self._defer(
-                context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content))
-            )
+            self.defer(context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
         else:
-            self._defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+            self.defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -454,7 +452,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         if context.tool_call_id:
             error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            self._defer(context.session_id, error_event)
+            self.defer(context.session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -575,13 +573,15 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         try:
             self.send(session_id, event)
         except Exception as e:
-            self._failed(f"{event.name} for session {session_id!r}", e)
+            self.report_failure(f"{event.name} for session {session_id!r}", e)
 
-    def _defer(self, session_id: str, event: Event) -> None:
+    def defer(self, session_id: str, event: Event) -> None:
+        """Queue an event for the session, sent when the session's model run ends (not mid-forward)."""
         with self._lock:
             self._pending.setdefault(session_id, []).append(event)
 
-    def _failed(self, where: str, error: Exception) -> None:
+    def report_failure(self, where: str, error: Exception) -> None:
+        """Count a failure in agentkv code: raise it when `raise_error`, else log it (the run goes on)."""
         with self._lock:
             self.errors += 1
         if self.raise_error:

@@ -151,7 +151,7 @@ class AgentKVMiddleware(AgentMiddleware):
         try:
             fn(*args)
         except Exception as e:
-            self.handler._failed(getattr(fn, "__name__", "middleware"), e)
+            self.handler.report_failure(getattr(fn, "__name__", "middleware"), e)
 
     def _session_id(self, config: Mapping[str, Any] | None = None) -> str:
         if config is None:
@@ -181,7 +181,7 @@ class AgentKVMiddleware(AgentMiddleware):
                 event = ToolCallFailed(tool_call_id=call_id, error=str(message.content))
             else:
                 event = ToolCallCompleted(tool_call_id=call_id)
-            self.handler._defer(session_id, event)
+            self.handler.defer(session_id, event)
 
         self._guard(record)
 

@@ -1,4 +1,4 @@
-"""Lifecycle states, the allowed moves between them, the rules table, and pin leases.
+"""Lifecycle states, the allowed moves between them, and the rules table.
 
     ACTIVE ──commit──► COMMITTED ──archive──► ARCHIVED
       │                   │  ▲                  │
@@ -6,16 +6,15 @@
                           │        (recall: ARCHIVED/EVICTED → COMMITTED)
                         evict ─────► EVICTED  (KV dropped, token ids kept)
 
-`pinned` is not a state but a set of leases on a span: a pinned span is never
-demoted by budget pressure. Rules map an event's targets to actions; an action
-leads to a state through `ACTION_STATES`.
+`pinned` is not a state but a set of leases on a span (`agentkv.lifecycle.leases`):
+a pinned span is never demoted by budget pressure. Rules map an event's targets to
+actions; an action leads to a state through `ACTION_STATES`. The rules are
+validated here, once: the config's YAML validation calls `check_rule_overrides`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from agentkv.events import ACTIONS, EVENT_TARGETS
 from agentkv.spans import SpanState
@@ -99,21 +98,3 @@ class Rules:
     def actions(self, event_name: str) -> dict[str, str]:
         """Target → action for an event name (empty for an unknown custom event)."""
         return dict(self.table.get(event_name, {}))
-
-
-_lease_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A receipt for a pin. Only `Session.release(lease)` with this receipt removes that pin."""
-
-    lease_id: int
-    session_id: str
-    span_ids: tuple[int, ...]
-    reason: str = ""
-
-    @staticmethod
-    def new(session_id: str, span_ids: tuple[int, ...], reason: str = "") -> Lease:
-        """A fresh lease with a process-unique id."""
-        return Lease(next(_lease_ids), session_id, span_ids, reason)
