@@ -79,7 +79,8 @@ class EngineStore:
     """The store protocol (`archive`, `restore_many`, `drop`, `note_state`, …) over vLLM + LMCache.
 
     Args:
-        target: the engine this session uses.
+        target: the engine this session uses; None = vLLM alone (no LMCache): verbs
+            still decide the prompt, no hints are sent.
         cache_salt: the conversation's salt; branch sessions pass their parent's.
         spans: the session's span table in logical order (read, never written, except `span.tier`).
         bytes_per_token: KV bytes of one token on the engine (all layers, K and V).
@@ -88,7 +89,7 @@ class EngineStore:
 
     def __init__(
         self,
-        target: EngineTarget,
+        target: EngineTarget | None,
         cache_salt: str,
         spans: Callable[[], Sequence[Span]],
         bytes_per_token: int,
@@ -198,6 +199,11 @@ class EngineStore:
 
     def sync(self, prompt: list[int]) -> None:
         """Reconcile the engine with the prompt about to be sent (stale tails, pins, prefetch)."""
+        if self.target is None:
+            self._stale_tier = None
+            self._archived_since_sync = []
+            self._recalled_since_sync = False
+            return
         stale_tier = self._stale_tier
         diverged = _common_prefix(self.sent, prompt)
         if stale_tier is not None or diverged < len(self.sent):
@@ -215,13 +221,18 @@ class EngineStore:
 
     def select(self) -> None:
         """This branch won: pin its whole prompt (the parent keeps it after the siblings go)."""
+        if self.target is None:
+            return
+        target = self.target
         prompt = self.prompt()
-        if self._hint("pin", lambda: self.target.coordinator.pin(prompt, self.cache_salt)):
+        if self._hint("pin", lambda: target.coordinator.pin(prompt, self.cache_salt)):
             self.stats.pins += 1
             self._selected_pins.append(prompt)
 
     def close(self) -> None:
         """Unpin everything this session pinned and delete its own tail (never the shared prefix)."""
+        if self.target is None:
+            return
         for sequence in [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]:
             if sequence:
                 self._unpin(sequence)
@@ -235,16 +246,23 @@ class EngineStore:
 
     # -- internals -------------------------------------------------------------------------
 
+    @property
+    def _target(self) -> EngineTarget:
+        if self.target is None:  # the public entry points return early without a coordinator
+            msg = "no LMCache coordinator configured"
+            raise RuntimeError(msg)
+        return self.target
+
     def _mark_stale(self, tier: TierName) -> None:
         # "all" wins over "l1": one released span makes the whole old tail garbage.
         self._stale_tier = "all" if self._stale_tier == "all" or tier == "all" else tier
 
     def _drop_stale(self, diverged: int, tier: TierName) -> None:
         old = self.sent
-        archiving = tier == "l1" and self._archived_since_sync and len(old) >= self.target.chunk_size
+        archiving = tier == "l1" and self._archived_since_sync and len(old) >= self._target.chunk_size
         # Archive: L2 keeps the sequence that held the span (a pin protects it from L2
         # eviction) so that a recall finds it; only its L1 copy goes.
-        if archiving and self._hint("pin", lambda: self.target.coordinator.pin(old, self.cache_salt)):
+        if archiving and self._hint("pin", lambda: self._target.coordinator.pin(old, self.cache_salt)):
             self.stats.pins += 1
             for span_id in self._archived_since_sync:
                 self._archive_pins.setdefault(span_id, old)
@@ -254,11 +272,11 @@ class EngineStore:
 
     def _delete_tail(self, sequence: list[int], keep: int, tier: TierName) -> None:
         """Delete the chunks of `sequence` that start at or after the chunk holding position `keep`."""
-        size = self.target.chunk_size
+        size = self._target.chunk_size
         first = keep // size  # the chunk holding the first changed token is stale too
         if len(sequence) // size <= first:
             return
-        coordinator = self.target.coordinator
+        coordinator = self._target.coordinator
         lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
         if lookup is None:
             return
@@ -266,13 +284,13 @@ class EngineStore:
         if not keys:
             return
         result = self._hint(
-            "delete", lambda: coordinator.delete_chunks(self.target.instance_url, keys, tier=tier)
+            "delete", lambda: coordinator.delete_chunks(self._target.instance_url, keys, tier=tier)
         )
         if result is not None:
             self.stats.deleted_chunks += result.affected
 
     def _move_commit_pin(self, prefix: list[int]) -> None:
-        size = self.target.chunk_size
+        size = self._target.chunk_size
         whole = prefix[: len(prefix) // size * size]  # pins cover whole chunks only
         if whole == self._commit_pin:
             return
@@ -281,24 +299,24 @@ class EngineStore:
             self._commit_pin = []
             return
         # Pin the new prefix first, then give back the old one: shared chunks never drop to 0.
-        if self._hint("pin", lambda: self.target.coordinator.pin(whole, self.cache_salt)):
+        if self._hint("pin", lambda: self._target.coordinator.pin(whole, self.cache_salt)):
             self.stats.pins += 1
             if self._commit_pin:
                 self._unpin(self._commit_pin)
             self._commit_pin = whole
 
     def _unpin(self, sequence: list[int]) -> None:
-        if self._hint("unpin", lambda: self.target.coordinator.unpin(sequence, self.cache_salt)):
+        if self._hint("unpin", lambda: self._target.coordinator.unpin(sequence, self.cache_salt)):
             self.stats.unpins += 1
 
     def _prefetch(self, prompt: list[int]) -> None:
-        coordinator = self.target.coordinator
-        instance = self.target.instance_id
+        coordinator = self._target.coordinator
+        instance = self._target.instance_id
         started = self._hint("prefetch", lambda: coordinator.prefetch(instance, prompt, self.cache_salt))
         if started is None or not started.request_id:
             return
         self.stats.prefetches += 1
-        deadline = time.monotonic() + self.target.prefetch_wait
+        deadline = time.monotonic() + self._target.prefetch_wait
         while time.monotonic() < deadline:
             status = self._hint(
                 "prefetch_status", lambda: coordinator.prefetch_status(instance, started.request_id)
