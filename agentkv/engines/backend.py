@@ -58,6 +58,7 @@ class EngineBackend:
         *,
         bytes_per_token: int,
         model_path: str | None = None,
+        max_positions: int | None = None,
         transport: Transport | None = None,
     ) -> None:
         if config.engine is None:
@@ -69,6 +70,8 @@ class EngineBackend:
         self.tokenizer = tokenizer
         self.chat_format = ChatFormat(tokenizer)
         self.bytes_per_token = bytes_per_token
+        self.max_positions = max_positions
+        """Positions the served model supports (None = not declared)."""
         self.model_path = engine.model_path or model_path or engine.served_model
         self.vllm = VLLMClient(
             engine.vllm_url, engine.served_model, timeout=engine.request_timeout_s, transport=transport
@@ -98,7 +101,14 @@ class EngineBackend:
             raise ValueError(msg)
         model_dir = config.engine.model_path or str(converted_model_dir())
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(tokenizer, config, bytes_per_token=kv_bytes_per_token(model_dir), model_path=model_dir)
+        declared = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        return cls(
+            tokenizer,
+            config,
+            bytes_per_token=kv_bytes_per_token(model_dir),
+            model_path=model_dir,
+            max_positions=declared.get("max_position_embeddings"),
+        )
 
     # -- the engine ----------------------------------------------------------------------------
 

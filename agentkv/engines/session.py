@@ -242,18 +242,20 @@ class EngineSession:
         stop: Sequence[str] | str | None = None,
         prefix: str = "",
         message_id: str | None = None,
-        **unsupported: Any,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
     ) -> str:
         """Answer as the assistant on the engine (greedy); the answer becomes an assistant span.
 
         Raises:
-            ValueError: nothing to answer, `max_new_tokens < 1`, or a sampling option the engine
-                path does not take (only greedy decoding: answers must match across runs).
+            ValueError: nothing to answer, `max_new_tokens < 1`, or `temperature != 0` (the engine
+                path decodes greedily: answers must match across runs).
             EngineUnavailableError / EngineRequestError: vLLM did not answer (the agent needs it).
         """
-        if unsupported or temperature != 0.0:
-            names = sorted(unsupported) + (["temperature"] if temperature != 0.0 else [])
-            msg = f"engine sessions decode greedily; unsupported options: {', '.join(names)}"
+        del top_p, top_k, seed  # sampling knobs: greedy decoding ignores them, as a local session does
+        if temperature != 0.0:
+            msg = f"temperature: engine sessions decode greedily (0.0), got {temperature}"
             raise ValueError(msg)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         with self.lock:
@@ -326,11 +328,13 @@ class EngineSession:
             return self.manager.apply(event)
 
     def pin(
-        self, *, owner: str | None = None, span_ids: Sequence[int] | None = None, reason: str = ""
+        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
     ) -> Lease:
-        """Pin spans (committed, never demoted); their prefix is pinned on LMCache at the next call."""
+        """Pin spans (never demoted); a committed span's prefix is pinned on LMCache at the next call."""
         with self.lock:
-            return self.manager.pin(owner=owner, span_ids=span_ids, reason=reason, commit=True)
+            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
+            self.manager.after_operation()
+            return lease
 
     def release(self, lease: Lease) -> bool:
         """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
