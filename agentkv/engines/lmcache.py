@@ -165,6 +165,29 @@ class CoordinatorClient:
         answer = self._call("GET", f"/cache/prefetches/{instance_id}/{request_id}", None)
         return str(answer.get("status", "")) if isinstance(answer, dict) else str(answer)
 
+    def set_default_quota(self, limit_gb: float | None) -> None:
+        """L2 byte budget per salt for salts without their own (None = exempt from L2 eviction)."""
+        if limit_gb is not None and limit_gb < 0:
+            msg = f"limit_gb: expected >= 0 or None, got {limit_gb}"
+            raise ValueError(msg)
+        self._call("PUT", "/quota/config", {"default_limit_gb": limit_gb, "tier": "l2"})
+
+    def clear_l1(self, instance_url: str) -> None:
+        """Empty one LMCache server's L1 (`POST /cache/clear` on its own API; benchmarks start cold)."""
+        call(self.transport, "POST", f"{instance_url.rstrip('/')}/cache/clear", {"tier": "l1"}, self.timeout)
+
+    def usage(self) -> dict[str, int]:
+        """Bytes used per tier (`l1`, `l2`) over the fleet (`GET /instances/usage`)."""
+        answer = self._call("GET", "/instances/usage", None)
+        totals: dict[str, int] = {"l1": 0, "l2": 0}
+        if not isinstance(answer, dict):
+            return totals
+        modules = [m for i in answer.get("instances") or [] for m in i.get("modules") or []]
+        for module in [*modules, *(answer.get("shared_modules") or [])]:
+            tier = str(module.get("tier", ""))
+            totals[tier] = totals.get(tier, 0) + int(module.get("used_bytes", 0) or 0)
+        return totals
+
     # -- inspection ------------------------------------------------------------------------
 
     def lookup(self, token_ids: list[int], cache_salt: str = "") -> Lookup:
