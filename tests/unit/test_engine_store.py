@@ -309,3 +309,115 @@ def test_engine_yaml_block_is_validated_with_paths(tmp_path: Any) -> None:
     assert "agentkv.engine.vllm_url: expected an http:// or https:// URL, got 'localhost:8000'" in text
     assert "agentkv.engine.salt: unknown value 'per_user'; allowed: 'conversation' or 'shared'" in text
     assert "agentkv.engine.chunk" in text
+
+
+# -- EngineBackend + EngineSession: the real lifecycle manager, a simulated engine ---------------
+
+
+def fake_engine(sim: SimLMCache) -> FakeTransport:
+    """One transport for vLLM and the coordinator: completions answer " ok" and store the sequence."""
+
+    def complete(_m: str, _p: str, body: Any) -> Any:
+        prompt = list(body["prompt"])
+        held = sum(CHUNK for tiers in sim.held(prompt, body.get("cache_salt", "")) if tiers)
+        sim.store([*prompt, 9, 9], body.get("cache_salt", ""))
+        return {
+            "choices": [{"text": " ok", "token_ids": [9, 9], "finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": held},
+            },
+        }
+
+    sim.transport.routes["POST /v1/completions"] = complete
+    return sim.transport
+
+
+def make_backend(sim: SimLMCache, tokenizer: Any, **config: Any) -> Any:
+    from agentkv import AgentKVConfig
+    from agentkv.engines import EngineBackend
+
+    engine = {"vllm_url": "http://v:8000", "coordinator_url": COORD, "chunk_size": CHUNK}
+    settings = AgentKVConfig.model_validate({"engine": engine, **config})
+    return EngineBackend(tokenizer, settings, bytes_per_token=10, transport=fake_engine(sim))
+
+
+def test_engine_session_events_drive_pins_and_stale_tail_deletes(
+    sim: SimLMCache, tiny_tokenizer: Any
+) -> None:
+    from agentkv import ToolCallCompleted, TurnEnded
+
+    backend = make_backend(sim, tiny_tokenizer)
+    session = backend.session("t1")
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a rail assistant. " * 4},
+        {"role": "user", "content": "Zurich to Vienna tonight?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "timetable", "args": {}}]},
+        {"role": "tool", "content": "Nightjet 466 at 21:40, platform 7.", "tool_call_id": "c1"},
+    ]
+    session.extend(history)
+    assert session.generate(4) == " ok"
+    call_span = next(s for s in session.spans if s.kind.value == "tool_call")
+    result_span = next(s for s in session.spans if s.kind.value == "tool_result")
+    session.apply(ToolCallCompleted("c1"))  # default rules: result committed, the call released
+    session.apply(TurnEnded())
+    session.extend([*history, {"role": "assistant", "content": " ok"}, {"role": "user", "content": "Price?"}])
+    session.generate(4)
+    assert result_span.state.value == "committed" and call_span.state.value == "evictable"
+    # The commit pinned the prompt prefix through the committed spans, in whole chunks.
+    pinned = sim.transport.sent("POST", "/cache/pins")[-1]["token_ids"]
+    assert len(pinned) % CHUNK == 0 and len(pinned) >= result_span.end // CHUNK * CHUNK - CHUNK
+    assert set(sim.keys(pinned, "t1")) == set(sim.pins)
+    assert session.store.stats.hint_failures == 0
+    stats = session.stats()
+    assert stats.reused_tokens > 0 and stats.prefill_tokens > 0  # from the engine's own usage
+    backend.close("t1")
+    assert sim.pins == {}
+
+
+def test_engine_session_budget_drops_released_spans_from_the_prompt(
+    sim: SimLMCache, tiny_tokenizer: Any
+) -> None:
+    from agentkv import ToolCallCompleted
+
+    backend = make_backend(sim, tiny_tokenizer, budget={"device_tokens": 64})
+    session = backend.session("t2")
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Look it up."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c9", "name": "search", "args": {"q": "x"}}],
+        },
+        {"role": "tool", "content": "result " * 60, "tool_call_id": "c9"},
+    ]
+    session.extend(history)
+    session.generate(2)
+    sent_before = list(session.store.sent)
+    session.apply(ToolCallCompleted("c9"))
+    session.extend([*history, {"role": "assistant", "content": " ok"}, {"role": "user", "content": "So?"}])
+    session.generate(2)
+    dropped = [s for s in session.spans if s.tier.value != "device"]
+    assert dropped, "the budget demoted spans"
+    prompt = session.store.prompt()
+    assert len(prompt) == sum(s.length for s in session.spans if s.tier.value == "device")
+    assert len(prompt) < sum(s.length for s in session.spans)  # the demoted spans are left out
+    assert sim.transport.sent("DELETE", "/cache/objects")  # the stale tail of the old sequence
+    assert session.stats().device_bytes == len(prompt) * 10
+    assert sent_before  # the engine held the first sequence
+
+
+def test_engine_down_the_agent_still_gets_a_clear_error_from_vllm_and_no_hint_error(
+    sim: SimLMCache, tiny_tokenizer: Any
+) -> None:
+    backend = make_backend(sim, tiny_tokenizer)
+    session = backend.session("t3")
+    session.extend([{"role": "user", "content": "hi"}])
+    sim.transport.down = True
+    with pytest.raises(EngineUnavailableError, match="v:8000/v1/completions"):
+        session.generate(2)
+    assert [s.generated for s in session.spans] == [False]  # the failed answer left no span behind
+    sim.transport.down = False
+    assert session.generate(2) == " ok"
