@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from agentkv.events import ACTIONS, EVENT_NAMES, EVENT_TARGETS
+from agentkv.policies.factory import POLICY_NAMES
 from agentkv.spans import SpanKind
 
 __all__ = [
@@ -49,20 +50,11 @@ __all__ = [
     "QuantizationConfig",
     "RecallConfig",
     "parse_bytes",
+    "rule_problems",
 ]
 
-ALLOWED_POLICIES: tuple[str, ...] = (
-    "lifecycle",
-    "full",
-    "window",
-    "streaming_llm",
-    "h2o",
-    "snapkv",
-    "tova",
-    "key_norm",
-    "intent",
-)
-"""Policy names `PolicyConfig.name` accepts (see `agentkv.policies`)."""
+ALLOWED_POLICIES: tuple[str, ...] = POLICY_NAMES
+"""Policy names `PolicyConfig.name` accepts: those of `agentkv.policies.factory.POLICIES`."""
 
 CUSTOM_EVENT_PREFIX = "custom:"
 """Rules keys for user `Custom` events are `custom:<event name>`."""
@@ -544,25 +536,7 @@ class AgentKVConfig(_Section):
     @field_validator("rules")
     @classmethod
     def _known_rules(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-        problems: list[tuple[_Loc, str]] = []
-        for event, targets in value.items():
-            if event.startswith(CUSTOM_EVENT_PREFIX):
-                if not event[len(CUSTOM_EVENT_PREFIX) :].strip():
-                    problems.append(((event,), "custom event needs a name, e.g. custom:plan_approved"))
-                    continue
-                allowed = CUSTOM_EVENT_TARGETS
-            elif event in EVENT_TARGETS:
-                allowed = EVENT_TARGETS[event]
-            else:
-                events = (*EVENT_NAMES, f"{CUSTOM_EVENT_PREFIX}<name>")
-                problems.append(((event,), _unknown("event", event, events, in_path=True)))
-                continue
-            for target, action in targets.items():
-                if target not in allowed:
-                    what = f"target for {event}"
-                    problems.append(((event, target), _unknown(what, target, allowed, in_path=True)))
-                elif action not in ACTIONS:
-                    problems.append(((event, target), _unknown("action", action, ACTIONS)))
+        problems: list[tuple[_Loc, str]] = list(rule_problems(value))
         if problems:
             raise _Problems(problems)
         return value
@@ -827,6 +801,33 @@ def _literal_values(loc: _Loc) -> tuple[object, ...]:
         else:
             stack.extend(typing.get_args(annotation))
     return tuple(values)
+
+
+def rule_problems(rules: Mapping[str, Mapping[str, str]]) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with rule overrides: `(path under rules, message)` pairs (empty = valid).
+
+    The one validation of rules: the config's validator and `agentkv.lifecycle.rules.Rules` both call it.
+    """
+    problems: list[tuple[tuple[str, ...], str]] = []
+    for event, targets in rules.items():
+        if event.startswith(CUSTOM_EVENT_PREFIX):
+            if not event[len(CUSTOM_EVENT_PREFIX) :].strip():
+                problems.append(((event,), "custom event needs a name, e.g. custom:plan_approved"))
+                continue
+            allowed = CUSTOM_EVENT_TARGETS
+        elif event in EVENT_TARGETS:
+            allowed = EVENT_TARGETS[event]
+        else:
+            events = (*EVENT_NAMES, f"{CUSTOM_EVENT_PREFIX}<name>")
+            problems.append(((event,), _unknown("event", event, events, in_path=True)))
+            continue
+        for target, action in targets.items():
+            if target not in allowed:
+                what = f"target for {event}"
+                problems.append(((event, target), _unknown(what, target, allowed, in_path=True)))
+            elif action not in ACTIONS:
+                problems.append(((event, target), _unknown("action", action, ACTIONS)))
+    return problems
 
 
 def _unknown(what: str, value: object, allowed: tuple[str, ...], in_path: bool = False) -> str:

@@ -17,6 +17,22 @@ import torch
 from agentkv.backend.sampling import SamplingParams, StopMatcher, sample_next
 
 
+def answer_logprob(first: torch.Tensor, logits: torch.Tensor, prompt: list[int], target: list[int]) -> float:
+    """Log-probability of `target` after `prompt`, teacher-forced.
+
+    Args:
+        first: `[V]` logits before the prompt's first token (the cache's last logits).
+        logits: `[n, V]` logits after each of the `n = len(prompt) + len(target)` tokens.
+        prompt: the generation prompt's ids (not scored).
+        target: the answer's ids.
+    """
+    rows = torch.cat([first[None], logits[:-1]])  # [n, V]: row i predicts token i
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    ids = torch.tensor(prompt + target)
+    picked = logprobs[torch.arange(len(ids)), ids]
+    return float(picked[len(prompt) :].sum())
+
+
 @dataclass
 class Answer:
     """What the loop produced so far (read after it ends, even when it ended by an error)."""

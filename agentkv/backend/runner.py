@@ -2,18 +2,20 @@
 
 Tokens are fed with their *logical* `position_ids` (RoPE) while the mask and the
 cache grow physically. `generate()` would derive positions from the cache length,
-which is wrong once tokens were removed or restored (DESIGN.md §5), so the decode
+which is wrong once tokens were removed or restored (docs/design.md §5), so the decode
 loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agentkv.policies import AttentionProbe, Policy
+from agentkv.spans import Span, Tier
 from agentkv.store.cache import PhysicalCache
 
 ATTENTION_DECAY = 0.9
@@ -36,6 +38,23 @@ class Feed:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @staticmethod
+    def pending(spans: Iterable[Span]) -> Feed:
+        """Every token of attended spans whose KV is not computed yet, in logical order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        span_ids: list[int] = []
+        offsets: list[int] = []
+        for span in spans:
+            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
+                continue
+            for offset in range(span.n_computed, span.length):
+                ids.append(span.token_ids[offset])
+                positions.append(span.start + offset)
+                span_ids.append(span.span_id)
+                offsets.append(offset)
+        return Feed(ids, positions, span_ids, offsets)
 
     def chunk(self, start: int, stop: int) -> Feed:
         """A slice of the feed."""

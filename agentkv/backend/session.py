@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
-from agentkv.backend.decoding import Answer, decode_answer
+from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import SamplingParams
@@ -278,21 +278,6 @@ class Session:
                 self.last_logits = None
             return dropped
 
-    def _pending_feed(self) -> Feed:
-        ids: list[int] = []
-        positions: list[int] = []
-        span_ids: list[int] = []
-        offsets: list[int] = []
-        for span in self.spans:
-            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
-                continue
-            for offset in range(span.n_computed, span.length):
-                ids.append(span.token_ids[offset])
-                positions.append(span.start + offset)
-                span_ids.append(span.span_id)
-                offsets.append(offset)
-        return Feed(ids, positions, span_ids, offsets)
-
     def prefill_pending(self) -> int:
         """Encode every token whose KV is pending (a generated answer's end of turn); returns how many.
 
@@ -303,7 +288,7 @@ class Session:
 
     def _prefill(self) -> int:
         """Encode every token whose KV is pending; returns how many."""
-        feed = self._pending_feed()
+        feed = Feed.pending(self.spans)
         if not len(feed):
             return 0
         physical = self.store.physical
@@ -320,21 +305,9 @@ class Session:
             )
         for span in self.spans:
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
-                self._mark_computed(span)
+                span.mark_computed()
         self.counters.prefill_tokens += len(feed)
         return len(feed)
-
-    @staticmethod
-    def _mark_computed(span: Span) -> None:
-        """Record that a span's pending tail now has KV on the device.
-
-        A span compressed at commit lists the offsets it kept; tail tokens computed
-        after the commit are held too, so they join that list (they were never scored:
-        compression happens once, at commit).
-        """
-        if span.kept is not None:
-            span.kept = sorted(set(span.kept) | set(range(span.n_computed, span.length)))
-        span.n_computed = span.length
 
     def forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         """Run `feed` through the model over this session's cache (the caller holds `model_lock`).
@@ -478,7 +451,7 @@ class Session:
         feed = Feed([span.token_ids[offset]], [span.start + offset], [span.span_id], [offset])
         with self.backend.model_lock:
             logits = self.forward(feed)
-        self._mark_computed(span)
+        span.mark_computed()
         if logits is None:
             msg = "no logits from decode step"
             raise RuntimeError(msg)
@@ -528,7 +501,7 @@ class Session:
         """
         with self.lock:
             self._check_open()
-            prefilled = self._prefill() if self._pending_feed().input_ids else 0
+            prefilled = self._prefill() if Feed.pending(self.spans).input_ids else 0
             start = self.logical_length
             ids = list(token_ids)
             feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
@@ -555,11 +528,7 @@ class Session:
             logits = self.continuation_logits(prompt + target)
             if self.last_logits is None:
                 return float("nan")
-            rows = torch.cat([self.last_logits[None], logits[:-1]])  # row i predicts token i
-            logprobs = torch.log_softmax(rows.float(), dim=-1)
-            ids = torch.tensor(prompt + target)
-            picked = logprobs[torch.arange(len(ids)), ids]
-            return float(picked[len(prompt) :].sum())
+            return answer_logprob(self.last_logits, logits, prompt, target)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

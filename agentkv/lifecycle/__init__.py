@@ -19,10 +19,16 @@ Modules (each owns one idea; see docs/architecture.md):
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
-from agentkv.lifecycle.mover import DEMOTED_STATES
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.results import ApplyResult, Transition
-from agentkv.lifecycle.rules import ACTION_STATES, DEFAULT_RULES, TRANSITIONS, Rules, check_transition
+from agentkv.lifecycle.rules import (
+    ACTION_STATES,
+    DEFAULT_RULES,
+    DEMOTED_STATES,
+    TRANSITIONS,
+    Rules,
+    check_transition,
+)
 from agentkv.lifecycle.table import SpanTable
 
 __all__ = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from agentkv.lifecycle.mover import DEMOTED_STATES
+from agentkv.lifecycle.rules import DEMOTED_STATES
 from agentkv.lifecycle.table import SpanTable
 from agentkv.spans import SpanState, Tier
 

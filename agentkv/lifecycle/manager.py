@@ -30,11 +30,11 @@ from agentkv.lifecycle.compression import Compressor, scoring_view
 from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import DEMOTED_STATES, Mover
+from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall import Recaller
 from agentkv.lifecycle.results import ApplyResult, Transition
-from agentkv.lifecycle.rules import ACTION_STATES, TRANSITIONS, Rules
+from agentkv.lifecycle.rules import ACTION_STATES, DEMOTED_STATES, TRANSITIONS, Rules
 from agentkv.lifecycle.targets import Targets, ToolCallRegistry, find_targets, turn_targets
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView, make_policy

@@ -16,14 +16,11 @@ from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.rehydration import rehydrate
 from agentkv.lifecycle.results import Transition
-from agentkv.lifecycle.rules import check_transition
+from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 
 logger = logging.getLogger(__name__)
-
-DEMOTED_STATES = frozenset({SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED})
-"""States a pinned span never enters."""
 
 
 class Mover:

@@ -9,14 +9,15 @@
 `pinned` is not a state but a set of leases on a span (`agentkv.lifecycle.leases`):
 a pinned span is never demoted by budget pressure. Rules map an event's targets to
 actions; an action leads to a state through `ACTION_STATES`. The rules are
-validated here, once: the config's YAML validation calls `check_rule_overrides`.
+validated once, by `agentkv.config.rule_problems` (the YAML validation and
+`Rules` both call it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from agentkv.events import ACTIONS, EVENT_TARGETS
+from agentkv.config import rule_problems
 from agentkv.spans import SpanState
 
 TRANSITIONS: dict[SpanState, frozenset[SpanState]] = {
@@ -29,6 +30,9 @@ TRANSITIONS: dict[SpanState, frozenset[SpanState]] = {
     SpanState.EVICTED: frozenset({SpanState.COMMITTED}),
 }
 """Allowed moves. EVICTED → COMMITTED is recall by recomputing the span from its token ids."""
+
+DEMOTED_STATES = frozenset({SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED})
+"""States a pinned span never enters."""
 
 ACTION_STATES: dict[str, SpanState | None] = {
     "keep": None,
@@ -79,19 +83,13 @@ class Rules:
     """The event → target → action table, defaults merged with overrides."""
 
     def __init__(self, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        overrides = overrides or {}
+        problems = rule_problems(overrides)
+        if problems:
+            msg = "; ".join(f"rules.{'.'.join(path)}: {message}" for path, message in problems)
+            raise ValueError(msg)
         table = {name: dict(targets) for name, targets in DEFAULT_RULES.items()}
-        for name, targets in (overrides or {}).items():
-            allowed_targets = ("owner",) if name.startswith("custom:") else EVENT_TARGETS.get(name)
-            if allowed_targets is None:
-                msg = f"rules.{name}: unknown event; allowed: {', '.join(EVENT_TARGETS)} or custom:<name>"
-                raise ValueError(msg)
-            for target, action in targets.items():
-                if target not in allowed_targets:
-                    msg = f"rules.{name}.{target}: unknown target; allowed: {', '.join(allowed_targets)}"
-                    raise ValueError(msg)
-                if action not in ACTIONS:
-                    msg = f"rules.{name}.{target}: unknown action {action!r}; allowed: {', '.join(ACTIONS)}"
-                    raise ValueError(msg)
+        for name, targets in overrides.items():
             table.setdefault(name, {}).update(targets)
         self.table = table
 
