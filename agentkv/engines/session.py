@@ -14,22 +14,54 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agentkv.backend.contracts import ExtendResult, SessionClosedError
-from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
+from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.engines.store import EngineStore
+from agentkv.engines.store import EngineStore, EngineTarget
+from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event
 from agentkv.lifecycle import ApplyResult, BudgetLimits, Lease, LifecycleManager, SpanTable
 from agentkv.metrics import SessionStats
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 
-if TYPE_CHECKING:
-    from agentkv.engines.backend import EngineBackend
-
 logger = logging.getLogger("agentkv.engines")
+
+
+class EngineHost(Protocol):
+    """What an engine session needs from the backend that owns it (`EngineBackend` provides it)."""
+
+    config: AgentKVConfig
+    chat_format: ChatFormat
+    tokenizer: Any
+    bytes_per_token: int
+    vllm: VLLMClient
+
+    def salt_for(self, session_id: str) -> str:
+        """The conversation's `cache_salt`."""
+        ...
+
+    def target(self) -> EngineTarget | None:
+        """The LMCache instance hints go to (None = no coordinator)."""
+        ...
+
+    def sessions(self) -> Iterator[Any]:
+        """A snapshot of the live sessions."""
+        ...
+
+    def fork(self, session_id: str, branch: str) -> Any:
+        """Create (or get) the branch session."""
+        ...
+
+    def close(self, session_id: str) -> None:
+        """Unpin and delete a session's KV and forget it."""
+        ...
+
+    def device_bytes(self) -> int:
+        """Engine KV bytes across the sessions."""
+        ...
 
 
 class EngineServices:
@@ -102,7 +134,7 @@ class EngineSession:
 
     def __init__(
         self,
-        backend: EngineBackend,
+        backend: EngineHost,
         session_id: str,
         *,
         parent: EngineSession | None = None,
