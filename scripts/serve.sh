@@ -22,6 +22,7 @@
 #   AGENTKV_VLLM_KV_GB=1       vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
 #   AGENTKV_VLLM_BLOCKS        cap vLLM's own KV cache at this many blocks (--num-gpu-blocks-override;
 #                              the bench sizes the engine cache below its working set with it)
+#   AGENTKV_MAX_MODEL_LEN=4096 longest sequence (must fit the vLLM cache: blocks x block size)
 #   AGENTKV_L1_GB=0.25         LMCache L1 (CPU memory of the LMCache server)
 #   AGENTKV_L2_DIR             LMCache L2 directory (default \$AGENTKV_ENGINE_RUN/l2; empty string = no L2)
 #   AGENTKV_ENGINE_TIMEOUT=900 seconds to wait for vLLM to answer (first start compiles; slow on 2 cores)
@@ -167,7 +168,7 @@ start() {
     # `python -m vllm.entrypoints.openai.api_server`: the `vllm` command fails under vllm-cpu.
     start_proc vllm env "${envs[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$model" --served-model-name agentkv-default --host 127.0.0.1 --port "$VLLM_PORT" \
-        --block-size "$BLOCK" --max-model-len 4096 --enable-prompt-tokens-details \
+        --block-size "$BLOCK" --max-model-len "${AGENTKV_MAX_MODEL_LEN:-4096}" --enable-prompt-tokens-details \
         --kv-transfer-config "$kv_config" "${extra[@]}"
     wait_http vllm "http://127.0.0.1:$VLLM_PORT/health" "$TIMEOUT" "$(cat "$RUN/vllm.pid")" || { stop; exit 1; }
     echo "$model" >"$RUN/model"
