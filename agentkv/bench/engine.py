@@ -39,6 +39,7 @@ from typing import Any
 from agentkv.bench.workloads import Workload, load_workloads
 from agentkv.config import AgentKVConfig
 from agentkv.engines.backend import EngineBackend
+from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
 
@@ -111,14 +112,13 @@ def _mode_config(
     return AgentKVConfig.model_validate({"engine": engine, "policy": "full"})
 
 
-def _reset(backend: EngineBackend, coordinator_url: str) -> None:
+def _reset(backend: EngineBackend, coordinator: CoordinatorClient) -> None:
     """Cold caches: vLLM's prefix cache and LMCache's L1 (each mode also has its own salts)."""
     request = urllib.request.Request(f"{backend.vllm.url}/reset_prefix_cache", method="POST")
     with urllib.request.urlopen(request, timeout=120):  # noqa: S310 (local stack)
         pass
-    if backend.coordinator is not None:
-        for url in backend.coordinator.instances().values():
-            backend.coordinator.clear_l1(url)
+    for url in coordinator.instances().values():
+        coordinator.clear_l1(url)
 
 
 def run_mode(
@@ -136,7 +136,9 @@ def run_mode(
     """Run `lru` or `events` once, from cold caches."""
     config = _mode_config(mode, vllm_url, coordinator_url, chunk_size, device_tokens)
     backend = EngineBackend.from_config(config)
-    _reset(backend, coordinator_url)
+    # The LMCache stack is there in both modes; only the events mode sends it hints.
+    coordinator = CoordinatorClient(coordinator_url, backend.model_path)
+    _reset(backend, coordinator)
     workloads = load_workloads()
     nonce = time.strftime("%H%M%S")
     before = backend.vllm.metrics()
@@ -159,11 +161,7 @@ def run_mode(
         list(pool.map(agent, range(threads)))
     seconds = time.perf_counter() - started
     delta: EngineMetrics = backend.vllm.metrics().minus(before)
-    usage = backend.coordinator.usage() if backend.coordinator is not None else {}
-    if not usage:
-        from agentkv.engines.lmcache import CoordinatorClient
-
-        usage = CoordinatorClient(coordinator_url, backend.model_path).usage()
+    usage = coordinator.usage()
     failures = sum(s.store.stats.hint_failures for s in backend.sessions())
     for session in list(backend.sessions()):
         backend.close(session.session_id)
@@ -220,8 +218,6 @@ def run_engine_bench(
         msg = f"threads: expected 1..64, got {threads}"
         raise ValueError(msg)
     if l2_quota_gb is not None:
-        from agentkv.engines.lmcache import CoordinatorClient
-
         CoordinatorClient(coordinator_url, "-").set_default_quota(l2_quota_gb)
     common = dict(
         vllm_url=vllm_url,
