@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -28,7 +28,7 @@ from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionH
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import SamplingParams
+from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event
@@ -326,46 +326,13 @@ class Session:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        max_new_tokens: int = 256,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = None,
-        prefix: str = "",
-        seed: int | None = None,
-        message_id: str | None = None,
-    ) -> str:
+    def generate(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> str:
         """Answer as the assistant; the answer becomes a cached assistant span.
 
-        Args:
-            max_new_tokens: at most this many new tokens (>= 1).
-            temperature: 0 = greedy; otherwise sample with `top_p` / `top_k`.
-            top_p: nucleus sampling threshold.
-            top_k: keep only the k most likely tokens (0 = off).
-            stop: strings that end the answer (excluded from it).
-            prefix: the answer starts with this text (e.g. a forced tool call opening);
-                the returned text excludes it.
-            seed: seeds the sampler.
-            message_id: id of the message that will carry this answer (span owner).
-
-        Returns:
-            The generated text (without `prefix` and stop strings).
+        Takes the options of `stream` (temperature, top_p, top_k, stop, prefix, seed,
+        message_id) and returns the whole text, without `prefix` and stop strings.
         """
-        return "".join(
-            self.stream(
-                max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                stop=stop,
-                prefix=prefix,
-                seed=seed,
-                message_id=message_id,
-            )
-        )
+        return "".join(self.stream(max_new_tokens, **options))
 
     def stream(
         self,
@@ -379,7 +346,18 @@ class Session:
         seed: int | None = None,
         message_id: str | None = None,
     ) -> Iterator[str]:
-        """Like `generate`, but yields text pieces as they are decoded.
+        """Answer as the assistant, yielding text pieces as they are decoded.
+
+        Args:
+            max_new_tokens: at most this many new tokens (>= 1).
+            temperature: 0 = greedy; otherwise sample with `top_p` / `top_k`.
+            top_p: nucleus sampling threshold.
+            top_k: keep only the k most likely tokens (0 = off).
+            stop: strings that end the answer (excluded from it).
+            prefix: the answer starts with this text (e.g. a forced tool call opening);
+                the pieces exclude it.
+            seed: seeds the sampler.
+            message_id: id of the message that will carry this answer (span owner).
 
         The session lock is held from the first piece until the stream ends, so other
         calls on this session wait meanwhile. Iterate it to the end, or `close()` it, on

@@ -164,7 +164,7 @@ class AgentKVMiddleware(AgentMiddleware):
         if THREAD_KEY not in metadata and thread is not None:
             metadata[THREAD_KEY] = thread
         key = SessionKey.from_metadata(metadata, self.session_id)
-        return f"{key.thread}/{key.branch}" if key.branch else key.thread
+        return key.session_id
 
     def _outcome(
         self, session_id: str, call: Mapping[str, Any], result: Any, error: BaseException | None

@@ -533,7 +533,7 @@ class SessionMachine(RuleBasedStateMachine):
         for span in session.spans:
             assert not (span.pinned and span.state in DEMOTED_STATES)
         stats = session.stats()
-        limit = session.manager.last_limit
+        limit = session.manager.budget.last_limit
         if stats.budget_satisfied and limit is not None and self.config.policy.name != "full":
             usage = stats.device_bytes + stats.quantized_bytes
             assert usage <= limit * self.config.budget.high_watermark
