@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/serve.sh install
-.venv/bin/python -m pytest -q -m engine tests/engine "$@"
+# The first test waits for the stack (minutes on a loaded 2-core machine): a longer per-test limit.
+.venv/bin/python -m pytest -q -m engine --timeout=1500 tests/engine "$@"
