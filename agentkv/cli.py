@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,7 +140,7 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak|engine`."""
+    """`agentkv bench reuse|memory|soak|forget|engine`."""
     console = Console()
     if args.which == "engine":
         return _bench_engine(args, console)
@@ -187,6 +187,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=bars)
         console.print(memory_table(result))
         console.print(acceptance_line(result["acceptance"]))
+    elif args.which == "forget":
+        from agentkv.bench.forget import forget_table, run_forget_bench
+
+        forget_budgets: tuple[float | None, ...] = (0.25,) if args.quick else (None, 0.25)
+        with _progress(args) as bars:
+            result = run_forget_bench(model, tokenizer, budgets=forget_budgets, out_dir=out, progress=bars)
+        console.print(forget_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -332,9 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak", "engine"],
+        choices=["reuse", "memory", "soak", "forget", "engine"],
         help=(
             "reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
+            "forget: the forgetting side thread on tool-heavy traces; "
             "engine: tool agents on vLLM + LMCache (start it with scripts/serve.sh)"
         ),
     )
@@ -352,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
-    bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
+    bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
     bench.set_defaults(func=cmd_bench)
 
