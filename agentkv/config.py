@@ -422,6 +422,72 @@ class CallbacksConfig(_Section):
 _DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
 
 
+_URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+SALT_POLICIES: tuple[str, ...] = ("conversation", "shared")
+"""`engine.salt`: one `cache_salt` per conversation (branches share it), or none (all share prefixes)."""
+
+
+class EngineConfig(_Section):
+    """A served engine (vLLM + LMCache) that carries out the lifecycle instead of local tensors.
+
+    The same events, rules and budgets drive it: commits pin prefixes on LMCache's
+    coordinator, releases leave spans out of the prompt and delete stale chunks,
+    recalls prefetch (see docs/scale-out.md).
+    """
+
+    vllm_url: str = Field(description="Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000.")
+    """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
+    served_model: str = Field(
+        default="agentkv-default",
+        min_length=1,
+        description="The model name vLLM serves (--served-model-name).",
+    )
+    """The model name vLLM serves (--served-model-name)."""
+    model_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model as LMCache knows it (vLLM's --model path); null = the default model's.",
+    )
+    """The model as LMCache knows it (vLLM's --model path); null = the default model's."""
+    coordinator_url: str | None = Field(
+        default=None,
+        description="LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints.",
+    )
+    """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints."""
+    salt: Literal["conversation", "shared"] = Field(
+        default="conversation",
+        description="cache_salt per conversation (branches share it), or shared = no salt.",
+        json_schema_extra={"enum": list(SALT_POLICIES)},
+    )
+    """cache_salt per conversation (branches share it), or shared = no salt."""
+    chunk_size: int = Field(
+        default=256,
+        gt=0,
+        strict=True,
+        description="LMCache's --chunk-size (pins and deletes cover whole chunks).",
+    )
+    """LMCache's --chunk-size (pins and deletes cover whole chunks)."""
+    hint_timeout_s: float = Field(
+        default=10.0, gt=0, strict=True, description="Seconds per coordinator call (a late hint is dropped)."
+    )
+    """Seconds per coordinator call (a late hint is dropped)."""
+    request_timeout_s: float = Field(
+        default=300.0, gt=0, strict=True, description="Seconds per completion request."
+    )
+    """Seconds per completion request."""
+    prefetch_wait_s: float = Field(
+        default=5.0, ge=0, strict=True, description="Seconds a recall waits for its prefetch before the call."
+    )
+    """Seconds a recall waits for its prefetch before the call."""
+
+    @field_validator("vllm_url", "coordinator_url")
+    @classmethod
+    def _url_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _URL_RE.match(value):
+            raise ValueError(f"expected an http:// or https:// URL, got {show_value(value)}")
+        return value
+
+
 class AgentKVConfig(_Section):
     """Everything agentkv reads from the `agentkv:` section of a graph YAML."""
 
@@ -465,6 +531,10 @@ class AgentKVConfig(_Section):
         default_factory=CallbacksConfig, description="LangChain callback handler settings."
     )
     """LangChain callback handler settings."""
+    engine: EngineConfig | None = Field(
+        default=None, description="A served engine (vLLM + LMCache); null = the local Transformers model."
+    )
+    """A served engine (vLLM + LMCache); null = the local Transformers model."""
     forget: ForgetConfig = Field(
         default_factory=ForgetConfig,
         description="The forgetting side thread (SideQuest-style), off by default.",

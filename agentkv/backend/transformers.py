@@ -139,6 +139,11 @@ class TransformersBackend:
 
     # -- global accounting ---------------------------------------------------------------------
 
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the model supports (None = not declared); `EngineBackend` has the same."""
+        return self.runner.max_positions
+
     def device_bytes(self) -> int:
         """Device KV bytes across all sessions, shared prefixes counted once.
 

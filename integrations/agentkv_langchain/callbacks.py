@@ -53,6 +53,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 
 from agentkv import (
     AgentKVConfig,
+    Backend,
     BranchOpened,
     BranchPruned,
     BranchSelected,
@@ -61,7 +62,6 @@ from agentkv import (
     Lease,
     ToolCallCompleted,
     ToolCallFailed,
-    TransformersBackend,
     TurnEnded,
     UserConfirmed,
     UserRejected,
@@ -179,7 +179,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
     def __init__(
         self,
-        backend: TransformersBackend,
+        backend: Backend,
         *,
         config: AgentKVConfig | None = None,
         raise_error: bool | None = None,

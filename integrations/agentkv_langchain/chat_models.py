@@ -56,7 +56,7 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import ConfigDict, Field, model_validator
 
-from agentkv import Session, TransformersBackend
+from agentkv import AnySession, Backend, EngineBackend
 from agentkv.chat import normalize_messages
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.sessions import session_for
@@ -110,8 +110,8 @@ class ChatAgentKV(BaseChatModel):
     call's opening, so even a tiny model writes a call to the right tool.
     """
 
-    backend: TransformersBackend
-    """The in-process model and its sessions (one KV cache per conversation)."""
+    backend: Backend
+    """The in-process model (or a served engine) and its sessions (one KV cache per conversation)."""
     session_id: str | None = None
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
@@ -134,7 +134,11 @@ class ChatAgentKV(BaseChatModel):
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
         if not self.model_name:
-            self.model_name = _model_name(self.backend.model)
+            backend = self.backend
+            if isinstance(backend, EngineBackend):
+                self.model_name = backend.engine.served_model
+            else:
+                self.model_name = _model_name(backend.model)
         return self
 
     # -- LangChain plumbing ------------------------------------------------------------------
@@ -181,7 +185,7 @@ class ChatAgentKV(BaseChatModel):
             tool_choice=True,
             tool_call_streaming=False,
         )
-        limit = self.backend.runner.max_positions
+        limit = self.backend.max_positions
         if limit:
             profile["max_input_tokens"] = int(limit)
         return profile
@@ -451,7 +455,7 @@ class ChatAgentKV(BaseChatModel):
             generation_info={"finish_reason": finish},
         )
 
-    def _session(self, metadata: Mapping[str, Any]) -> Session:
+    def _session(self, metadata: Mapping[str, Any]) -> AnySession:
         """The session this call extends: the thread's (or `session_id`'s), see `agentkv_langchain.sessions`.
 
         The one place a call picks its KV cache; a subclass that wants another cache per
@@ -584,7 +588,7 @@ def _run_id(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRu
     return run_manager.run_id if run_manager is not None else None
 
 
-def _history_before_answer(session: Session, output_tokens: int) -> int:
+def _history_before_answer(session: AnySession, output_tokens: int) -> int:
     """Tokens in the session's logical history before the answer's first generated token.
 
     The answer's span holds the generation prompt (and any prefilled call opening),
