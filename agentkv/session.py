@@ -86,6 +86,8 @@ class Session:
             group_size=self.config.quantization.group_size,
             residual_tokens=self.config.quantization.residual_tokens,
             host_limit_bytes=self.config.budget.host_bytes,
+            attended_bits=self.config.quantization.attended_bits,
+            attended_residual_tokens=self.config.quantization.attended_residual_tokens,
         )
         self.spans: list[Span] = []
         self.messages: list[ChatMessage] = []
