@@ -27,6 +27,7 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from agentkv import TransformersBackend
+from agentkv.session_ids import branch_session_id
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import (
     branch_config,
@@ -159,7 +160,7 @@ def measure(backend: TransformersBackend, thread_id: str, branches: list[str]) -
     own: dict[str, int] = {}
     copied = parent.device_bytes
     for branch in branches:
-        stats = backend.get(f"{thread_id}/{branch}").stats()
+        stats = backend.get(branch_session_id(thread_id, branch)).stats()
         own[branch] = stats.device_bytes - stats.shared_device_bytes
         copied += stats.device_bytes
     return {

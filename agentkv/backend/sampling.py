@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
+
+
+class AnswerOptions(TypedDict, total=False):
+    """The keyword options of `Session.generate` (those of `Session.stream`)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: Sequence[str] | str | None
+    prefix: str
+    seed: int | None
+    message_id: str | None
 
 
 @dataclass(frozen=True)

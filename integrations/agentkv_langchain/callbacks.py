@@ -45,7 +45,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -65,6 +65,22 @@ from agentkv import (
     TurnEnded,
     UserConfirmed,
     UserRejected,
+)
+from agentkv.session_ids import branch_session_id, is_branch_of
+from agentkv_langchain.decisions import (
+    CONFIRM_EVENT,
+    CUSTOM_EVENTS,
+    GENERIC_EVENT,
+    OWNER_KEY,
+    PIN_EVENT,
+    PRUNE_BRANCH_EVENT,
+    REJECT_EVENT,
+    SELECT_BRANCH_EVENT,
+    Decision,
+    ToolCallRecord,
+    custom_event_from,
+    decisions_for,
+    resume_decision,
 )
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey
 
@@ -93,104 +109,15 @@ __all__ = [
 
 logger = logging.getLogger("agentkv.callbacks")
 
-CONFIRM_EVENT = "agentkv.confirm"
-"""Custom event: the user confirmed `data["owner"]` (None = the latest answer) → `UserConfirmed`."""
-REJECT_EVENT = "agentkv.reject"
-"""Custom event: the user rejected `data["owner"]` → `UserRejected`."""
-PRUNE_BRANCH_EVENT = "agentkv.prune_branch"
-"""Custom event: branch `data["branch"]` lost → `BranchPruned` on the parent (closes the branch's session)."""
-SELECT_BRANCH_EVENT = "agentkv.select_branch"
-"""Custom event: branch `data["branch"]` won → `BranchSelected` on the parent (closes its siblings)."""
-PIN_EVENT = "agentkv.pin"
-"""Custom event: pin the spans owned by `data["owner"]`; the lease is kept in `handler.leases`."""
-GENERIC_EVENT = "agentkv.event"
-"""Custom event: `data` is an `agentkv.Event` or `{"event": name, "owner": ..., "payload": {}}` → `Custom`."""
-CUSTOM_EVENTS: tuple[str, ...] = (
-    CONFIRM_EVENT,
-    REJECT_EVENT,
-    PRUNE_BRANCH_EVENT,
-    SELECT_BRANCH_EVENT,
-    PIN_EVENT,
-    GENERIC_EVENT,
-)
-"""Every custom event name the handler understands; other names are ignored (they belong to someone else)."""
-
-OWNER_KEY = "agentkv_owner"
-"""Key of an `interrupt()` value naming the span a confirmation is about (e.g. the plan's message id)."""
-
 _BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
 """LangGraph's control-flow exceptions: an interrupt is a pause, not a failure."""
-
-_CONFIRM_WORDS = frozenset(
-    {
-        "approve",
-        "approved",
-        "accept",
-        "accepted",
-        "yes",
-        "y",
-        "ok",
-        "okay",
-        "confirm",
-        "confirmed",
-        "true",
-        "edit",
-        "edited",
-        "respond",
-    }
-)
-_REJECT_WORDS = frozenset(
-    {"reject", "rejected", "no", "n", "deny", "denied", "decline", "declined", "cancel", "false"}
-)
 
 _REPORTED = "_agentkv_reported"
 """Marks an exception already counted, so an outer guard does not count it again."""
 
-Decision = Literal["confirm", "reject"]
-
 P = ParamSpec("P")
 R = TypeVar("R")
 H = TypeVar("H", bound="KVLifecycleCallbackHandler")
-
-
-def resume_decision(value: Any) -> Decision | None:
-    """Read a human's answer (a `Command(resume=...)` value, a HITL decision) as confirm / reject.
-
-    Confirm: `True`, "approve", "accept", "yes", "ok", "confirm", "edit", "respond",
-    or a mapping whose `type` (or `decision` / `action`) is one of those, or
-    `{"approved": True}`. Reject: `False`, "reject", "no", "deny", "decline",
-    "cancel", or a mapping saying so. Words are matched case-insensitively.
-
-    "edit" confirms because the human kept the proposal and changed its details
-    (it runs, edited); "respond" (`HumanInTheLoopMiddleware`: the human answers in
-    the tool's place) confirms because the human engaged with the call rather than
-    dismissing it, and the answer becomes the call's result.
-
-    Args:
-        value: The resume value.
-
-    Returns:
-        "confirm", "reject", or None for anything else (free text, None): no event,
-        since guessing would pin or drop the wrong thing.
-    """
-    if isinstance(value, bool):
-        return "confirm" if value else "reject"
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _CONFIRM_WORDS:
-            return "confirm"
-        if word in _REJECT_WORDS:
-            return "reject"
-        return None
-    if isinstance(value, Mapping):
-        approved = value.get("approved")
-        if isinstance(approved, bool):
-            return "confirm" if approved else "reject"
-        for key in ("type", "decision", "action"):
-            kind = value.get(key)
-            if isinstance(kind, (str, bool)):
-                return resume_decision(kind)
-    return None
 
 
 @dataclass
@@ -210,17 +137,7 @@ class _RunContext:
 
     @property
     def session_id(self) -> str:
-        return f"{self.thread}/{self.branch}" if self.branch else self.thread
-
-
-@dataclass(frozen=True)
-class _ToolCallRecord:
-    """A tool call the model made: which message (span owner) holds it."""
-
-    tool_call_id: str
-    name: str
-    args: Mapping[str, Any]
-    message_id: str | None
+        return branch_session_id(self.thread, self.branch)
 
 
 def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P], R | None]:
@@ -233,7 +150,7 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
         except Exception as e:
             if getattr(e, _REPORTED, False):  # counted where it happened; raise_error lets it through
                 raise
-            self._failed(method.__name__, e)
+            self.report_failure(method.__name__, e)
             return None
 
     return wrapper
@@ -285,7 +202,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self._runs: dict[UUID, _RunContext] = {}
         self._interrupts: dict[str, dict[str, Any]] = {}
         """Per thread: pending interrupt id → its value (what a resume answers)."""
-        self._tool_calls: dict[str, list[_ToolCallRecord]] = {}
+        self._tool_calls: dict[str, list[ToolCallRecord]] = {}
         """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
         self._branches: set[tuple[str, str]] = set()
         self._pending: dict[str, list[Event]] = {}
@@ -311,7 +228,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             if session_id is not None:
                 wanted = [session_id] if session_id in self._pending else []
             elif thread is not None:
-                wanted = [s for s in self._pending if s == thread or s.startswith(f"{thread}/")]
+                wanted = [s for s in self._pending if s == thread or is_branch_of(s, thread)]
             else:
                 wanted = list(self._pending)
             batches = [(sid, self._pending.pop(sid)) for sid in wanted]
@@ -394,7 +311,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                 message = getattr(generation, "message", None)
                 if isinstance(message, AIMessage) and message.tool_calls:
                     records = [
-                        _ToolCallRecord(
+                        ToolCallRecord(
                             str(call.get("id") or ""), call["name"], call.get("args") or {}, message.id
                         )
                         for call in message.tool_calls
@@ -437,11 +354,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
         if message is not None and message.status == "error":
-            self._defer(
-                context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content))
-            )
+            self.defer(context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
         else:
-            self._defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+            self.defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -454,7 +369,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         if context.tool_call_id:
             error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            self._defer(context.session_id, error_event)
+            self.defer(context.session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -537,7 +452,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         context = self._context(run_id) or self._context_from(run_id, None, metadata)
         data = data if data is not None else {}
         if name == GENERIC_EVENT:
-            self._emit(context.session_id, _generic_event(data))
+            self._emit(context.session_id, custom_event_from(data))
             return
         if not isinstance(data, Mapping):
             msg = f"{name}: data must be a mapping, got {type(data).__name__}"
@@ -575,13 +490,15 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         try:
             self.send(session_id, event)
         except Exception as e:
-            self._failed(f"{event.name} for session {session_id!r}", e)
+            self.report_failure(f"{event.name} for session {session_id!r}", e)
 
-    def _defer(self, session_id: str, event: Event) -> None:
+    def defer(self, session_id: str, event: Event) -> None:
+        """Queue an event for the session, sent when the session's model run ends (not mid-forward)."""
         with self._lock:
             self._pending.setdefault(session_id, []).append(event)
 
-    def _failed(self, where: str, error: Exception) -> None:
+    def report_failure(self, where: str, error: Exception) -> None:
+        """Count a failure in agentkv code: raise it when `raise_error`, else log it (the run goes on)."""
         with self._lock:
             self.errors += 1
         if self.raise_error:
@@ -676,7 +593,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
     @staticmethod
     def _decision_events(
-        answered: Sequence[tuple[str, Any, Any]], records: Sequence[_ToolCallRecord]
+        answered: Sequence[tuple[str, Any, Any]], records: Sequence[ToolCallRecord]
     ) -> list[Event]:
         """Confirm/reject events for answered interrupts.
 
@@ -688,7 +605,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """
         by_owner: dict[str | None, list[Decision]] = {}
         for _, value, answer in answered:
-            for owner, decision in _decisions(value, answer, records):
+            for owner, decision in decisions_for(value, answer, records):
                 by_owner.setdefault(owner, []).append(decision)
         events: list[Event] = []
         for owner, decisions in by_owner.items():
@@ -700,64 +617,6 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _decisions(
-    value: Any, answer: Any, records: Sequence[_ToolCallRecord]
-) -> list[tuple[str | None, Decision]]:
-    """`(owner, decision)` pairs for one answered interrupt."""
-    if isinstance(value, Mapping) and value.get("type") == "tool_approval":  # HITL per-call mode
-        decision = resume_decision(answer)
-        owner = _owner_of_call(str(value.get("tool_call_id")), records)
-        return [(owner, decision)] if decision else []
-    if isinstance(value, Mapping) and "action_requests" in value and isinstance(answer, Mapping):
-        requests = list(value.get("action_requests") or [])
-        out: list[tuple[str | None, Decision]] = []
-        unused = list(records)
-        for request, item in zip(requests, answer.get("decisions") or [], strict=False):
-            decision = resume_decision(item)
-            record = _match_request(request, unused)
-            if record is not None:
-                unused.remove(record)
-            if decision:
-                out.append((record.message_id if record is not None else None, decision))
-        return out
-    decision = resume_decision(answer)
-    owner = value.get(OWNER_KEY) if isinstance(value, Mapping) else None
-    return [(str(owner) if owner is not None else None, decision)] if decision else []
-
-
-def _owner_of_call(call_id: str, records: Sequence[_ToolCallRecord]) -> str | None:
-    return next((r.message_id for r in records if r.tool_call_id == call_id), None)
-
-
-def _match_request(request: Any, records: Sequence[_ToolCallRecord]) -> _ToolCallRecord | None:
-    """The tool call a HITL action request shows (requests carry name and args, not the call id)."""
-    if not isinstance(request, Mapping):
-        return None
-    same_name = [r for r in records if r.name == request.get("name")]
-    exact = [r for r in same_name if dict(r.args) == dict(request.get("args") or {})]
-    candidates = exact or same_name
-    return candidates[0] if candidates else None
-
-
-def _generic_event(data: Any) -> Event:
-    if isinstance(data, Event):
-        return data
-    if not isinstance(data, Mapping):
-        kind = type(data).__name__
-        msg = f"{GENERIC_EVENT}: data must be an agentkv Event or a mapping with 'event', got {kind}"
-        raise TypeError(msg)
-    name = data.get("event") or data.get("name")
-    if not isinstance(name, str) or not name:
-        msg = f"{GENERIC_EVENT}: data['event'] must name the event (rules key custom:<name>), got {name!r}"
-        raise ValueError(msg)
-    owner = data.get("owner")
-    payload = data.get("payload") or {}
-    if not isinstance(payload, Mapping):
-        msg = f"{GENERIC_EVENT}: data['payload'] must be a mapping, got {type(payload).__name__}"
-        raise TypeError(msg)
-    return Custom(event=name, owner=str(owner) if owner is not None else None, payload=dict(payload))
 
 
 def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:

@@ -151,7 +151,7 @@ class AgentKVMiddleware(AgentMiddleware):
         try:
             fn(*args)
         except Exception as e:
-            self.handler._failed(getattr(fn, "__name__", "middleware"), e)
+            self.handler.report_failure(getattr(fn, "__name__", "middleware"), e)
 
     def _session_id(self, config: Mapping[str, Any] | None = None) -> str:
         if config is None:
@@ -164,7 +164,7 @@ class AgentKVMiddleware(AgentMiddleware):
         if THREAD_KEY not in metadata and thread is not None:
             metadata[THREAD_KEY] = thread
         key = SessionKey.from_metadata(metadata, self.session_id)
-        return f"{key.thread}/{key.branch}" if key.branch else key.thread
+        return key.session_id
 
     def _outcome(
         self, session_id: str, call: Mapping[str, Any], result: Any, error: BaseException | None
@@ -181,7 +181,7 @@ class AgentKVMiddleware(AgentMiddleware):
                 event = ToolCallFailed(tool_call_id=call_id, error=str(message.content))
             else:
                 event = ToolCallCompleted(tool_call_id=call_id)
-            self.handler._defer(session_id, event)
+            self.handler.defer(session_id, event)
 
         self._guard(record)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentkv import Session, TransformersBackend
+from agentkv.session_ids import branch_session_id
 
 __all__ = ["BRANCH_KEY", "DEFAULT_THREAD", "THREAD_KEY", "SessionKey", "open_session", "session_for"]
 
@@ -37,6 +38,11 @@ class SessionKey:
 
     thread: str
     branch: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        """The backend session id: `<thread>/<branch>`, or the thread's own."""
+        return branch_session_id(self.thread, self.branch)
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any] | None, fixed: str | None = None) -> SessionKey:
