@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,7 +140,7 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak`."""
+    """`agentkv bench reuse|memory|soak|forget`."""
     console = Console()
     model, tokenizer = _load(args)
     out = Path(args.out) / args.which
@@ -193,6 +193,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         console.print(memory_table(result))
         console.print(acceptance_line(result["acceptance"]))
+    elif args.which == "forget":
+        from agentkv.bench.forget import forget_table, run_forget_bench
+
+        forget_budgets: tuple[float | None, ...] = (0.25,) if args.quick else (None, 0.25)
+        with _progress(args) as bars:
+            result = run_forget_bench(model, tokenizer, budgets=forget_budgets, out_dir=out, progress=bars)
+        console.print(forget_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -298,14 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak"],
-        help="reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns",
+        choices=["reuse", "memory", "soak", "forget"],
+        help="reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
+        "forget: the forgetting side thread on tool-heavy traces",
     )
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
-    bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
+    bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
     bench.add_argument("--workloads", help="memory: workloads (names or JSON paths), comma-separated")
     bench.add_argument("--methods", help="memory: methods, comma-separated (full always runs)")

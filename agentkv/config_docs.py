@@ -17,6 +17,7 @@ import yaml
 
 from agentkv.config import CUSTOM_EVENT_PREFIX, CUSTOM_EVENT_TARGETS, AgentKVConfig
 from agentkv.events import ACTIONS, EVENT_TARGETS, EVENT_TYPES
+from agentkv.lifecycle import DEFAULT_RULES
 
 __all__ = ["REGENERATE_COMMAND", "render_config_reference"]
 
@@ -127,6 +128,12 @@ def _rules() -> str:
         f'| `{CUSTOM_EVENT_PREFIX}<name>` | a user `Custom(event="<name>")` event | {custom_targets} |'
     )
     lines += ["", "Actions: " + ", ".join(f"`{a}`" for a in ACTIONS) + "."]
+    custom_defaults = {k: v for k, v in DEFAULT_RULES.items() if k.startswith(CUSTOM_EVENT_PREFIX)}
+    if custom_defaults:
+        lines += ["", "Built-in custom events with a default rule (override them like any other):", ""]
+        for name, rule in custom_defaults.items():
+            actions = ", ".join(f"`{t}: {a}`" for t, a in rule.items())
+            lines.append(f"- `{name}`: {actions}")
     return "\n".join(lines) + "\n"
 
 

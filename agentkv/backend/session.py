@@ -31,7 +31,8 @@ from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event
+from agentkv.events import Event, TurnEnded
+from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
@@ -81,6 +82,8 @@ class Session:
         self.closed = False
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
+        self.forget = ForgetController(self)
+        """The forgetting side thread and `forget_tool_outputs` requests (see `agentkv.forget`)."""
         if parent is not None:
             self._fork_from(parent)  # the branch's table, store and manager, under the parent's lock
         else:
@@ -174,6 +177,9 @@ class Session:
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
                 k += 1
+            if any(m.role == "user" for m in incoming[k:]):
+                # A turn boundary: forget decisions (side thread, agent requests) are applied now.
+                self.forget.at_turn_boundary()
             reused = sum(s.length for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -516,7 +522,12 @@ class Session:
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            return self.manager.apply(event)
+            if isinstance(event, ForgetRequested):
+                return self.forget.request(event)
+            result = self.manager.apply(event)
+            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+                self.forget.on_turn_ended()
+            return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
@@ -533,9 +544,12 @@ class Session:
         with self.lock:
             return self.manager.release(lease)
 
-    def fork(self, branch: str) -> Session:
-        """A branch session sharing this session's KV as a read-only prefix (no copy)."""
-        return self.backend.fork(self.session_id, branch)
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Session:
+        """A branch session sharing this session's KV as a read-only prefix (no copy).
+
+        `config` = the branch's own settings (None = this session's).
+        """
+        return self.backend.fork(self.session_id, branch, config=config)
 
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:
