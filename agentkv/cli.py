@@ -182,9 +182,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.which == "memory":
         from agentkv.bench.memory import acceptance_line, memory_table, run_memory_bench
 
-        budgets = (0.25,) if args.quick else (0.5, 0.25, 0.125)
+        budgets = _floats(args.budgets) if args.budgets else (0.25,) if args.quick else (0.5, 0.25, 0.125)
         with _progress(args, log_details=True) as bars:
-            result = run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=bars)
+            result = run_memory_bench(
+                model,
+                tokenizer,
+                budgets=budgets,
+                methods=_names(args.methods),
+                workloads=_names(args.workloads),
+                out_dir=out,
+                progress=bars,
+            )
         console.print(memory_table(result))
         console.print(acceptance_line(result["acceptance"]))
     elif args.which == "forget":
@@ -259,6 +267,23 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(f"results in {out}/")
     return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated option as a list (None when not given)."""
+    return None if not text else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers; a clear error names the bad item."""
+    out: list[float] = []
+    for item in _names(text) or []:
+        try:
+            out.append(float(item))
+        except ValueError as e:
+            msg = f"--budgets: expected numbers like 0.25,0.125, got {item!r}"
+            raise CommandError(msg) from e
+    return tuple(out)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -362,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
     bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
+    bench.add_argument("--workloads", help="memory: workloads (names or JSON paths), comma-separated")
+    bench.add_argument("--methods", help="memory: methods, comma-separated (full always runs)")
+    bench.add_argument("--budgets", help="memory: comma-separated budget fractions, e.g. 0.25,0.125")
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="render a session snapshot (JSON from session.save_snapshot)")

@@ -17,6 +17,10 @@ Methods, all measured in one run:
   branch opened/pruned/selected).
 - `agentkv-nohost`: the same without a host tier (`NOHOST_TIER`): archived spans
   are dropped and recall recomputes them from their token ids.
+- `agentkv-int4`: archived spans go to the int4 archive (on the device, not attended).
+- `agentkv-q4`, `agentkv-q2`: `agentkv-nohost` with the attended cache held at
+  int4 / int2 (KIVI, `agentkv.store.attended`): the budget counts the bytes held,
+  so about five (int4) to eight (int2) times more history stays attended.
 
 Budgets are fractions of the `full` cache's size at the final question of each
 workload (`budget.device_tokens`), the same for every budgeted method.
@@ -98,10 +102,14 @@ class Method:
     """False for `full`: it runs once per workload, with no budget."""
     events: bool = False
     """True when the session gets the lifecycle events an agent framework sends."""
+    attended_bits: int | None = None
+    """Hold the attended cache at 4/2 bits (`quantization.attended_bits`); None = full precision."""
 
     def config(self, budget_tokens: int | None) -> AgentKVConfig:
         """The session config of this method at a device budget in tokens (None = unlimited)."""
         data: dict[str, Any] = {"policy": self.policy, "archive_tier": self.archive_tier}
+        if self.attended_bits is not None:
+            data["quantization"] = {"attended_bits": self.attended_bits}
         if self.budgeted and budget_tokens is not None:
             data["budget"] = {"device_tokens": int(budget_tokens)}
         return AgentKVConfig.from_dict(data)
@@ -117,6 +125,9 @@ METHODS: dict[str, Method] = {
         Method("snapkv", "snapkv"),
         Method("agentkv", "lifecycle", archive_tier="host", events=True),
         Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
+        Method("agentkv-int4", "lifecycle", archive_tier="int4", events=True),
+        Method("agentkv-q4", "lifecycle", archive_tier=NOHOST_TIER, events=True, attended_bits=4),
+        Method("agentkv-q2", "lifecycle", archive_tier=NOHOST_TIER, events=True, attended_bits=2),
     )
 }
 """Every method the benchmark knows, in report order."""

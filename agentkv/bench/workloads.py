@@ -26,13 +26,27 @@ JSON shape (one file per workload, `agentkv/bench/workloads/<name>.json`)::
                 "branches": {"options": [{"id": "...", "reasoning": "..."}], "selected": "..."},
                 "assistant": "..."}],
      "questions": [{"id": "...", "question": "...", "prefix": "...", "gold": "...",
-                    "source": "user|tool|confirmed", "turn": 1}]}
+                    "source": "user|tool|confirmed|chosen", "turn": 1,
+                    "style": "quote|paraphrase"}]}
 
 Within a turn the order is: user message, tool calls (each a call and its
 result), branches, assistant answer. `confirms_previous` means the user message
 confirms the previous turn's assistant proposal (an agent framework sends
 `UserConfirmed` for it). `turn` of a question is 1-based and names the turn whose
-text holds the gold answer; loading checks that it really does.
+text holds the gold answer; loading checks that it really does, in the place
+`source` names: the user message (`user`), a tool result (`tool`), the assistant
+answer that the next user message confirms (`confirmed`), or the reasoning of the
+selected tree-of-thought option (`chosen`; the turn's answer may restate it, the
+pruned options hold other values of the same kind).
+
+`style` (optional, default `quote`) says how the question reaches the fact:
+`quote` questions use the words of the source; `paraphrase` questions name the
+fact in other words ("the Rust error code" for a log line `error[E0599]: ...`,
+"the async runtime" for `tokio`) or refer back to it ("that flaky test from the
+report earlier"), so a recall that matches the question's words to the span's
+words misses them. Recall sees only the question; the prefix (the start of the
+model's own answer) may still quote the source where the tiny model needs it to
+copy. A report can split exact match by source and by style.
 """
 
 from __future__ import annotations
@@ -46,8 +60,12 @@ from typing import Any
 WORKLOAD_DIR = Path(__file__).with_name("workloads")
 """Where the shipped workload JSON files live."""
 
-QUESTION_SOURCES: tuple[str, ...] = ("user", "tool", "confirmed")
-"""Where a question's fact was stated: a user message, a tool result, or a confirmed proposal."""
+QUESTION_SOURCES: tuple[str, ...] = ("user", "tool", "confirmed", "chosen")
+"""Where a question's fact was stated: a user message, a tool result, a confirmed proposal,
+or the selected tree-of-thought option."""
+
+QUESTION_STYLES: tuple[str, ...] = ("quote", "paraphrase")
+"""How a question reaches its fact: quoting the words before it, or in other words."""
 
 MIN_TURNS = 8
 MAX_TURNS = 15
@@ -112,6 +130,8 @@ class Question:
     """One of `QUESTION_SOURCES`."""
     turn: int
     """1-based turn whose text holds `gold`."""
+    style: str = "quote"
+    """One of `QUESTION_STYLES`."""
 
 
 @dataclass(frozen=True)
@@ -259,10 +279,14 @@ def _branches(data: Any, where: str) -> Branches:
 
 def _question(data: Any, where: str, turns: tuple[Turn, ...]) -> Question:
     obj = _mapping(data, where)
-    _check_keys(obj, {"id", "question", "prefix", "gold", "source", "turn"}, where)
+    _check_keys(obj, {"id", "question", "prefix", "gold", "source", "turn", "style"}, where)
     source = _text(obj, "source", where)
     if source not in QUESTION_SOURCES:
         msg = f"{where}.source: unknown {source!r}; allowed: {', '.join(QUESTION_SOURCES)}"
+        raise ValueError(msg)
+    style = _text(obj, "style", where) if "style" in obj else "quote"
+    if style not in QUESTION_STYLES:
+        msg = f"{where}.style: unknown {style!r}; allowed: {', '.join(QUESTION_STYLES)}"
         raise ValueError(msg)
     turn = obj.get("turn")
     if isinstance(turn, bool) or not isinstance(turn, int) or not 1 <= turn <= len(turns):
@@ -275,11 +299,39 @@ def _question(data: Any, where: str, turns: tuple[Turn, ...]) -> Question:
         gold=_text(obj, "gold", where),
         source=source,
         turn=turn,
+        style=style,
     )
-    if not any(question.gold in text for text in turns[turn - 1].texts()):
+    stated = turns[turn - 1]
+    if not any(question.gold in text for text in stated.texts()):
         msg = f"{where}.gold: {question.gold!r} does not appear in turn {turn}"
         raise ValueError(msg)
+    places = _source_texts(source, stated, turns[turn] if turn < len(turns) else None)
+    if not any(question.gold in text for text in places):
+        msg = f"{where}.source: {question.gold!r} is in turn {turn} but not in its {_SOURCE_PLACE[source]}"
+        raise ValueError(msg)
     return question
+
+
+_SOURCE_PLACE = {
+    "user": "user message",
+    "tool": "tool results",
+    "confirmed": "assistant answer confirmed by the next turn (confirms_previous)",
+    "chosen": "selected tree-of-thought option",
+}
+
+
+def _source_texts(source: str, turn: Turn, following: Turn | None) -> list[str]:
+    """The texts of `turn` where a fact of `source` must be stated."""
+    if source == "user":
+        return [turn.user]
+    if source == "tool":
+        return [t.result for t in turn.tools]
+    if source == "confirmed":
+        return [turn.assistant] if following is not None and following.confirms_previous else []
+    # chosen
+    if turn.branches is None:
+        return []
+    return [o.reasoning for o in turn.branches.options if o.id == turn.branches.selected]
 
 
 def _mapping(data: Any, where: str) -> Mapping[str, Any]:

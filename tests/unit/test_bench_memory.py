@@ -107,6 +107,28 @@ def test_shipped_workloads_load_and_validate() -> None:
             assert any(q.gold in text for text in w.turns[q.turn - 1].texts())
 
 
+def test_chosen_and_paraphrase_questions_load() -> None:
+    data = copy.deepcopy(tiny_workload())
+    data["questions"].append(
+        {
+            "id": "plan",
+            "question": "Where did we decide to spend the day?",
+            "prefix": "We decided on",
+            "gold": "museum",
+            "source": "chosen",
+            "turn": 5,
+            "style": "paraphrase",
+        }
+    )
+    workload = parse_workload(data)
+    plan = workload.questions[-1]
+    assert (plan.source, plan.style) == ("chosen", "paraphrase")
+    assert workload.questions[0].style == "quote"  # the default
+    data["turns"][4]["branches"]["selected"] = "beach"  # the fact is now in a pruned option only
+    with pytest.raises(ValueError, match="not in its selected tree-of-thought option"):
+        parse_workload(data)
+
+
 def test_load_by_path_and_unknown_name(tmp_path: Path) -> None:
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(tiny_workload("mine")))
@@ -142,6 +164,18 @@ def test_load_by_path_and_unknown_name(tmp_path: Path) -> None:
             r"turns\[1\].tools\[0\].result: expected a non-empty",
         ),
         (lambda d: d["questions"].append(dict(d["questions"][0])), r"duplicate ids \['code'\]"),
+        (
+            lambda d: d["questions"][0].update(style="verbatim"),
+            r"questions\[0\].style: unknown 'verbatim'; allowed: quote, paraphrase",
+        ),
+        (
+            lambda d: d["questions"][0].update(source="chosen"),
+            r"questions\[0\].source: .* is in turn 1 but not in its selected tree-of-thought option",
+        ),
+        (
+            lambda d: d["questions"][0].update(source="tool"),
+            r"questions\[0\].source: .* is in turn 1 but not in its tool results",
+        ),
     ],
 )
 def test_invalid_workloads_name_the_json_path(edit: Any, message: str) -> None:
