@@ -242,6 +242,18 @@ class QuantizationConfig(_Section):
         default=0, ge=0, strict=True, description="Most recent tokens of a span kept in full precision."
     )
     """Most recent tokens of a span kept in full precision."""
+    attended_bits: Literal[4, 2] | None = Field(
+        default=None,
+        description="Attended cache held at 4 or 2 bits (KIVI), dequantized on read; null = full precision.",
+    )
+    """Attended cache held at 4 or 2 bits (KIVI), dequantized on read; null = full precision."""
+    attended_residual_tokens: int = Field(
+        default=64,
+        ge=0,
+        strict=True,
+        description="Most recent attended tokens kept in full precision when attended_bits is set.",
+    )
+    """Most recent attended tokens kept in full precision when attended_bits is set."""
 
     @field_validator("group_size")
     @classmethod

@@ -71,6 +71,8 @@ class Session:
             self.runner.device,
             group_size=self.config.quantization.group_size,
             residual_tokens=self.config.quantization.residual_tokens,
+            attended_bits=self.config.quantization.attended_bits,
+            attended_residual_tokens=self.config.quantization.attended_residual_tokens,
         )
         self.table = SpanTable(session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""

@@ -20,6 +20,10 @@ Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in 
   branch opened/pruned/selected).
 - `agentkv-nohost`: the same without a host tier (`NOHOST_TIER`): archived spans
   are dropped and recall recomputes them from their token ids.
+- `agentkv-int4`: archived spans go to the int4 archive (on the device, not attended).
+- `agentkv-q4`, `agentkv-q2`: `agentkv-nohost` with the attended cache held at
+  int4 / int2 (KIVI, `agentkv.store.attended`): the budget counts the bytes held,
+  so about five (int4) to eight (int2) times more history stays attended.
 
 Budgets are fractions of the `full` cache's size at the final question of each
 workload (`budget.device_tokens`), the same for every budgeted method. A device

@@ -59,6 +59,23 @@ METHODS: dict[str, Method] = {
         Method("tova", "tova", baseline=True),
         Method("agentkv", "lifecycle", archive_tier="host", events=True),
         Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
+        # Archived spans go to the int4 archive (on the device, not attended).
+        Method("agentkv-int4", "lifecycle", archive_tier="int4", events=True),
+        # agentkv-nohost with the attended cache held at int4 / int2 (KIVI, agentkv.store.attended).
+        Method(
+            "agentkv-q4",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={"quantization": {"attended_bits": 4}},
+        ),
+        Method(
+            "agentkv-q2",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={"quantization": {"attended_bits": 2}},
+        ),
     )
 }
 """Every method the benchmark knows, in report order."""

@@ -17,7 +17,7 @@ it must remove a token from that prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,6 +90,17 @@ class SharedPrefixLayer(DynamicLayer):
         self.keys = full[0][..., :0, :]
         self.values = full[1][..., :0, :]
 
+    def cut_to(self, own: int) -> None:
+        """Keep only the first `own` tokens of the own tensors (undo a partly applied append).
+
+        The cut tensors are copies: a slice would keep the discarded tail's storage alive
+        behind byte accounting that no longer counts it.
+        """
+        for name in ("keys", "values"):
+            tensor = getattr(self, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[-2] > own:
+                setattr(self, name, tensor[..., :own, :].clone())
+
     def own_tensors(self) -> Iterator[torch.Tensor]:
         """The tensors this layer owns (not the shared prefix)."""
         if self.own_length:
@@ -104,11 +115,15 @@ class SharedPrefixLayer(DynamicLayer):
             yield self.prefix_values
 
 
+LayerFactory = Callable[[], SharedPrefixLayer]
+"""Builds one cache layer: `SharedPrefixLayer` (full precision) or an attended quantized layer."""
+
+
 class ManagedCache(Cache):
     """A transformers `Cache` made of `SharedPrefixLayer`s (full attention only)."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[SharedPrefixLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, layer_factory: LayerFactory = SharedPrefixLayer) -> None:
+        super().__init__(layers=[layer_factory() for _ in range(num_layers)])
 
     @property
     def managed_layers(self) -> list[SharedPrefixLayer]:
@@ -123,9 +138,12 @@ class PhysicalCache:
     `slot_span[i]`, `slot_offset[i]`, `slot_position[i]` describe physical slot i.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, layer_factory: LayerFactory = SharedPrefixLayer) -> None:
         self.num_layers = num_layers
-        self.cache = ManagedCache(num_layers)
+        self.layer_factory = layer_factory
+        self.cache = ManagedCache(num_layers, layer_factory)
+        self.variable_slot_bytes = layer_factory is not SharedPrefixLayer
+        """True for attended quantized layers: a slot's bytes depend on where it is (window or codes)."""
         self.slot_span = torch.empty(0, dtype=torch.long)
         self.slot_offset = torch.empty(0, dtype=torch.long)
         self.slot_position = torch.empty(0, dtype=torch.long)
@@ -162,6 +180,11 @@ class PhysicalCache:
 
     def nbytes(self) -> int:
         """Bytes of everything this cache attends to (own + shared), less removals not compacted yet."""
+        if self.variable_slot_bytes:
+            # Codes, statistics and the full-precision window: walk the tensors actually held.
+            held = sum(tensor_bytes(t) for t in self.tensors())
+            pending = self._pending_slots()
+            return held - (held * pending // self.length if pending else 0)
         return (self.length - self._pending_slots()) * self.bytes_per_token()
 
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -176,8 +199,13 @@ class PhysicalCache:
         Every layer holds every slot in the same dtype and shape, so this is a constant
         of the cache: measured once from the tensors, after which `nbytes` is a product
         instead of a walk over every layer's tensors (budget checks read it after every
-        move). `Session.check` compares it with a walk.
+        move). `Session.check` compares it with a walk. Attended quantized layers hold
+        a slot as codes or in the full-precision window: for them this is the mean
+        over the slots held now, and `nbytes` walks the tensors.
         """
+        if self.variable_slot_bytes:
+            # Attended quantized layers: the mean over the slots held now (window and codes differ).
+            return sum(tensor_bytes(t) for t in self.tensors()) // self.length if self.length else 0
         if self._slot_bytes is None and self.length:
             held = sum(tensor_bytes(t) for t in self.tensors())
             self._slot_bytes = held // self.length
@@ -387,15 +415,9 @@ class PhysicalCache:
         the first layers have grown and the others have not, and every later forward
         would fail on mismatched lengths. Appends only ever add at the end, so cutting
         each layer's own tensors back to `length` restores the state before the append.
-        The cut tensors are copies: a slice would keep the discarded tail's storage
-        alive behind byte accounting that no longer counts it.
         """
         for layer in self.cache.managed_layers:
-            own = max(0, length - layer.prefix_length)
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name, None)
-                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[-2] > own:
-                    setattr(layer, name, tensor[..., :own, :].clone())
+            layer.cut_to(max(0, length - layer.prefix_length))
         if self.length > length:
             self.slot_span = self.slot_span[:length]
             self.slot_offset = self.slot_offset[:length]
@@ -407,7 +429,21 @@ class PhysicalCache:
 
     def fork(self) -> PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""
-        child = PhysicalCache(self.num_layers)
+        child = PhysicalCache(self.num_layers, self.layer_factory)
+        if self.variable_slot_bytes:
+            # Attended quantized layers are not shared: the branch re-quantizes its own copy.
+            self.compact_pending()
+            for parent_layer, child_layer in zip(
+                self.cache.managed_layers, child.cache.managed_layers, strict=True
+            ):
+                full = parent_layer.full()
+                if full is not None:
+                    child_layer.set_all(full[0], full[1])
+            child.slot_span = self.slot_span.clone()
+            child.slot_offset = self.slot_offset.clone()
+            child.slot_position = self.slot_position.clone()
+            child.slot_attention = self.slot_attention.clone()
+            return child
         for parent_layer, child_layer in zip(
             self.cache.managed_layers, child.cache.managed_layers, strict=True
         ):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec
 from agentkv.store.block import KVBlock, tensor_bytes
-from agentkv.store.cache import PhysicalCache
+from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.protocol import ARCHIVE_TIERS, TierBytes
 from agentkv.store.quantized import QuantizedBlock
@@ -41,8 +43,17 @@ class KVStore:
         group_size: int = 32,
         residual_tokens: int = 0,
         host_limit_bytes: int | None = None,
+        attended_bits: int | None = None,
+        attended_residual_tokens: int = 64,
     ) -> None:
-        self.physical = PhysicalCache(num_layers)
+        factory: LayerFactory = SharedPrefixLayer
+        if attended_bits is not None:
+            check_attended_spec(attended_bits, group_size, attended_residual_tokens)
+            factory = partial(QuantizedAttendedLayer, attended_bits, group_size, attended_residual_tokens)
+        self.physical = PhysicalCache(num_layers, factory)
+        self.attended_bits = attended_bits
+        """Bits of the attended quantized tier (None: the attended cache is full precision)."""
+        self.attended_residual_tokens = attended_residual_tokens
         self.device = device
         self.group_size = group_size
         self.residual_tokens = residual_tokens
@@ -88,6 +99,8 @@ class KVStore:
             group_size=self.group_size,
             residual_tokens=self.residual_tokens,
             host_limit_bytes=self.host_limit_bytes,
+            attended_bits=self.attended_bits,
+            attended_residual_tokens=self.attended_residual_tokens,
         )
         child.physical = self.physical.fork()
         return child

@@ -1,0 +1,222 @@
+"""Decode and prefill speed of the attended int4 tier and the pinned host tier, on one device.
+
+Run on a CUDA machine (the lead's single short GPU run)::
+
+    OUT=/some/dir python scripts/device_check.py            # CUDA; < 4 min on one GPU
+
+or on a CPU to check the script itself::
+
+    python scripts/device_check.py --cpu --context 1024 --decode 32
+
+It loads the default model (SmolLM2-135M-Instruct) and, over the same token history,
+measures:
+
+- `full`: the full-precision attended cache (agentkv's physical cache);
+- `int4-attended`: the attended quantized tier (`QuantizedAttendedLayer`, KIVI int4,
+  64-token full-precision window, dequantized per layer on every read);
+- `int2-attended`: the same at int2;
+- `host-recall`: the whole history offloaded to the host tier (pinned memory on CUDA)
+  and restored into the attended cache, then decoded at full precision: the restore
+  rate (tokens/s and GB/s) against re-encoding the same tokens (the prefill rate).
+
+Prefill tokens/s time one forward over the history; decode tokens/s time greedy
+single-token steps after it. Modes are measured in alternation, `--repeats` rounds,
+and the median is reported, so a background load hits every mode alike. The table
+is printed and, when `$OUT` is set, written to `$OUT/device_check.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentkv import load_model
+from agentkv.backend.runner import Feed, ModelRunner
+from agentkv.bench.conversation import SYSTEM_PROMPT, build_conversation
+from agentkv.store.attended import QuantizedAttendedLayer
+from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
+from agentkv.store.host import HostBlock
+
+MODES: dict[str, LayerFactory] = {
+    "full": SharedPrefixLayer,
+    "int4-attended": partial(QuantizedAttendedLayer, 4, 32, 64),
+    "int2-attended": partial(QuantizedAttendedLayer, 2, 32, 64),
+}
+
+
+def history_ids(tokenizer: Any, tokens: int) -> list[int]:
+    """A deterministic agent-like history (tool results, user facts) of exactly `tokens` ids."""
+    text = SYSTEM_PROMPT
+    for turn in build_conversation(turns=200, tool_words=120):
+        text += "\n" + turn.user + ("\n" + turn.tool_result if turn.tool_result else "")
+        if len(text) > tokens * 6:
+            break
+    ids = list(tokenizer(text)["input_ids"])
+    if len(ids) < tokens:
+        msg = f"history too short: {len(ids)} tokens, wanted {tokens}"
+        raise ValueError(msg)
+    return ids[:tokens]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (timings must include it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def feed_of(ids: list[int], start: int) -> Feed:
+    """Tokens at logical positions `start…`, all in span 0."""
+    n = len(ids)
+    return Feed(list(ids), list(range(start, start + n)), [0] * n, list(range(start, start + n)))
+
+
+def prefill(runner: ModelRunner, cache: PhysicalCache, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Encode `ids` into `cache`; returns (seconds, last logits)."""
+    sync(runner.device)
+    started = time.perf_counter()
+    logits = runner.forward(cache, feed_of(ids, 0))
+    sync(runner.device)
+    assert logits is not None
+    return time.perf_counter() - started, logits
+
+
+def decode(runner: ModelRunner, cache: PhysicalCache, logits: torch.Tensor, start: int, steps: int) -> float:
+    """Greedy single-token steps after position `start`; returns seconds."""
+    token = int(logits.argmax())
+    sync(runner.device)
+    started = time.perf_counter()
+    for i in range(steps):
+        out = runner.forward(cache, feed_of([token], start + i))
+        assert out is not None
+        token = int(out.argmax())
+    sync(runner.device)
+    return time.perf_counter() - started
+
+
+def measure_attended(
+    runner: ModelRunner, factory: LayerFactory, ids: list[int], steps: int
+) -> dict[str, float]:
+    """Prefill and decode over a fresh cache made of `factory` layers."""
+    cache = PhysicalCache(runner.num_layers, factory)
+    with torch.inference_mode():
+        seconds, logits = prefill(runner, cache, ids)
+        held = cache.nbytes()
+        decode_s = decode(runner, cache, logits, len(ids), steps)
+    return {
+        "prefill_tok_s": len(ids) / seconds,
+        "decode_tok_s": steps / decode_s,
+        "kv_bytes_after_prefill": float(held),
+    }
+
+
+def measure_host_recall(runner: ModelRunner, ids: list[int], steps: int) -> dict[str, float]:
+    """Offload the history to the host tier, restore it, then decode over the restored cache."""
+    cache = PhysicalCache(runner.num_layers)
+    with torch.inference_mode():
+        _, logits = prefill(runner, cache, ids)
+        slots = torch.arange(cache.length)
+        block = cache.extract(slots)
+        host = HostBlock.offload(block, fresh=True)
+        sync(runner.device)
+        cache.truncate(0)
+        del block
+        nbytes = host.nbytes
+        sync(runner.device)
+        started = time.perf_counter()
+        restored = host.restore(runner.device)
+        cache.append_blocks([(0, restored, torch.arange(len(ids)))])
+        sync(runner.device)
+        restore_s = time.perf_counter() - started
+        decode_s = decode(runner, cache, logits, len(ids), steps)
+    return {
+        "restore_tok_s": len(ids) / restore_s,
+        "restore_gb_s": nbytes / restore_s / 1e9,
+        "decode_tok_s": steps / decode_s,
+        "host_bytes": float(nbytes),
+        "pinned": float(all(t.is_pinned() for t in (*host.block.keys, *host.block.values))),
+    }
+
+
+def median_rows(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per mode and figure, the median over rounds."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in rounds[0]:
+        out[mode] = {k: statistics.median(r[mode][k] for r in rounds) for k in rounds[0][mode]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, measure, print the table, write JSON to `$OUT`."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script; slow)")
+    parser.add_argument("--context", type=int, default=None, help="history tokens (CUDA 4096, CPU 1024)")
+    parser.add_argument("--decode", type=int, default=None, help="decode steps (CUDA 128, CPU 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (median reported)")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print(
+            "device_check: no CUDA device here; run with --cpu to check the script on the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    device = "cpu" if args.cpu else "cuda"
+    context = args.context or (1024 if args.cpu else 4096)
+    steps = args.decode or (32 if args.cpu else 128)
+    started = time.perf_counter()
+    model, tokenizer = load_model(device=device)
+    runner = ModelRunner(model)
+    ids = history_ids(tokenizer, context)
+    measure: dict[str, Callable[[], dict[str, float]]] = {
+        name: partial(measure_attended, runner, factory, ids, steps) for name, factory in MODES.items()
+    }
+    measure["host-recall"] = partial(measure_host_recall, runner, ids, steps)
+    measure_attended(runner, SharedPrefixLayer, ids[:256], 4)  # warm-up: kernels, allocator
+    rounds = [{name: fn() for name, fn in measure.items()} for _ in range(max(1, args.repeats))]
+    rows = median_rows(rounds)
+    base = rows["full"]
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "model": getattr(model.config, "name_or_path", type(model).__name__),
+        "dtype": str(runner.dtype),
+        "context_tokens": context,
+        "decode_steps": steps,
+        "repeats": args.repeats,
+        "fp_kv_bytes": context * runner.bytes_per_token,
+        "rows": rows,
+        "decode_vs_full": {m: r["decode_tok_s"] / base["decode_tok_s"] for m, r in rows.items()},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    where = f"{result['device']} ({result['dtype']})"
+    print(f"device_check on {where}, {context} history tokens, {steps} decode steps")
+    print(f"{'mode':16} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs full':>15} {'KV bytes':>12}")
+    for mode, r in rows.items():
+        kv = r.get("kv_bytes_after_prefill", r.get("host_bytes", 0.0))
+        prefill_s = r.get("prefill_tok_s")
+        shown = f"{prefill_s:14,.0f}" if prefill_s is not None else f"{'—':>14}"
+        ratio = result["decode_vs_full"][mode]
+        print(f"{mode:16} {shown} {r['decode_tok_s']:13,.1f} {ratio:15.2f} {kv:12,.0f}")
+    recall = rows["host-recall"]
+    print(
+        f"host-recall restore: {recall['restore_tok_s']:,.0f} tok/s, {recall['restore_gb_s']:.2f} GB/s "
+        f"(re-encoding: {base['prefill_tok_s']:,.0f} tok/s); pinned={bool(recall['pinned'])}"
+    )
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / "device_check.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
