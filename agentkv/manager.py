@@ -293,8 +293,8 @@ class LifecycleManager:
             return (event.name, self.session.turn)
         return (event.name, event)
 
-    def _noop(self, event: Event, reason: str) -> ApplyResult:
-        self.session.counters.events_noop += 1
+    def _noop(self, event: Event, reason: str, internal: bool = False) -> ApplyResult:
+        self._count(applied=False, internal=internal)
         logger.info("session %s: %s ignored: %s", self.session.session_id, event.name, reason)
         self.session._record("event", event=event.name, applied=False, reason=reason)
         return ApplyResult(event.name, applied=False, reason=reason)
@@ -355,7 +355,19 @@ class LifecycleManager:
             return self.rules.actions(f"custom:{event.event}")
         return self.rules.actions(event.name)
 
-    def _apply_targets(self, event: Event, targets: dict[str, list[Span]]) -> ApplyResult:
+    def _count(self, *, applied: bool, internal: bool) -> None:
+        """Count an event: internal ones (implicit turn ends) apart from what the user's run sent."""
+        counters = self.session.counters
+        if internal:
+            counters.events_internal += 1
+        elif applied:
+            counters.events_applied += 1
+        else:
+            counters.events_noop += 1
+
+    def _apply_targets(
+        self, event: Event, targets: dict[str, list[Span]], *, internal: bool = False
+    ) -> ApplyResult:
         if isinstance(event, BranchOpened):
             self.branches_seen.add(event.branch)
             self.session._record("event", event=event.name, branch=event.branch)
@@ -367,10 +379,10 @@ class LifecycleManager:
             if isinstance(event, (BranchPruned, BranchSelected)) and self._branch_known(event.branch):
                 self.session.counters.events_applied += 1
                 return ApplyResult(event.name, applied=True, reason="branch sessions settled")
-            return self._noop(event, "no span matches its target (unknown owner or already removed)")
+            return self._noop(event, "no span matches its target (unknown owner or already removed)", internal)
         live = {t: [s for s in spans if s.state is not SpanState.EVICTED] for t, spans in targets.items()}
         if not any(live.values()):
-            return self._noop(event, "its spans were already evicted")
+            return self._noop(event, "its spans were already evicted", internal)
         transitions: list[Transition] = []
         leases: list[Lease] = []
         for target, action in self._rules_for(event).items():
@@ -397,7 +409,7 @@ class LifecycleManager:
                 moved = self.move(span, state, reason=event.name)
                 if moved is not None:
                     transitions.append(moved)
-        self.session.counters.events_applied += 1
+        self._count(applied=True, internal=internal)
         self.session._record(
             "event",
             event=event.name,
@@ -411,7 +423,7 @@ class LifecycleManager:
         turn = session.turn if event.turn is None else event.turn
         spans = [s for s in session.spans if s.turn == turn]
         if not spans:
-            return self._noop(event, f"turn {turn} has no spans")
+            return self._noop(event, f"turn {turn} has no spans", implicit)
         answers = [s for s in spans if s.kind is SpanKind.ASSISTANT]
         targets = {
             "user": [s for s in spans if s.kind in (SpanKind.USER, SpanKind.SYSTEM)],
@@ -423,7 +435,7 @@ class LifecycleManager:
         }
         # Only spans still ACTIVE are moved by a turn end: earlier events already decided the rest.
         targets = {t: [s for s in ss if s.state is SpanState.ACTIVE] for t, ss in targets.items()}
-        result = self._apply_targets(event, targets)
+        result = self._apply_targets(event, targets, internal=implicit)
         if implicit and result.applied:
             self.applied.add(("turn_ended", turn))
         return result

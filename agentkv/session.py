@@ -652,6 +652,7 @@ class Session:
                 turn=self.turn,
                 events_applied=c.events_applied,
                 events_noop=c.events_noop,
+                events_internal=c.events_internal,
                 transitions=c.transitions,
                 faults=c.faults,
                 budget_unmet=c.budget_unmet,

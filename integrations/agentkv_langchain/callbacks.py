@@ -290,6 +290,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self._branches: set[tuple[str, str]] = set()
         self._pending: dict[str, list[Event]] = {}
         """Per session: tool outcomes waiting for the result to be encoded."""
+        self._failed_inputs: set[tuple[str, str]] = set()
+        """`(session, tool_call_id)` of error results already reported (from a tool run or an input)."""
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -366,8 +368,26 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         metadata: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Remember the model call (its end reports the tool calls a HITL decision refers to)."""
-        self._enter(run_id, parent_run_id, metadata)
+        """Remember the model call; an error `ToolMessage` in its input becomes `ToolCallFailed`.
+
+        A tool that ran outside this handler's view (a result written by hand, another
+        agent's tool node) reports its failure only as `ToolMessage(status="error")` in
+        the history; the event waits for the end of this call, when the result is encoded.
+        """
+        context = self._enter(run_id, parent_run_id, metadata)
+        for batch in messages or []:
+            for message in batch or []:
+                if not (isinstance(message, ToolMessage) and message.status == "error"):
+                    continue
+                key = (context.session_id, message.tool_call_id)
+                with self._lock:
+                    if key in self._failed_inputs:
+                        continue
+                    self._failed_inputs.add(key)
+                self._defer(
+                    context.session_id,
+                    ToolCallFailed(tool_call_id=message.tool_call_id, error=_text(message.content)),
+                )
 
     @_guarded
     def on_llm_start(
@@ -437,6 +457,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
         if message is not None and message.status == "error":
+            with self._lock:
+                self._failed_inputs.add((context.session_id, call_id))
             self._defer(
                 context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content))
             )
