@@ -379,7 +379,9 @@ class LifecycleManager:
             if isinstance(event, (BranchPruned, BranchSelected)) and self._branch_known(event.branch):
                 self.session.counters.events_applied += 1
                 return ApplyResult(event.name, applied=True, reason="branch sessions settled")
-            return self._noop(event, "no span matches its target (unknown owner or already removed)", internal)
+            return self._noop(
+                event, "no span matches its target (unknown owner or already removed)", internal
+            )
         live = {t: [s for s in spans if s.state is not SpanState.EVICTED] for t, spans in targets.items()}
         if not any(live.values()):
             return self._noop(event, "its spans were already evicted", internal)

@@ -66,7 +66,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
-from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey
+from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
 if TYPE_CHECKING:
     # LangGraph delivers `on_interrupt` / `on_resume` only to `GraphCallbackHandler`s;
@@ -627,6 +627,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """A run's context: its own metadata where it says something, its parent's otherwise."""
         metadata = metadata or {}
         parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+        if parent is None and not metadata.get(THREAD_KEY):
+            # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
+            # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
+            metadata = current_metadata(metadata)
         key = SessionKey.from_metadata(metadata, self.session_id)
         thread = (
             key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread

@@ -54,7 +54,7 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
@@ -63,7 +63,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from agentkv import Session, TransformersBackend
 from agentkv.chat import normalize_messages
-from agentkv_langchain.sessions import session_for
+from agentkv_langchain.sessions import calling, current_metadata, session_for
 from agentkv_langchain.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -256,6 +256,68 @@ class ChatAgentKV(BaseChatModel):
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
+
+    # -- entry points: the call's config picks its session (see `agentkv_langchain.sessions`) -----
+
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """`BaseChatModel.invoke`, with the config's thread kept for the session choice."""
+        with calling(config):
+            return super().invoke(input, config, stop=stop, **kwargs)
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """`BaseChatModel.ainvoke`, with the config's thread kept for the session choice."""
+        with calling(config):
+            return await super().ainvoke(input, config, stop=stop, **kwargs)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        """`BaseChatModel.stream`; langchain-core calls `_stream` without a run manager, so the
+        config's thread is kept while the first chunk is made (that is when the session is picked)."""
+        chunks = super().stream(input, config, stop=stop, **kwargs)
+        with calling(config):
+            first = next(chunks, None)
+        if first is None:
+            return
+        yield first
+        yield from chunks
+
+    async def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        """`BaseChatModel.astream`, with the session picked as in `stream`."""
+        chunks = super().astream(input, config, stop=stop, **kwargs)
+        with calling(config):
+            first = await anext(chunks, None)
+        if first is None:
+            return
+        yield first
+        async for chunk in chunks:
+            yield chunk
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -633,7 +695,8 @@ def _text(content: str | list[str | dict[str, Any]], index: int) -> str:
 def _metadata(
     run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
 ) -> Mapping[str, Any]:
-    return run_manager.metadata if run_manager is not None else {}
+    """The call's metadata: the run manager's, completed with the call's config (`current_metadata`)."""
+    return current_metadata(run_manager.metadata if run_manager is not None else None)
 
 
 def _model_name(model: Any) -> str:

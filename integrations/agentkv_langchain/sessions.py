@@ -9,19 +9,43 @@ would overwrite each other's history; the LangGraph helper marks such calls with
 `metadata["agentkv_branch"]`, and they get a fork of the thread's session that
 shares its KV prefix without copying it.
 
+Every entry point resolves the thread the same way (`call_metadata`): the call's
+own config (`config["metadata"]`, then `config["configurable"]["thread_id"]`), or,
+for a call made without one inside a run (a LangGraph node calling `llm.invoke(...)`
+or `llm.stream(...)`), LangChain's context-local runnable config
+(`ensure_config()`), then the callback metadata of the model run. langchain-core
+does not hand `_stream` a run manager, so the callback metadata alone is not
+enough: `ChatAgentKV` captures the config at `invoke` / `ainvoke` / `stream` /
+`astream` and keeps it in `CALL_METADATA` while the call picks its session.
+
 To route calls differently, extend `SessionKey.from_metadata` (what identifies a
 session) or `open_session` (how a key becomes a session); `session_for` composes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig, ensure_config
+
 from agentkv import Session, TransformersBackend
 
-__all__ = ["BRANCH_KEY", "DEFAULT_THREAD", "THREAD_KEY", "SessionKey", "open_session", "session_for"]
+__all__ = [
+    "BRANCH_KEY",
+    "CALL_METADATA",
+    "DEFAULT_THREAD",
+    "THREAD_KEY",
+    "SessionKey",
+    "call_metadata",
+    "calling",
+    "current_metadata",
+    "open_session",
+    "session_for",
+]
 
 THREAD_KEY = "thread_id"
 """Metadata key of the conversation id (LangGraph sets it from `configurable.thread_id`)."""
@@ -29,6 +53,53 @@ BRANCH_KEY = "agentkv_branch"
 """Metadata key of a branch id; set by the LangGraph helper for calls inside a branch."""
 DEFAULT_THREAD = "default"
 """The session used when a call names no thread."""
+
+CALL_METADATA: ContextVar[Mapping[str, Any] | None] = ContextVar("agentkv_call_metadata", default=None)
+"""The metadata of the model call being started (set by `ChatAgentKV`'s entry points, see `calling`)."""
+
+
+def call_metadata(config: RunnableConfig | None = None) -> dict[str, Any]:
+    """The metadata that picks a call's session, read from its config.
+
+    Args:
+        config: The config the call was given; None = the context-local runnable
+            config of the run the call is made in (a LangGraph node's), if any.
+
+    Returns:
+        `config["metadata"]`, with `thread_id` taken from `config["configurable"]`
+        when the metadata has none.
+    """
+    resolved = ensure_config(config)
+    metadata = dict(resolved.get("metadata") or {})
+    thread = (resolved.get("configurable") or {}).get(THREAD_KEY)
+    if not metadata.get(THREAD_KEY) and thread:
+        metadata[THREAD_KEY] = thread
+    return metadata
+
+
+def current_metadata(own: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A model run's metadata completed with the call's (or the current run's) config.
+
+    Args:
+        own: The run's callback metadata (`run_manager.metadata`, a start callback's
+            `metadata`); its keys win.
+    """
+    base = CALL_METADATA.get()
+    merged = dict(base if base is not None else call_metadata(None))
+    merged.update(own or {})
+    if not merged.get(THREAD_KEY) and base is not None and base.get(THREAD_KEY):
+        merged[THREAD_KEY] = base[THREAD_KEY]
+    return merged
+
+
+@contextmanager
+def calling(config: RunnableConfig | None) -> Iterator[None]:
+    """Mark a model call in progress with its config's metadata (see `CALL_METADATA`)."""
+    token = CALL_METADATA.set(call_metadata(config))
+    try:
+        yield
+    finally:
+        CALL_METADATA.reset(token)
 
 
 @dataclass(frozen=True)
