@@ -245,14 +245,14 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
     if role not in ROLES:
         msg = f"{where}.role: unknown role {role!r}; allowed: {', '.join(ROLES)}"
         raise ValueError(msg)
-    if isinstance(message, Mapping) and message.get("content") is None:
-        # Only an assistant message that carries tool calls says everything without content.
-        if not (role == "assistant" and message.get("tool_calls")):
-            msg = (
-                f"{where}: a {role!r} message needs 'content' (a string or a list of text blocks), "
-                f"got keys {sorted(map(str, message))}; only an assistant message with tool_calls may omit it"
-            )
-            raise ValueError(msg)
+    # Only an assistant message that carries tool calls says everything without content.
+    calls_only = role == "assistant" and isinstance(message, Mapping) and bool(message.get("tool_calls"))
+    if isinstance(message, Mapping) and message.get("content") is None and not calls_only:
+        msg = (
+            f"{where}: a {role!r} message needs 'content' (a string or a list of text blocks), "
+            f"got keys {sorted(map(str, message))}; only an assistant message with tool_calls may omit it"
+        )
+        raise ValueError(msg)
     tool_call_id = get("tool_call_id")
     if role == "tool" and not tool_call_id:
         logger.debug("%s: tool message without tool_call_id; events cannot name it", where)
@@ -301,7 +301,7 @@ _MAX_WARNED = 10_000
 
 
 def warn_unmatched_tool_results(messages: Sequence[ChatMessage]) -> list[int]:
-    """Log a warning for each tool result whose `tool_call_id` matches no earlier call; return their indexes."""
+    """Warn (once per id) about tool results that answer no earlier call; return their indexes."""
     calls: set[str] = set()
     unmatched: list[int] = []
     for i, message in enumerate(messages):

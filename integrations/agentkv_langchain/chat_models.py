@@ -291,8 +291,11 @@ class ChatAgentKV(BaseChatModel):
         stop: list[str] | None = None,
         **kwargs: Any,
     ) -> Iterator[AIMessageChunk]:
-        """`BaseChatModel.stream`; langchain-core calls `_stream` without a run manager, so the
-        config's thread is kept while the first chunk is made (that is when the session is picked)."""
+        """`BaseChatModel.stream`, with the config's thread kept while the session is picked.
+
+        langchain-core calls `_stream` without a run manager, and the session is picked
+        while the first chunk is made, so the config is held for that step.
+        """
         chunks = super().stream(input, config, stop=stop, **kwargs)
         with calling(config):
             first = next(chunks, None)
