@@ -589,6 +589,21 @@ class Session:
         """A branch session sharing this session's KV as a read-only prefix (no copy)."""
         return self.backend.fork(self.session_id, branch)
 
+    def detach(self, session_id: str) -> None:
+        """Stand alone as the conversation `session_id` (a branch adopted by its thread).
+
+        The shared prefix stays referenced by this session's cache, so the old parent
+        can close; the branch tags of the spans are cleared, so a late hint naming the
+        branch cannot release what is now the thread's own history.
+        """
+        with self.lock:
+            self._record("branch", adopted_as=session_id, was=self.session_id)
+            self.session_id = session_id
+            self.parent = None
+            self.branch = None
+            for span in self.spans:
+                span.branch = None
+
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:
             if parent._prefill():

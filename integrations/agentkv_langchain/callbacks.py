@@ -66,6 +66,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv_langchain.fanout import BranchSelector, continued_branch
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
 if TYPE_CHECKING:
@@ -255,6 +256,17 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         end_turn_on_root: Send `TurnEnded` when a top-level chain ends (a graph
             invocation, or the runnable wrapping one agent turn). Turn it off when a
             top-level chain is smaller than a turn and call `end_turn` yourself.
+        adopt_branches: When the thread's next model call after a fan-out continues
+            with a branch's own messages, adopt that branch's session as the thread's
+            (its KV is not re-encoded); False = prune every branch at that call.
+        branch_selector: `(thread, open branch ids) -> id | None`, asked when a run
+            ends with branches nobody selected: the branch it names is kept for the
+            next run to adopt, the others are pruned. None = prune them all.
+
+    Fan-outs settle by themselves (see `agentkv_langchain.fanout`): at the thread's
+    first model call after the fan-out step, the branch it continues is adopted and
+    the others get `BranchPruned`; when the run ends, branches still open are pruned
+    unless selected (`select_branch`, or `branch_selector`).
     """
 
     run_inline = True
@@ -268,6 +280,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         raise_error: bool | None = None,
         session_id: str | None = None,
         end_turn_on_root: bool = True,
+        adopt_branches: bool = True,
+        branch_selector: BranchSelector | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
@@ -275,6 +289,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self.raise_error = self.config.callbacks.raise_error if raise_error is None else raise_error
         self.session_id = session_id
         self.end_turn_on_root = end_turn_on_root
+        self.adopt_branches = adopt_branches
+        self.branch_selector = branch_selector
+        self.adopted: list[tuple[str, str]] = []
+        """`(thread, branch)` of every branch adopted as its thread's continuation, in order."""
         self.events: list[tuple[str, Event]] = []
         """Every event sent, in order, as `(session_id, event)`, duplicates included (sessions skip them)."""
         self.leases: dict[tuple[str, str], Lease] = {}
@@ -287,7 +305,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """Per thread: pending interrupt id → its value (what a resume answers)."""
         self._tool_calls: dict[str, list[_ToolCallRecord]] = {}
         """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
-        self._branches: set[tuple[str, str]] = set()
+        self._branches: dict[tuple[str, str], int | None] = {}
+        """Open branches `(thread, branch)` → the graph step that opened them (settled ones leave)."""
+        self._selected: set[tuple[str, str]] = set()
+        """Open branches a `select_branch` (or the selector) kept: adopted or pruned at the next call."""
         self._pending: dict[str, list[Event]] = {}
         """Per session: tool outcomes waiting for the result to be encoded."""
         self._failed_inputs: set[tuple[str, str]] = set()
@@ -374,7 +395,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         agent's tool node) reports its failure only as `ToolMessage(status="error")` in
         the history; the event waits for the end of this call, when the result is encoded.
         """
-        context = self._enter(run_id, parent_run_id, metadata)
+        context = self._enter(run_id, parent_run_id, metadata, model=True)
+        if context.branch is None and messages:
+            self._settle(context.thread, step=_step(metadata), messages=messages[0])
         for batch in messages or []:
             for message in batch or []:
                 if not (isinstance(message, ToolMessage) and message.status == "error"):
@@ -401,7 +424,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         **kwargs: Any,
     ) -> None:
         """Remember a completion-model call (same as a chat model's)."""
-        self._enter(run_id, parent_run_id, metadata)
+        self._enter(run_id, parent_run_id, metadata, model=True)
 
     @_guarded
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -456,14 +479,13 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if not call_id or context is None:
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
+        session_id = self._session_of_call(call_id) or context.session_id
         if message is not None and message.status == "error":
             with self._lock:
-                self._failed_inputs.add((context.session_id, call_id))
-            self._defer(
-                context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content))
-            )
+                self._failed_inputs.add((session_id, call_id))
+            self._defer(session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
         else:
-            self._defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+            self._defer(session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -476,7 +498,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         if context.tool_call_id:
             error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            self._defer(context.session_id, error_event)
+            self._defer(self._session_of_call(context.tool_call_id) or context.session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -491,7 +513,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
-        elif self.end_turn_on_root:
+            return
+        self._settle(context.thread, at_end=True)
+        if self.end_turn_on_root:
             self._emit(context.session_id, TurnEnded())
 
     @_guarded
@@ -506,6 +530,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._forget_root(run_id)
             if context is not None:
                 self.flush(thread=context.thread)
+                if not (context.interrupted or _is_bubble_up(error)):
+                    self._settle(context.thread, at_end=True)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------
 
@@ -584,11 +610,12 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._emit(context.thread, event)
             pruned = name == PRUNE_BRANCH_EVENT
             with self._lock:  # settled branches need no more BranchOpened bookkeeping
-                self._branches = {
-                    (t, b)
-                    for t, b in self._branches
-                    if t != context.thread or (b != branch if pruned else b == branch)
-                }
+                for t, b in list(self._branches):
+                    if t == context.thread and (b == branch if pruned else b != branch):
+                        del self._branches[(t, b)]
+                        self._selected.discard((t, b))
+                if not pruned:
+                    self._selected.add((context.thread, branch))
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -622,16 +649,25 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return self._runs.get(run_id)
 
     def _context_from(
-        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        model: bool = False,
     ) -> _RunContext:
-        """A run's context: its own metadata where it says something, its parent's otherwise."""
+        """A run's context: its own metadata where it says something, its parent's otherwise.
+
+        Only a model call inside a `Send` task runs on the task's fork (`model=True`); a
+        node or tool run there belongs to the thread, unless `agentkv_branch` names a branch.
+        """
         metadata = metadata or {}
         parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
         if parent is None and not metadata.get(THREAD_KEY):
             # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
             # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
             metadata = current_metadata(metadata)
-        key = SessionKey.from_metadata(metadata, self.session_id)
+        key = SessionKey.from_metadata(metadata, self.session_id, send_forks=model)
         thread = (
             key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread
         )
@@ -652,17 +688,86 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         )
 
     def _enter(
-        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        model: bool = False,
     ) -> _RunContext:
         with self._lock:
-            context = self._context_from(run_id, parent_run_id, metadata)
+            context = self._context_from(run_id, parent_run_id, metadata, model=model)
             self._runs[run_id] = context
             opened = context.branch is not None and (context.thread, context.branch) not in self._branches
             if opened and context.branch is not None:
-                self._branches.add((context.thread, context.branch))
+                self._branches[(context.thread, context.branch)] = _step(metadata)
         if opened and context.branch is not None:
             self._emit(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
         return context
+
+    def _settle(
+        self, thread: str, *, step: int | None = None, messages: Any = None, at_end: bool = False
+    ) -> None:
+        """Settle the thread's open branches (see `agentkv_langchain.fanout`).
+
+        Args:
+            thread: The thread whose fan-out is settled.
+            step: The graph step of the thread-level call settling it; branches opened at
+                that step or later are still running and stay open.
+            messages: That call's input: a branch it continues is adopted.
+            at_end: The run ended: selected branches stay for the next run, others go.
+        """
+        with self._lock:
+            settling = [
+                b
+                for (t, b), opened in self._branches.items()
+                if t == thread and (step is None or opened is None or opened < step)
+            ]
+            selected = {b for b in settling if (thread, b) in self._selected}
+        if not settling:
+            return
+        winner = None
+        keep: set[str] = set()
+        if messages is not None and self.adopt_branches:
+            winner = continued_branch(self.backend, thread, settling, messages)
+        if at_end:
+            keep = set(selected)
+            if not keep and self.branch_selector is not None:
+                pick = self.branch_selector(thread, sorted(settling))
+                keep = {pick} if pick in settling else set()
+        for branch in settling:
+            if branch != winner and branch not in keep:
+                self._emit(thread, BranchPruned(branch=branch))
+        with self._lock:
+            for branch in settling:
+                if branch not in keep:
+                    self._branches.pop((thread, branch), None)
+                    self._selected.discard((thread, branch))
+                else:
+                    self._selected.add((thread, branch))
+        if winner is not None:
+            with self._lock:
+                self.events.append((thread, BranchSelected(branch=winner)))
+            try:
+                self.backend.adopt(thread, winner)
+            except Exception as e:
+                self._failed(f"adopting branch {winner!r} of {thread!r}", e)
+            else:
+                with self._lock:
+                    self.adopted.append((thread, winner))
+                logger.debug("thread %s goes on with branch %s: adopted", thread, winner)
+
+    def _session_of_call(self, call_id: str) -> str | None:
+        """The session whose model made tool call `call_id` (its result is encoded there)."""
+        with self._lock:
+            return next(
+                (
+                    sid
+                    for sid, records in self._tool_calls.items()
+                    if any(r.tool_call_id == call_id for r in records)
+                ),
+                None,
+            )
 
     def _exit(self, run_id: UUID) -> _RunContext | None:
         with self._lock:
@@ -796,6 +901,12 @@ def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:
         if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
             return message
     return None
+
+
+def _step(metadata: Mapping[str, Any] | None) -> int | None:
+    """The LangGraph step a run belongs to (`langgraph_step`), if any."""
+    step = (metadata or {}).get("langgraph_step")
+    return step if isinstance(step, int) else None
 
 
 def _text(content: Any) -> str:

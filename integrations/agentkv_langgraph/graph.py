@@ -34,6 +34,7 @@ from langgraph.pregel import Pregel
 
 from agentkv import AgentKVConfig, Session, TransformersBackend, load_model
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langchain.fanout import BranchSelector
 from agentkv_langchain.sessions import DEFAULT_THREAD
 from agentkv_langgraph.config import load_config
 
@@ -164,13 +165,19 @@ def with_kv_lifecycle(
     backend: TransformersBackend | None = None,
     config: AgentKVConfig | str | os.PathLike[str] | None = None,
     raise_error: bool | None = None,
+    adopt_branches: bool = True,
+    branch_selector: BranchSelector | None = None,
 ) -> G:
     """Attach the KV lifecycle to a compiled graph.
 
     One session per `thread_id` (the chat model's choice, see
-    `agentkv_langchain.sessions`); `Send` branches fork it when their model calls use
-    `agentkv_langgraph.branch_config`. Tool results, turn ends, interrupts and resumes
-    and the `agentkv_langchain.helpers` events reach the sessions through the handler.
+    `agentkv_langchain.sessions`); a model call inside a `Send` task runs on a fork of
+    it (or `agentkv_langgraph.branch_config` names the branch). Fan-outs settle by
+    themselves: the thread's next model call adopts the branch it continues with and
+    prunes the others; branches still open when the run ends are pruned unless
+    selected (`select_branch`, `branch_selector`). Tool results, turn ends, interrupts
+    and resumes and the `agentkv_langchain.helpers` events reach the sessions through
+    the handler.
 
     Args:
         graph: A compiled graph (`StateGraph(...).compile(...)`, `create_agent(...)`).
@@ -178,6 +185,10 @@ def with_kv_lifecycle(
         config: Session settings: an `AgentKVConfig`, or a graph YAML path whose
             `agentkv:` section is read; None = the backend's config.
         raise_error: Let handler errors stop runs (default: `config.callbacks.raise_error`).
+        adopt_branches: Adopt the branch the thread continues with (False: prune it too,
+            and re-encode its messages in the thread's session).
+        branch_selector: `(thread, open branch ids) -> id | None`, asked when a run ends
+            with branches nobody selected; the one it names is kept for the next run.
 
     Returns:
         The same graph (a copy, of a subclass of its class) with the handler attached;
@@ -188,7 +199,13 @@ def with_kv_lifecycle(
     if backend is None:
         backend = shared_backend(config)
     base = config or backend.config
-    handler = KVLifecycleCallbackHandler(backend, config=base, raise_error=raise_error)
+    handler = KVLifecycleCallbackHandler(
+        backend,
+        config=base,
+        raise_error=raise_error,
+        adopt_branches=adopt_branches,
+        branch_selector=branch_selector,
+    )
     binding = KVLifecycle(backend=backend, handler=handler, config=base)
     bound = graph.with_config(callbacks=[handler])
     attrs = {k: v for k, v in bound.__dict__.items() if k not in ("__orig_class__", "agentkv")}

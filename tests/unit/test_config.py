@@ -661,4 +661,3 @@ def test_policy_parameter_typo_fails_at_load_with_path_line_and_hint(tmp_path: A
     nested = error_of({"policy": {"name": "h2o", "params": {"recent": 8}}})
     assert nested.startswith("agentkv.policy.params.recent: unknown parameter of policy 'h2o'")
     assert "did you mean 'recent_tokens'?" in nested
-
