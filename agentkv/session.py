@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import SamplingParams, StopMatcher, sample_next
+from agentkv.backend.sampling import LogitsProcessor, SamplingParams, StopMatcher, sample_next
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.events import Event
 from agentkv.lifecycle import Lease
@@ -344,6 +344,7 @@ class Session:
         prefix: str = "",
         seed: int | None = None,
         message_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> str:
         """Answer as the assistant; the answer becomes a cached assistant span.
 
@@ -357,6 +358,8 @@ class Session:
                 the returned text excludes it.
             seed: seeds the sampler.
             message_id: id of the message that will carry this answer (span owner).
+            logits_processor: `(generated ids, logits [V]) -> logits`, applied before each
+                pick (e.g. to forbid a tool-call tag while letting the answer go on).
 
         Returns:
             The generated text (without `prefix` and stop strings).
@@ -371,6 +374,7 @@ class Session:
                 prefix=prefix,
                 seed=seed,
                 message_id=message_id,
+                logits_processor=logits_processor,
             )
         )
 
@@ -385,6 +389,7 @@ class Session:
         prefix: str = "",
         seed: int | None = None,
         message_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[str]:
         """Like `generate`, but yields text pieces as they are decoded.
 
@@ -409,6 +414,7 @@ class Session:
             top_k=top_k,
             stop=stops,
             seed=seed,
+            logits_processor=logits_processor,
         )
         return self._decode(params, prefix, message_id)
 
@@ -448,6 +454,8 @@ class Session:
             finished_by_stop_string = False
             try:
                 for _ in range(params.max_new_tokens):
+                    if params.logits_processor is not None:
+                        logits = params.logits_processor(produced, logits)
                     token = sample_next(logits.cpu(), params, generator)
                     if token in stop_ids:
                         break

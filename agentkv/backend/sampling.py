@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+"""`(ids generated so far, next-token logits [V]) -> logits [V]`: masks tokens before sampling."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Strings that end the answer; the answer returned excludes them."""
     seed: int | None = None
+    logits_processor: LogitsProcessor | None = None
+    """Called on the logits before each token is picked (e.g. to forbid a tool-call tag)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

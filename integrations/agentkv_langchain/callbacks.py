@@ -498,7 +498,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         if context.tool_call_id:
             error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            self._defer(self._session_of_call(context.tool_call_id) or context.session_id, error_event)
+            session_id = self._session_of_call(context.tool_call_id) or context.session_id
+            with self._lock:  # the error ToolMessage made of it is the same failure
+                self._failed_inputs.add((session_id, context.tool_call_id))
+            self._defer(session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -514,7 +517,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
             return
-        self._settle(context.thread, at_end=True)
+        if context.branch is None:  # a run that is itself a branch settles nothing
+            self._settle(context.thread, at_end=True)
         if self.end_turn_on_root:
             self._emit(context.session_id, TurnEnded())
 
@@ -530,7 +534,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._forget_root(run_id)
             if context is not None:
                 self.flush(thread=context.thread)
-                if not (context.interrupted or _is_bubble_up(error)):
+                if context.branch is None and not (context.interrupted or _is_bubble_up(error)):
                     self._settle(context.thread, at_end=True)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------

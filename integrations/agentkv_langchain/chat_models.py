@@ -52,7 +52,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
@@ -63,12 +63,15 @@ from pydantic import ConfigDict, Field, model_validator
 
 from agentkv import Session, TransformersBackend
 from agentkv.chat import normalize_messages
+from agentkv_langchain.backends import shared_backend
 from agentkv_langchain.sessions import calling, current_metadata, session_for
 from agentkv_langchain.tools import (
+    ANY_TOOL,
     TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
     CallEnd,
+    ToolCallBan,
     ToolCallStreamFilter,
+    choose_tool,
     forced_call_prefix,
     parse_tool_calls,
     render_tool_prompt,
@@ -76,6 +79,7 @@ from agentkv_langchain.tools import (
     tool_names,
     tool_parameters,
 )
+from agentkv_langchain.toolset import outside, thread_tools
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
@@ -101,12 +105,15 @@ class ChatAgentKV(BaseChatModel):
 
     Setup:
         ```python
-        from agentkv import TransformersBackend, load_model
         from agentkv_langchain import ChatAgentKV
 
-        model, tokenizer = load_model()  # SmolLM2-135M-Instruct by default
-        llm = ChatAgentKV(backend=TransformersBackend(model, tokenizer), max_new_tokens=128)
+        llm = ChatAgentKV()  # the default model (SmolLM2-135M-Instruct), loaded once per process
+        llm = ChatAgentKV(model="HuggingFaceTB/SmolLM2-360M-Instruct", config="graph.yaml")
         ```
+        Without `backend=`, the model runs on the process-wide backend
+        (`agentkv_langchain.backends.shared_backend`) that `with_kv_lifecycle(graph)`
+        uses too, so the model calls and the lifecycle events meet in one session
+        table. Pass `backend=TransformersBackend(model, tokenizer)` to manage it yourself.
 
     Sessions: inside a LangGraph graph each `thread_id` gets its own session (KV
     cache); outside one, pass `config={"metadata": {"thread_id": "..."}}`, or fix one
@@ -127,7 +134,11 @@ class ChatAgentKV(BaseChatModel):
     """
 
     backend: TransformersBackend
-    """The in-process model and its sessions (one KV cache per conversation)."""
+    """The in-process model and its sessions; default: `shared_backend(config, model=model)`."""
+    model: str | None = Field(default=None, exclude=True)
+    """Model id / directory / .gguf path to load when no `backend` is given (None = `config.model`)."""
+    config: Any = Field(default=None, exclude=True)
+    """agentkv settings when no `backend` is given: `AgentKVConfig`, YAML-shaped mapping or YAML path."""
     session_id: str | None = None
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
@@ -146,6 +157,22 @@ class ChatAgentKV(BaseChatModel):
     """Name reported in traces and `response_metadata`; default: the model's id, or its GGUF's name."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_backend(cls, data: Any) -> Any:
+        """No `backend`: the process-wide one for `model` / `config` (the one `with_kv_lifecycle` uses)."""
+        if not isinstance(data, Mapping) or data.get("backend") is not None:
+            if isinstance(data, Mapping) and (
+                data.get("model") is not None or data.get("config") is not None
+            ):
+                msg = (
+                    "ChatAgentKV: give either backend= (a loaded model) or model= / config= "
+                    "(to load one on the shared backend), not both"
+                )
+                raise ValueError(msg)
+            return data
+        return {**data, "backend": shared_backend(data.get("config"), model=data.get("model"))}
 
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
@@ -233,10 +260,11 @@ class ChatAgentKV(BaseChatModel):
 
         Args:
             tools: the tools, in the order they are described to the model.
-            tool_choice: None / "auto": the model decides; "none": no call (generation
-                stops at a `<tool_call>` tag); "any" / "required" / True: a call is
-                forced, to the **first** listed tool when there are several (a prefilled
-                call must name one); a tool name, or a dict naming a function: a call
+            tool_choice: None / "auto": the model decides; "none": no call (the
+                `<tool_call>` tag cannot be written, so the model answers in text);
+                "any" / "required" / True: a call is forced, and the model picks the
+                tool among the bound ones (each name scored by the model, see
+                `tools.choose_tool`); a tool name, or a dict naming a function: a call
                 to that tool is forced.
             **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
 
@@ -458,18 +486,25 @@ class ChatAgentKV(BaseChatModel):
     ) -> Generator[str | _Answer, None, None]:
         """Extend the session, decode, bind the answer; yield content text, then the `_Answer`."""
         started = time.perf_counter()
-        plan = self._plan(messages, stop, kwargs)
         session = self._session(metadata)
-        visible = ToolCallStreamFilter() if plan.tools else None
-        if visible is not None:
-            visible.feed(plan.prefix)
-        call_end = CallEnd(plan.prefix) if plan.prefix else None
+        plan = self._plan(messages, stop, kwargs, session)
         raw: list[str] = []
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
             extended = session.extend(plan.messages)
-            pieces = session.stream(**plan.sampling, prefix=plan.prefix, message_id=message_id)
+            prefix = plan.prefix
+            if plan.choice == ANY_TOOL:  # "any" / "required": the model picks among the bound tools
+                name = choose_tool(session.answer_logprob, tool_names(plan.tools))
+                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name))
+            visible = ToolCallStreamFilter() if plan.tools else None
+            if visible is not None:
+                visible.feed(prefix)
+            call_end = CallEnd(prefix) if prefix else None
+            processor = _tool_call_ban(self.backend) if plan.ban_calls else None
+            pieces = session.stream(
+                **plan.sampling, prefix=prefix, message_id=message_id, logits_processor=processor
+            )
             try:
                 for piece in pieces:
                     if first_token_s is None:
@@ -484,8 +519,20 @@ class ChatAgentKV(BaseChatModel):
                 _close(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
             if visible is not None:
-                content, calls, invalid = parse_tool_calls(plan.prefix + "".join(raw))
+                content, calls, invalid = parse_tool_calls(prefix + "".join(raw))
                 rest = visible.rest(content)
+                for i in reversed(outside(calls, plan.tools)):  # listed in the prompt, not bound now
+                    call = calls.pop(i)
+                    invalid.insert(
+                        0,
+                        invalid_tool_call(
+                            name=call["name"],
+                            args=json.dumps(call["args"]),
+                            id=call["id"],
+                            error=f"tool {call['name']!r} is not bound to this call; "
+                            f"bound: {', '.join(tool_names(plan.tools))}",
+                        ),
+                    )
             else:
                 content, calls, invalid, rest = "".join(raw), [], [], ""
             # The caller gets exactly this message back; binding it lets the next call
@@ -542,9 +589,17 @@ class ChatAgentKV(BaseChatModel):
     # -- one call's plan ----------------------------------------------------------------------
 
     def _plan(
-        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
+        self,
+        messages: Sequence[BaseMessage],
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
+        session: Session | None = None,
     ) -> _Plan:
-        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs."""
+        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs.
+
+        With a session, the thread keeps the tools block it started with and a changed
+        tool set becomes a note (see `agentkv_langchain.toolset`).
+        """
         options = dict(kwargs)
         tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
         choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))
@@ -570,15 +625,21 @@ class ChatAgentKV(BaseChatModel):
             msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
+        block = tools
+        if session is not None:
+            chat, block = thread_tools(session).plan(chat, tools)
+        if block:
+            chat = self._with_tools(chat, block)
         prefix = ""
-        if tools:
-            chat = self._with_tools(chat, tools)
-            if choice == "none":
-                sampling["stop"].append(TOOL_CALL_OPEN)
-            elif choice is not None:
+        if tools and choice not in (None, "none"):
+            if choice != ANY_TOOL:
                 prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
-                sampling["stop"].append(TOOL_CALL_CLOSE)
-        return _Plan(messages=chat, tools=tools, prefix=prefix, sampling=sampling)
+            sampling["stop"].append(TOOL_CALL_CLOSE)
+        # No call when none is wanted, or when the prompt lists tools but none are bound now.
+        ban = (bool(tools) and choice == "none") or (not tools and bool(block))
+        return _Plan(
+            messages=chat, tools=tools, prefix=prefix, sampling=sampling, choice=choice, ban_calls=ban
+        )
 
     def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Describe the tools: through the chat template when it can, else in the system prompt.
@@ -624,6 +685,10 @@ class _Plan:
     prefix: str
     """Text the answer starts with (a forced call's opening), prefilled, not generated."""
     sampling: dict[str, Any] = field(default_factory=dict)
+    choice: str | None = None
+    """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
+    ban_calls: bool = False
+    """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
 
 
 # ---------------------------------------------------------------------------- messages
@@ -739,6 +804,20 @@ def _history_before_answer(session: Session, output_tokens: int) -> int:
     """
     span = next(s for s in reversed(session.spans) if s.generated)
     return span.end - output_tokens - len(session.format.assistant_suffix_ids())
+
+
+_BANS: dict[int, ToolCallBan] = {}
+_BANS_LOCK = threading.Lock()
+
+
+def _tool_call_ban(backend: TransformersBackend) -> ToolCallBan:
+    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
+    key = id(backend.tokenizer)
+    with _BANS_LOCK:
+        ban = _BANS.get(key)
+        if ban is None or ban.tokenizer is not backend.tokenizer:
+            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
+        return ban
 
 
 def _close(iterator: Iterator[Any]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import pytest
-
 from agentkv import AgentKVConfig, SpanState, TransformersBackend
 
 RELEASED = {"evictable", "evicted"}
