@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mappin
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -141,6 +141,10 @@ class ChatAgentKV(BaseChatModel):
     """agentkv settings when no `backend` is given: `AgentKVConfig`, YAML-shaped mapping or YAML path."""
     session_id: str | None = None
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
+    tool_use: Literal["auto", "call_then_answer"] = "auto"
+    """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
+    forces a call (to the tool the model prefers) on a turn's first step and a text answer
+    after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
     """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
     temperature: float = 0.0
@@ -625,6 +629,10 @@ class ChatAgentKV(BaseChatModel):
             msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
+        if tools and choice is None and self.tool_use == "call_then_answer" and chat:
+            last = chat[-1]["role"]
+            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
+            choice = "none" if last == "tool" else choice
         block = tools
         if session is not None:
             chat, block = thread_tools(session).plan(chat, tools)
