@@ -180,3 +180,25 @@ def test_plain_langchain_handler_without_langgraph(example, tiny_backend):
     assert result["handler_errors"] == 0
     span_states = {s["state"] for s in result["spans"] if s["kind"] == "tool_call"}
     assert span_states == {SpanState.EVICTABLE.value}
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+
+def test_streaming_example_keeps_each_thread_on_its_session(example, tiny_backend):
+    module = example("streaming")
+    result = module.main(tiny_backend, max_new_tokens=4)
+    expected_sessions = sorted(f"{mode}-{thread}" for mode in module.MODES for thread in module.TURNS)
+    assert result["sessions"] == expected_sessions  # no "default" session
+    for mode, threads in result["modes"].items():
+        for thread, turns in threads.items():
+            assert [t["session"] for t in turns] == [f"{mode}-{thread}"] * 2
+            assert turns[1]["cache_read"] > 0  # the second turn reads the first from the cache
+    # Greedy decoding: every mode answers what the invoke-driven "updates" mode answers.
+    reference = {t: [x["text"] for x in turns] for t, turns in result["modes"]["updates"].items()}
+    for threads in result["modes"].values():
+        assert {t: [x["text"] for x in turns] for t, turns in threads.items()} == reference
+    graph_sessions = [s for s in expected_sessions if not s.startswith("model_stream")]
+    turn_ends = [sid for sid, name in result["events"] if name == "TurnEnded"]
+    assert sorted(turn_ends) == sorted(graph_sessions * 2)
+    assert result["handler_errors"] == 0
