@@ -1,6 +1,7 @@
 """agentkv: KV-cache lifecycle middleware for agents on local Transformers models."""
 
 from agentkv.backend import SamplingParams, TransformersBackend, UnknownSessionError
+from agentkv.backend.session import ExtendResult, Session, SessionClosedError
 from agentkv.config import AgentKVConfig
 from agentkv.events import (
     BranchOpened,
@@ -15,11 +16,9 @@ from agentkv.events import (
     UserConfirmed,
     UserRejected,
 )
-from agentkv.lifecycle import Lease
-from agentkv.manager import ApplyResult, Transition
+from agentkv.lifecycle import ApplyResult, Lease, Transition
 from agentkv.metrics import SessionStats
 from agentkv.models import load_model
-from agentkv.session import ExtendResult, Session, SessionClosedError
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 
 __version__ = "0.1.0"

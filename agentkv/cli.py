@@ -197,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """`agentkv inspect SNAPSHOT`."""
-    from agentkv.inspect import plot_span_strip, print_inspection
+    from agentkv.inspection import plot_span_strip, print_inspection
 
     print_inspection(args.snapshot)
     if args.png:

@@ -16,16 +16,13 @@ merged over a loaded config and validated again, see `AgentKVConfig.with_overrid
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import typing
 from collections.abc import Callable, Mapping
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -36,7 +33,19 @@ from pydantic import (
     model_validator,
 )
 
+from agentkv.config_text import (
+    ConfigProblems,
+    Loc,
+    format_errors,
+    kind_of,
+    load_yaml,
+    parse_bytes,
+    show_value,
+    truncate,
+    unknown_value,
+)
 from agentkv.events import ACTIONS, EVENT_NAMES, EVENT_TARGETS
+from agentkv.policies.factory import POLICY_NAMES, policy_params
 from agentkv.spans import SpanKind
 
 __all__ = [
@@ -49,92 +58,17 @@ __all__ = [
     "QuantizationConfig",
     "RecallConfig",
     "parse_bytes",
+    "rule_problems",
 ]
 
-ALLOWED_POLICIES: tuple[str, ...] = (
-    "lifecycle",
-    "full",
-    "window",
-    "streaming_llm",
-    "h2o",
-    "snapkv",
-    "tova",
-    "key_norm",
-    "intent",
-)
-"""Policy names `PolicyConfig.name` accepts (see `agentkv.policies`)."""
+ALLOWED_POLICIES: tuple[str, ...] = POLICY_NAMES
+"""Policy names `PolicyConfig.name` accepts: those of `agentkv.policies.factory.POLICIES`."""
 
 CUSTOM_EVENT_PREFIX = "custom:"
 """Rules keys for user `Custom` events are `custom:<event name>`."""
 
 CUSTOM_EVENT_TARGETS: tuple[str, ...] = ("owner",)
 """The only target a custom-event rule can name: the span(s) named by the event's `owner`."""
-
-_Loc = tuple[str | int, ...]
-
-# ---------------------------------------------------------------------------- bytes
-
-_BYTE_UNITS: dict[str, int] = {
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-_BYTES_FORMS = (
-    "accepted: an integer >= 0 (bytes), or a number with a unit: "
-    "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
-    "e.g. 1024, '512kB', '64MiB', '1.5 GB'"
-)
-
-
-def parse_bytes(value: object) -> int:
-    """Read a byte count from YAML: an int, or a string such as `"64MiB"` or `"1.5 GB"`.
-
-    Budgets are easier to read and review as `64MiB` than as `67108864`, and both
-    binary and decimal units are common, so both are accepted and spelled out.
-
-    Args:
-        value: An int >= 0, a float that is a whole number, or a string: digits with an
-            optional fraction and an optional unit (case-insensitive), e.g. `"1024"`,
-            `"512kB"`, `"64MiB"`, `"1.5 GB"`. Decimal units (kB, MB, GB, TB) are
-            powers of 1000, binary units (KiB, MiB, GiB, TiB) powers of 1024.
-
-    Returns:
-        The number of bytes.
-
-    Raises:
-        ValueError: The value is negative, not a whole number of bytes, or not in one of
-            the accepted forms (the message lists them).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"cannot read {value!r} as a byte size; {_BYTES_FORMS}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"byte size must be >= 0, got {value}; {_BYTES_FORMS}")
-        return value
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")) or not value.is_integer() or value < 0:
-            raise ValueError(f"cannot read {value!r} as a byte size; {_BYTES_FORMS}")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}")
-    match = _BYTES_RE.match(value)
-    unit = match.group(2).lower() if match else ""
-    if match is None or (unit and unit not in _BYTE_UNITS):
-        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}")
-    try:
-        amount = Decimal(match.group(1)) * _BYTE_UNITS[unit or "b"]
-    except InvalidOperation as e:  # pragma: no cover - the regex only lets decimals through
-        raise ValueError(f"cannot read {_show(value)} as a byte size; {_BYTES_FORMS}") from e
-    if amount != amount.to_integral_value():
-        raise ValueError(f"{_show(value)} is not a whole number of bytes ({amount}); {_BYTES_FORMS}")
-    return int(amount)
 
 
 def _bytes_or_none(value: object) -> object:
@@ -148,19 +82,6 @@ _ByteCount = Annotated[
 _Fraction = Annotated[float, Field(gt=0, le=1, strict=True)]
 
 # ---------------------------------------------------------------------------- models
-
-
-class _Problems(ValueError):
-    """Several problems found by one validator, each at its own path below the field.
-
-    Pydantic reports a validator's error at the field it validates; rules and
-    keep-ratio tables hold many independent entries, and the user needs to know which
-    one is wrong. `_format_errors` expands this into one line per problem.
-    """
-
-    def __init__(self, problems: list[tuple[_Loc, str]]) -> None:
-        super().__init__("; ".join(f"{'.'.join(map(str, p)) or '.'}: {m}" for p, m in problems))
-        self.problems = problems
 
 
 class _Section(BaseModel):
@@ -242,7 +163,7 @@ class BudgetConfig(_Section):
     def _low_not_above_high(self) -> BudgetConfig:
         if self.low_watermark > self.high_watermark:
             msg = f"must be <= high_watermark ({self.high_watermark}), got {self.low_watermark}"
-            raise _Problems([(("low_watermark",), msg)])
+            raise ConfigProblems([(("low_watermark",), msg)])
         return self
 
     @property
@@ -287,7 +208,7 @@ class PolicyConfig(_Section):
             both = [k for k in data if k not in ("name", "params") and k in params]
             if both:
                 msg = "given both beside `name` and under `params`; write it once"
-                raise _Problems([(("params", str(k)), msg) for k in both])
+                raise ConfigProblems([(("params", str(k)), msg) for k in both])
         return data
 
     @field_validator("name", mode="before")
@@ -297,7 +218,7 @@ class PolicyConfig(_Section):
             return value  # the str type check reports it
         name = value.strip().lower().replace("-", "_")
         if name not in ALLOWED_POLICIES:
-            raise ValueError(_unknown("policy", value, ALLOWED_POLICIES))
+            raise ValueError(unknown_value("policy", value, ALLOWED_POLICIES))
         return name
 
 
@@ -360,11 +281,13 @@ class CommitConfig(_Section):
     @classmethod
     def _known_kinds(cls, value: dict[str, float]) -> dict[str, float]:
         kinds = tuple(kind.value for kind in SpanKind)
-        problems: list[tuple[_Loc, str]] = [
-            ((key,), _unknown("span kind", key, kinds, in_path=True)) for key in value if key not in kinds
+        problems: list[tuple[Loc, str]] = [
+            ((key,), unknown_value("span kind", key, kinds, in_path=True))
+            for key in value
+            if key not in kinds
         ]
         if problems:
-            raise _Problems(problems)
+            raise ConfigProblems(problems)
         return value
 
 
@@ -469,33 +392,15 @@ class AgentKVConfig(_Section):
     @classmethod
     def _device_shape(cls, value: str | None) -> str | None:
         if value is not None and not _DEVICE_RE.match(value):
-            raise ValueError(f"not a torch device: {_show(value)}; e.g. cpu, cuda, cuda:1, mps")
+            raise ValueError(f"not a torch device: {show_value(value)}; e.g. cpu, cuda, cuda:1, mps")
         return value
 
     @field_validator("rules")
     @classmethod
     def _known_rules(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-        problems: list[tuple[_Loc, str]] = []
-        for event, targets in value.items():
-            if event.startswith(CUSTOM_EVENT_PREFIX):
-                if not event[len(CUSTOM_EVENT_PREFIX) :].strip():
-                    problems.append(((event,), "custom event needs a name, e.g. custom:plan_approved"))
-                    continue
-                allowed = CUSTOM_EVENT_TARGETS
-            elif event in EVENT_TARGETS:
-                allowed = EVENT_TARGETS[event]
-            else:
-                events = (*EVENT_NAMES, f"{CUSTOM_EVENT_PREFIX}<name>")
-                problems.append(((event,), _unknown("event", event, events, in_path=True)))
-                continue
-            for target, action in targets.items():
-                if target not in allowed:
-                    what = f"target for {event}"
-                    problems.append(((event, target), _unknown(what, target, allowed, in_path=True)))
-                elif action not in ACTIONS:
-                    problems.append(((event, target), _unknown("action", action, ACTIONS)))
+        problems: list[tuple[Loc, str]] = list(rule_problems(value))
         if problems:
-            raise _Problems(problems)
+            raise ConfigProblems(problems)
         return value
 
     # ------------------------------------------------------------------ loading
@@ -530,17 +435,16 @@ class AgentKVConfig(_Section):
     @classmethod
     def from_yaml_text(cls, text: str, section: str = "agentkv", source: str = "<string>") -> AgentKVConfig:
         """Like `from_yaml`, for YAML already in memory; `source` names it in errors."""
-        document, lines = _load_yaml(text, source)
+        document, lines = load_yaml(text, source)
         if document is None:
             msg = f"no `{section}:` section in {source}: the document is empty"
             raise ValueError(msg)
         if not isinstance(document, Mapping):
-            msg = (
-                f"{source}: the top level must be a mapping with the key `{section}:`, got {_kind(document)}"
-            )
+            got = kind_of(document)
+            msg = f"{source}: the top level must be a mapping with the key `{section}:`, got {got}"
             raise ValueError(msg)
         if section not in document:
-            keys = ", ".join(_truncate(str(k), 40) for k in list(document)[:20]) or "(none)"
+            keys = ", ".join(truncate(str(k), 40) for k in list(document)[:20]) or "(none)"
             more = ", ..." if len(document) > 20 else ""
             msg = f"no `{section}:` section in {source}; top-level keys: {keys}{more}"
             raise ValueError(msg)
@@ -585,7 +489,7 @@ class AgentKVConfig(_Section):
         if not overrides:
             return self
         if not isinstance(overrides, Mapping):
-            msg = f"{prefix}: must be a mapping, got {_kind(overrides)}"
+            msg = f"{prefix}: must be a mapping, got {kind_of(overrides)}"
             raise ValueError(msg)
         base = self.to_dict()
         merged = _deep_merge(base, {k: v for k, v in overrides.items() if k != "policy"})
@@ -603,18 +507,18 @@ class AgentKVConfig(_Section):
         data: object,
         prefix: str,
         source: str | None = None,
-        line_of: Callable[[_Loc], int | None] | None = None,
+        line_of: Callable[[Loc], int | None] | None = None,
     ) -> AgentKVConfig:
         if data is None:
             return cls()
         if not isinstance(data, Mapping):
             where = f" ({source})" if source else ""
-            msg = f"{prefix}: must be a mapping, got {_kind(data)}{where}"
+            msg = f"{prefix}: must be a mapping, got {kind_of(data)}{where}"
             raise ValueError(msg)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            lines = _format_errors(e, prefix, line_of)
+            lines = format_errors(e, prefix, line_of, AgentKVConfig)
             head = f"invalid agentkv config in {source}:\n" if source else ""
             raise ValueError(head + "\n".join(lines)) from None
         except RecursionError as e:
@@ -625,186 +529,31 @@ class AgentKVConfig(_Section):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _load_yaml(text: str, source: str) -> tuple[Any, dict[_Loc, int]]:
-    """Parse YAML safely; also map each mapping-key path to its 1-based line for errors."""
-    loader: yaml.SafeLoader | None = None
-    try:
-        loader = yaml.SafeLoader(text)
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
-        problem = " ".join(str(p) for p in (e.context, e.problem) if p) or str(e)
-        msg = f"{where}: invalid YAML: {problem}"
-        raise ValueError(msg) from None
-    except yaml.YAMLError as e:  # e.g. ReaderError: a control character in the text
-        msg = f"{source}: invalid YAML: {' '.join(str(e).split())}"
-        raise ValueError(msg) from None
-    except (ValueError, OverflowError) as e:  # constructors: impossible dates, huge ints
-        msg = f"{source}: invalid YAML value: {e}"
-        raise ValueError(msg) from None
-    except RecursionError:
-        msg = f"{source}: invalid YAML: nested too deeply"
-        raise ValueError(msg) from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-    lines: dict[_Loc, int] = {}
-    if node is not None:
-        _collect_lines(node, (), lines, depth=0)
-    return data, lines
+def rule_problems(rules: Mapping[str, Mapping[str, str]]) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with rule overrides: `(path under rules, message)` pairs (empty = valid).
 
-
-def _collect_lines(node: yaml.Node, path: _Loc, lines: dict[_Loc, int], depth: int) -> None:
-    if not isinstance(node, yaml.MappingNode) or depth > 8:  # config paths are shallow
-        return
-    for key, value in node.value:
-        if isinstance(key, yaml.ScalarNode):
-            sub = (*path, str(key.value))
-            lines.setdefault(sub, key.start_mark.line + 1)
-            _collect_lines(value, sub, lines, depth + 1)
-
-
-def _format_errors(
-    error: ValidationError, prefix: str, line_of: Callable[[_Loc], int | None] | None
-) -> list[str]:
-    out: list[str] = []
-    for err in error.errors():
-        loc: _Loc = tuple(err["loc"])
-        ctx = err.get("ctx") or {}
-        cause = ctx.get("error")
-        problems = cause.problems if isinstance(cause, _Problems) else [((), _message(err, loc))]
-        for sub, message in problems:
-            full = (*loc, *sub)
-            line = line_of(full) if line_of else None
-            where = f" (line {line})" if line else ""
-            text = f"{'.'.join([prefix, *map(str, full)])}: {message}{where}"
-            if text not in out:
-                out.append(text)
-    return out
-
-
-def _message(err: Any, loc: _Loc) -> str:
-    """One readable problem for one pydantic error: what was wrong, what is allowed."""
-    kind: str = err["type"]
-    ctx: dict[str, Any] = err.get("ctx") or {}
-    got = _show(err.get("input"))
-    bounds = {
-        "greater_than": ("gt", ">"),
-        "greater_than_equal": ("ge", ">="),
-        "less_than": ("lt", "<"),
-        "less_than_equal": ("le", "<="),
-    }
-    if kind in bounds:
-        key, op = bounds[kind]
-        return f"must be {op} {_number(ctx.get(key))}, got {got}"
-    if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        allowed = tuple(model.model_fields) if model else ()
-        return _unknown("key", str(loc[-1]), allowed, in_path=True)
-    if kind == "invalid_key":
-        return f"keys must be strings, got {got}"
-    if kind == "value_error":
-        return str(ctx.get("error", err["msg"]))
-    if kind == "literal_error":
-        values = _literal_values(loc)
-        listed = ", ".join(map(str, values)) if values else str(ctx.get("expected"))
-        return f"unknown value {got}; allowed: {listed}"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping, got {_kind(err.get('input'))}"
-    if kind.startswith("int_"):
-        return f"must be an integer, got {got}"
-    if kind.startswith("float_"):
-        return f"must be a number, got {got}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {got}"
-    if kind.startswith("bool_"):
-        return f"must be true or false, got {got}"
-    if kind.startswith("string_too_short"):
-        return f"must not be empty, got {got}"
-    if kind.startswith("string_"):
-        return f"must be a string, got {got}"
-    if kind == "recursion_loop":
-        return "refers to itself (a YAML alias cycle)"
-    return f"{err['msg']}, got {got}"
-
-
-def _model_at(loc: _Loc) -> type[BaseModel] | None:
-    """The config model reached by following `loc` from `AgentKVConfig`, if any."""
-    model: type[BaseModel] = AgentKVConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return None
-        model = field.annotation
-    return model
-
-
-def _literal_values(loc: _Loc) -> tuple[object, ...]:
-    """The values a `Literal` field at `loc` allows, for listing them plainly."""
-    model = _model_at(loc[:-1])
-    field = model.model_fields.get(str(loc[-1])) if model and loc else None
-    if field is None:
-        return ()
-    values: list[object] = []
-    stack = [field.annotation]
-    while stack:
-        annotation = stack.pop(0)
-        if typing.get_origin(annotation) is Literal:
-            values.extend(typing.get_args(annotation))
-        else:
-            stack.extend(typing.get_args(annotation))
-    return tuple(values)
-
-
-def _unknown(what: str, value: object, allowed: tuple[str, ...], in_path: bool = False) -> str:
-    """`unknown <what> 'x' (did you mean 'y'?); allowed: a, b, c`.
-
-    When the value is a mapping key it already ends the error's path, so `in_path`
-    leaves it out of the message.
+    The one validation of rules: the config's validator and `agentkv.lifecycle.rules.Rules` both call it.
     """
-    hint = ""
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value, allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    shown = "" if in_path else f" {_show(value)}"
-    return f"unknown {what}{shown}{hint}; allowed: {', '.join(allowed) or '(none)'}"
-
-
-def _number(value: object) -> str:
-    """`1` rather than `1.0` for a float bound: pydantic widens bounds to the field's type."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def _show(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list | tuple | set):
-        return f"a list {_truncate(repr(value), 40)}"
-    try:
-        text = repr(value)
-    except ValueError:  # ints over Python's str-conversion digit limit
-        text = f"<{type(value).__name__}>"
-    return _truncate(text, 60)
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list | tuple | set):
-        return f"a list {_truncate(repr(value), 40)}"
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {_show(value)}"
-
-
-def _truncate(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    problems: list[tuple[tuple[str, ...], str]] = []
+    for event, targets in rules.items():
+        if event.startswith(CUSTOM_EVENT_PREFIX):
+            if not event[len(CUSTOM_EVENT_PREFIX) :].strip():
+                problems.append(((event,), "custom event needs a name, e.g. custom:plan_approved"))
+                continue
+            allowed = CUSTOM_EVENT_TARGETS
+        elif event in EVENT_TARGETS:
+            allowed = EVENT_TARGETS[event]
+        else:
+            events = (*EVENT_NAMES, f"{CUSTOM_EVENT_PREFIX}<name>")
+            problems.append(((event,), unknown_value("event", event, events, in_path=True)))
+            continue
+        for target, action in targets.items():
+            if target not in allowed:
+                what = f"target for {event}"
+                problems.append(((event, target), unknown_value(what, target, allowed, in_path=True)))
+            elif action not in ACTIONS:
+                problems.append(((event, target), unknown_value("action", action, ACTIONS)))
+    return problems
 
 
 def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
@@ -826,23 +575,21 @@ def _check_policy_keys(data: Any) -> None:
     """
     if not isinstance(data, Mapping) or not isinstance(data.get("name", "lifecycle"), str):
         return
-    from agentkv.policies.factory import policy_params
-
     name = str(data.get("name", "lifecycle")).strip().lower().replace("-", "_")
     if name not in ALLOWED_POLICIES:
         return
     allowed = policy_params(name)
-    written: list[tuple[_Loc, object]] = [((k,), k) for k in data if k not in ("name", "params")]
+    written: list[tuple[Loc, object]] = [((k,), k) for k in data if k not in ("name", "params")]
     params = data.get("params")
     if isinstance(params, Mapping):
         written += [(("params", k), k) for k in params]
     problems = [
-        (loc, _unknown(f"parameter of policy {name!r}", key, allowed, in_path=True))
+        (loc, unknown_value(f"parameter of policy {name!r}", key, allowed, in_path=True))
         for loc, key in written
         if str(key) not in allowed
     ]
     if problems:
-        raise _Problems([(tuple(map(str, loc)), msg) for loc, msg in problems])
+        raise ConfigProblems([(tuple(map(str, loc)), msg) for loc, msg in problems])
 
 
 def _policy_as_mapping(data: Any) -> Any:

@@ -6,18 +6,21 @@ them without knowing anything about the cache. Applying an event twice changes
 nothing the second time (LangGraph re-runs a node from the top on resume), and an
 event naming something the session does not know is a logged no-op.
 
-The rules table (`agentkv.lifecycle.DEFAULT_RULES`) maps each event's `name` and
+The rules table (`agentkv.lifecycle.rules.DEFAULT_RULES`) maps each event's `name` and
 *target* (one of `EVENT_TARGETS[name]`) to an *action* (one of `ACTIONS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 ACTIONS: tuple[str, ...] = ("keep", "commit", "release", "archive", "evict", "pin", "unpin")
-"""What a rule may do to a target span: see `agentkv.lifecycle` for the state each leads to."""
+"""What a rule may do to a target span (`agentkv.lifecycle.rules.ACTION_STATES`: the state each leads to)."""
 
 
 @dataclass(frozen=True)
@@ -152,3 +155,59 @@ EVENT_NAMES: tuple[str, ...] = tuple(EVENT_TARGETS)
 def event_key(event: Event) -> tuple[str, Event]:
     """The identity used to make events idempotent."""
     return (event.name, event)
+
+
+def validate_event(event: object) -> None:
+    """Reject what is not a well-formed event, before it reaches the session's state.
+
+    Events come from integrations and user code; a wrong type should be a clear
+    error naming the field, not an `AttributeError` deep in the manager or an
+    "unhashable type" from the idempotence set (events are deduplicated by value).
+
+    Raises:
+        TypeError: `event` is not an `Event`, a field has the wrong type, or the event
+            cannot be hashed (so it could not be applied idempotently).
+    """
+    if not isinstance(event, Event):
+        kinds = ", ".join(cls.__name__ for cls in EVENT_TYPES)
+        msg = f"expected an agentkv Event ({kinds} or Custom), got {type(event).__name__}: {event!r:.80}"
+        raise TypeError(msg)
+    for name, allowed in _field_types(type(event)).items():
+        value = getattr(event, name)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            names = " | ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            msg = f"{type(event).__name__}.{name}: expected {names}, got {type(value).__name__} {value!r:.80}"
+            raise TypeError(msg)
+    try:
+        hash(event)
+    except TypeError as e:
+        msg = f"{type(event).__name__} must be hashable to be applied idempotently (a frozen dataclass): {e}"
+        raise TypeError(msg) from e
+
+
+_FIELD_TYPES: dict[type, dict[str, tuple[type, ...]]] = {}
+
+
+def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
+    """For each field of an event class with a simple annotation, the types it accepts (cached)."""
+    cached = _FIELD_TYPES.get(cls)
+    if cached is not None:
+        return cached
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a user event with annotations we cannot resolve: no checks
+        hints = {}
+    out: dict[str, tuple[type, ...]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed: list[type] = []
+        for option in options:
+            origin = typing.get_origin(option) or option  # Mapping[str, Any] -> Mapping
+            if not isinstance(origin, type):
+                break  # an annotation we do not understand: leave the field alone
+            allowed.append(origin)
+        else:
+            out[f.name] = tuple(allowed)
+    _FIELD_TYPES[cls] = out
+    return out

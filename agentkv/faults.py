@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from agentkv.store.host import HostMemoryError
 
 if TYPE_CHECKING:
-    from agentkv.session import Session
+    from agentkv.backend.session import Session
     from agentkv.spans import Span
 
 FAULT_SITES: tuple[str, ...] = ("offload", "host_limit", "quantize", "restore", "policy", "forward")
@@ -189,7 +189,7 @@ def _patch_middle_layer(session: Session, should_fail: Callable[[], bool], what:
 
 
 def _patch_policy(session: Session, fault: FaultInjection) -> list[Callable[[], None]]:
-    policy = session.lifecycle.policy
+    policy = session.manager.policy
     if policy is None:
         msg = f"inject_faults: session {session.session_id!r} has no policy to fail (policy 'full'?)"
         raise ValueError(msg)

@@ -76,6 +76,15 @@ class SessionStats:
     store_seconds: float = 0.0
     forward_seconds: float = 0.0
 
+    @classmethod
+    def from_counters(cls, counters: Counters, **now: Any) -> SessionStats:
+        """The running totals as they are, plus the figures measured now (bytes, tokens by state, ...).
+
+        Every `Counters` field is a `SessionStats` field of the same name: a new counter
+        reaches the stats without being copied by hand.
+        """
+        return cls(**asdict(counters), **now)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
         return asdict(self)

@@ -106,6 +106,17 @@ class Span:
             return 0
         return self.n_computed if self.kept is None else len(self.kept)
 
+    def mark_computed(self) -> None:
+        """Record that the pending tail now has KV on the device.
+
+        A span compressed at commit lists the offsets it kept; tail tokens computed
+        after the commit are held too, so they join that list (they were never scored:
+        compression happens once, at commit).
+        """
+        if self.kept is not None:
+            self.kept = sorted(set(self.kept) | set(range(self.n_computed, self.length)))
+        self.n_computed = self.length
+
     def describe(self) -> dict[str, object]:
         """A JSON-friendly summary, used by `inspect` and snapshots."""
         return {

@@ -34,6 +34,7 @@ from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from agentkv import BranchOpened, TransformersBackend
+from agentkv.session_ids import branch_session_id, is_branch_of
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import shared_backend, with_kv_lifecycle
 
@@ -160,9 +161,9 @@ def measure(backend: TransformersBackend, thread_id: str) -> dict[str, Any]:
     own: dict[str, int] = {}
     copied = parent.device_bytes
     for session in backend.sessions():
-        if session.session_id.startswith(f"{thread_id}/"):
+        if is_branch_of(session.session_id, thread_id):
             stats = session.stats()
-            own[session.session_id.split("/", 1)[1]] = stats.device_bytes - stats.shared_device_bytes
+            own[str(session.branch)] = stats.device_bytes - stats.shared_device_bytes
             copied += stats.device_bytes
     return {
         "alive_bytes": backend.device_bytes(),
@@ -211,7 +212,7 @@ def main(
         opened_before = len(handler.events)
         out = graph.invoke({"messages": [], "thoughts": []}, run_config)
         branches = sorted(e.branch for _, e in handler.events[opened_before:] if isinstance(e, BranchOpened))
-        left = {b: _bytes_of(backend, f"{thread_id}/{b}") for b in branches}
+        left = {b: _bytes_of(backend, branch_session_id(thread_id, b)) for b in branches}
         runs.append(
             {
                 "branches": branches,

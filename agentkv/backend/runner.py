@@ -2,18 +2,24 @@
 
 Tokens are fed with their *logical* `position_ids` (RoPE) while the mask and the
 cache grow physically. `generate()` would derive positions from the cache length,
-which is wrong once tokens were removed or restored (DESIGN.md §5), so the decode
+which is wrong once tokens were removed or restored (docs/design.md §5), so the decode
 loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from agentkv.policies import AttentionProbe, Policy
+from agentkv.spans import Span, Tier
 from agentkv.store.cache import PhysicalCache
+
+ATTENTION_DECAY = 0.9
+"""EMA decay of the accumulated attention signal (H2O-style) collected on prefills."""
 
 _NO_CUSTOM_MASK = ("flash_attention", "paged")
 """Attention implementations (prefixes) that ignore or reject an arbitrary 4D mask."""
@@ -32,6 +38,23 @@ class Feed:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @staticmethod
+    def pending(spans: Iterable[Span]) -> Feed:
+        """Every token of attended spans whose KV is not computed yet, in logical order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        span_ids: list[int] = []
+        offsets: list[int] = []
+        for span in spans:
+            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
+                continue
+            for offset in range(span.n_computed, span.length):
+                ids.append(span.token_ids[offset])
+                positions.append(span.start + offset)
+                span_ids.append(span.span_id)
+                offsets.append(offset)
+        return Feed(ids, positions, span_ids, offsets)
 
     def chunk(self, start: int, stop: int) -> Feed:
         """A slice of the feed."""
@@ -132,6 +155,25 @@ class ModelRunner:
             if want:
                 outputs.append(out.logits[0].float())  # [n or 1, V]
         return outputs
+
+    def forward_observed(
+        self, cache: PhysicalCache, feed: Feed, policy: Policy | None, *, window: int, **kwargs: Any
+    ) -> torch.Tensor | None:
+        """`forward`, collecting the attention signal on prefills when `policy` uses it.
+
+        The last `window` queries' attention to every cached token is accumulated
+        into the cache's per-slot attention (an EMA, as H2O keeps it). Forwards with
+        an explicit mask (rehydration) and single-token decode steps skip it.
+        """
+        wants = policy is not None and policy.needs_attention and len(feed) > 1
+        if not wants or kwargs.get("attention_mask") is not None:
+            return self.forward(cache, feed, **kwargs)
+        with AttentionProbe(self.model, window=min(len(feed), window)) as probe:
+            logits = self.forward(cache, feed, **kwargs)
+        attention = probe.attention()
+        if attention is not None:
+            cache.accumulate_attention(attention, ATTENTION_DECAY)
+        return logits
 
     def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
         """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.

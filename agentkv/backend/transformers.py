@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from agentkv.backend.runner import ModelRunner
+from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event
-from agentkv.session import Session
+from agentkv.events import Event, validate_event
+from agentkv.session_ids import branch_session_id
 
 logger = logging.getLogger("agentkv.backend")
 
@@ -103,13 +104,13 @@ class TransformersBackend:
     def fork(self, session_id: str, branch: str) -> Session:
         """Create (or get) the branch session `<session_id>/<branch>` sharing the parent's KV prefix."""
         parent = self.get(session_id)
-        child_id = f"{session_id}/{branch}"
+        child_id = branch_session_id(session_id, branch)
         with self._table_lock:
             existing = self._sessions.get(child_id)
             if existing is not None and not existing.closed:
                 return existing
         child = Session(self, child_id, parent=parent, branch=branch)
-        parent.lifecycle.branches_seen.add(branch)
+        parent.manager.note_branch(branch)
         with self._table_lock:
             self._sessions[child_id] = child
         return child
@@ -132,7 +133,7 @@ class TransformersBackend:
         from agentkv.events import BranchSelected
 
         parent = self.get(session_id)
-        child = self.get(f"{session_id}/{branch}")
+        child = self.get(branch_session_id(session_id, branch))
         if child.parent is not parent:
             msg = f"session {child.session_id!r} is not a branch of {session_id!r}"
             raise ValueError(msg)
@@ -156,8 +157,6 @@ class TransformersBackend:
 
     def apply(self, session_id: str, event: Event) -> Any:
         """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
-        from agentkv.manager import validate_event
-
         validate_event(event)
         with self._table_lock:
             session = self._sessions.get(session_id)

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.workloads import Question, Workload, load_workloads
 from agentkv.config import AgentKVConfig
@@ -63,7 +64,6 @@ from agentkv.events import (
     UserConfirmed,
 )
 from agentkv.progress import ProgressCallback, report
-from agentkv.session import Session
 
 logger = logging.getLogger("agentkv.bench")
 

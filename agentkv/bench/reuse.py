@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from agentkv.backend.runner import Feed, ModelRunner
+from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.conversation import build_conversation, iter_histories
 from agentkv.config import AgentKVConfig
 from agentkv.progress import ProgressCallback, report
-from agentkv.session import Session
 from agentkv.store.cache import PhysicalCache
 
 logger = logging.getLogger("agentkv.bench")

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.conversation import SYSTEM_PROMPT, noisy_document
 from agentkv.chat import normalize_messages
@@ -50,7 +51,6 @@ from agentkv.config import AgentKVConfig
 from agentkv.events import Event, ToolCallCompleted, ToolCallFailed, TurnEnded, UserConfirmed
 from agentkv.lifecycle import Lease
 from agentkv.progress import ProgressCallback, report
-from agentkv.session import Session
 
 _CITIES = ("Paris", "Lisbon", "Osaka", "Quito", "Tallinn", "Nairobi", "Hobart", "Bergen", "Cusco", "Tbilisi")
 _ITEMS = ("booking", "parcel", "locker", "invoice", "ticket", "visa")
@@ -162,9 +162,9 @@ def run_soak(
     backend = TransformersBackend(model, tokenizer, config)
     session = backend.session("soak")
     bpt = backend.runner.bytes_per_token
-    limit = session.lifecycle.budget.limit_bytes or 0
+    limit = session.budget_limits().device_bytes or 0
     high_bytes = int(limit * config.budget.high_watermark)
-    host_limit = session.lifecycle.budget.host_limit_bytes or 0
+    host_limit = session.budget_limits().host_bytes or 0
 
     rng = random.Random(seed)
     history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]

@@ -7,7 +7,7 @@ from agentkv.policies.factory import POLICIES, POLICY_NAMES, make_policy, policy
 from agentkv.policies.h2o import H2OPolicy
 from agentkv.policies.intent import IntentPolicy, span_relevance
 from agentkv.policies.key_norm import KeyNormPolicy
-from agentkv.policies.lifecycle import DEFAULT_KIND_PRIORS, LifecyclePolicy
+from agentkv.policies.kind_prior import DEFAULT_KIND_PRIORS, KindPriorPolicy
 from agentkv.policies.snapkv import SnapKVPolicy
 from agentkv.policies.streaming_llm import StreamingLLMPolicy
 from agentkv.policies.tova import TOVAPolicy
@@ -21,7 +21,7 @@ __all__ = [
     "H2OPolicy",
     "IntentPolicy",
     "KeyNormPolicy",
-    "LifecyclePolicy",
+    "KindPriorPolicy",
     "Policy",
     "ProtectRecentPolicy",
     "ProtectSinksPolicy",

@@ -7,7 +7,7 @@ attention of the *last few* queries, so `AttentionProbe` hooks every decoder
 layer's `self_attn`, recomputes those W queries from the layer's input
 (`q_proj` → optional `q_norm` → RoPE), reads the layer's cached keys after the
 cache update and computes `softmax(q·kᵀ · scaling)` for the window only — the same
-numbers eager attention would give for those rows (DESIGN.md §5), at a cost of
+numbers eager attention would give for those rows (docs/design.md §5), at a cost of
 O(W·S) per layer instead of O(S²).
 
 The probe is a context manager: hooks exist only inside the `with` block, so a

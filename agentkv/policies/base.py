@@ -57,6 +57,18 @@ class Policy(ABC):
     """True when `score` reads `view.attention` (the session then runs the attention hook)."""
     needs_query: bool = False
     """True when `score` reads `view.query_keys` / `view.query_states`."""
+    whole_spans: bool = False
+    """True: the lifecycle compresses a span once, at commit, and budget pressure then moves
+    whole spans (agentkv's own policy). False: pressure re-scores every attended token and
+    keeps the top ones, as the generic compressors (window, StreamingLLM, H2O, SnapKV) do."""
+    scores_spans: bool = False
+    """True when `span_score` gives each span one number (otherwise a span's score is the
+    mean of its token scores)."""
+
+    def span_score(self, view: SpanView) -> dict[int, float]:
+        """Per span id in the view, one importance number (only when `scores_spans`)."""
+        msg = f"{type(self).__name__} does not score spans (scores_spans is False)"
+        raise NotImplementedError(msg)
 
     @abstractmethod
     def score(self, view: SpanView) -> torch.Tensor:

@@ -14,14 +14,14 @@ from agentkv.policies.base import Policy
 from agentkv.policies.h2o import H2OPolicy
 from agentkv.policies.intent import IntentPolicy
 from agentkv.policies.key_norm import KeyNormPolicy
-from agentkv.policies.lifecycle import LifecyclePolicy
+from agentkv.policies.kind_prior import KindPriorPolicy
 from agentkv.policies.snapkv import SnapKVPolicy
 from agentkv.policies.streaming_llm import StreamingLLMPolicy
 from agentkv.policies.tova import TOVAPolicy
 from agentkv.policies.window import SlidingWindowPolicy
 
 POLICIES: Mapping[str, type[Policy] | None] = {
-    "lifecycle": LifecyclePolicy,
+    "lifecycle": KindPriorPolicy,
     "full": None,
     "window": SlidingWindowPolicy,
     "streaming_llm": StreamingLLMPolicy,

@@ -3,7 +3,8 @@
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import ManagedCache, PhysicalCache, SharedPrefixLayer
 from agentkv.store.host import HostBlock, HostMemoryError
-from agentkv.store.kvstore import ARCHIVE_TIERS, KVStore, TierBytes
+from agentkv.store.kvstore import KVStore
+from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes
 from agentkv.store.quantized import QuantizedBlock, QuantizedTensor, quantize_keys, quantize_values
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "HostMemoryError",
     "KVBlock",
     "KVStore",
+    "KVStoreProtocol",
     "ManagedCache",
     "PhysicalCache",
     "QuantizedBlock",

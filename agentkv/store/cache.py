@@ -5,7 +5,7 @@ The *logical* sequence (spans in conversation order, with RoPE positions) and th
 tokens can be removed from the middle (compaction) and restored spans are
 appended at the end. This is exact because keys carry the RoPE rotation of their
 logical position and attention over a set of cached tokens does not depend on
-their order (verified: a random permutation gives the same logits, DESIGN.md §5).
+their order (verified: a random permutation gives the same logits, docs/design.md §5).
 
 Every physical slot records which span and which offset in it it holds, so the
 store can lift a span out, put it back, or drop part of it.

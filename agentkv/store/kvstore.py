@@ -8,33 +8,30 @@ byte accounting exact: `bytes_by_tier()` sums the tensors actually held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from agentkv.spans import Span, Tier
-from agentkv.store.block import KVBlock
+from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import PhysicalCache
 from agentkv.store.host import HostBlock, check_host_limit
+from agentkv.store.protocol import ARCHIVE_TIERS, TierBytes
 from agentkv.store.quantized import QuantizedBlock
 
-ARCHIVE_TIERS = ("host", "int8", "int4", "drop")
-
-
-@dataclass(frozen=True)
-class TierBytes:
-    """Bytes held per tier, now."""
-
-    device: int
-    quantized: int
-    host: int
-    shared: int = 0
-    """Part of `device` that is a prefix shared with a parent session (not owned)."""
+__all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
 
 
 class KVStore:
-    """Executes moves of spans between tiers on one session's cache."""
+    """Executes moves of spans between tiers on one session's cache (implements `KVStoreProtocol`).
+
+    `host_limit_bytes` is a hard capacity of the host tier (None = the machine's memory):
+    an offload past it raises `HostMemoryError`. It is not the host *budget*: the
+    budget (`host_tokens` / `host_bytes`, resolved once by
+    `agentkv.lifecycle.budget.BudgetLimits`) is enforced by the lifecycle with
+    watermarks, evicting the lowest-scored host spans, as the device budget is.
+    """
 
     def __init__(
         self,
@@ -68,6 +65,46 @@ class KVStore:
     def host_bytes(self) -> int:
         """Bytes on the host tier."""
         return sum(b.nbytes for b in self.blocks.values() if isinstance(b, HostBlock))
+
+    def span_bytes(self, span: Span) -> int:
+        """Bytes held for a span in its tier."""
+        if span.tier is Tier.DEVICE:
+            slots = int((self.physical.slot_span == span.span_id).sum())
+            return slots * self.physical.bytes_per_token()
+        block = self.blocks.get(span.span_id)
+        return 0 if block is None else block.nbytes
+
+    # -- branches and lifetime -------------------------------------------------------------
+
+    def fork(self) -> KVStore:
+        """A branch's store: the attended cache shared as a read-only prefix, no archived blocks.
+
+        Archived blocks are not copied: the branch sees those spans as evicted
+        (recomputable from their tokens).
+        """
+        child = KVStore(
+            self.physical.num_layers,
+            self.device,
+            group_size=self.group_size,
+            residual_tokens=self.residual_tokens,
+            host_limit_bytes=self.host_limit_bytes,
+        )
+        child.physical = self.physical.fork()
+        return child
+
+    def close(self) -> None:
+        """Free every archived block and the attended cache."""
+        self.blocks.clear()
+        self.physical.truncate(0)
+
+    @contextmanager
+    def deferred_removal(self) -> Iterator[None]:
+        """Batch removals from the attended cache: one compaction for all the moves inside."""
+        with self.physical.deferred_removal():
+            yield
+
+    def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
+        """The in-process cache needs no notice of state changes: attention follows the tier."""
 
     # -- moves -----------------------------------------------------------------------------
 
@@ -151,6 +188,11 @@ class KVStore:
             del self.blocks[span.span_id]
             span.tier = Tier.DEVICE
 
+    def adopt_recomputed(self, span: Span) -> None:
+        """The span's KV was recomputed into the attended cache: hold it as a device span, uncompressed."""
+        span.tier = Tier.DEVICE
+        span.kept = None
+
     def forget(self, span: Span) -> None:
         """Remove a span entirely (history rewrite): its slots and any archived block."""
         if span.tier is Tier.DEVICE:
@@ -163,3 +205,62 @@ class KVStore:
                 f"cannot {action} span {span.span_id}: it is on tier {span.tier.value}, expected {tier.value}"
             )
             raise ValueError(msg)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check(self, spans: Sequence[Span]) -> list[str]:
+        """Slots, blocks and byte accounting against the spans' tiers; one line per problem."""
+        physical = self.physical
+        problems: list[str] = []
+        by_id = {s.span_id: s for s in spans}
+        # Slots: each belongs to a live span, sits at that span's logical position, and appears once.
+        offsets: dict[int, list[int]] = {}
+        for slot_span, offset, position in zip(
+            physical.slot_span.tolist(),
+            physical.slot_offset.tolist(),
+            physical.slot_position.tolist(),
+            strict=True,
+        ):
+            owner = by_id.get(slot_span)
+            if owner is None:
+                problems.append(f"physical slot holds unknown span {slot_span}")
+                continue
+            offsets.setdefault(slot_span, []).append(offset)
+            if position != owner.start + offset:
+                problems.append(
+                    f"span {slot_span} offset {offset} at position {position}, "
+                    f"expected {owner.start + offset}"
+                )
+        for span in spans:
+            held = sorted(offsets.get(span.span_id, []))
+            block = self.blocks.get(span.span_id)
+            if span.tier is Tier.DEVICE:
+                if held != span.kept_offsets:
+                    problems.append(
+                        f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} "
+                        "(its kept offsets)"
+                    )
+                if block is not None:
+                    problems.append(f"device span {span.span_id} also has an archived block")
+            else:
+                if held:
+                    problems.append(
+                        f"span {span.span_id} on tier {span.tier.value} still has {len(held)} slots"
+                    )
+                if span.tier is Tier.DROPPED and block is not None:
+                    problems.append(f"dropped span {span.span_id} still has a block")
+                if span.tier in (Tier.HOST, Tier.QUANTIZED) and (
+                    block is None or sorted(block.offsets) != span.kept_offsets
+                ):
+                    problems.append(f"archived span {span.span_id} block does not match its kept tokens")
+        for block_span in self.blocks:
+            if block_span not in by_id:
+                problems.append(f"archived block of unknown span {block_span}")
+        # Accounting: what the tiers report is what their tensors hold.
+        tiers = self.bytes_by_tier()
+        walked = sum(tensor_bytes(t) for t in physical.tensors())
+        if walked != physical.nbytes():
+            problems.append(f"the cache's tensors hold {walked} B, its accounting says {physical.nbytes()} B")
+        if tiers.device != physical.nbytes():
+            problems.append(f"device tier reports {tiers.device} B, the cache holds {physical.nbytes()} B")
+        return problems

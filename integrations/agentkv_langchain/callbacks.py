@@ -66,6 +66,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv.session_ids import branch_session_id, is_branch_of
 from agentkv_langchain.fanout import BranchSelector, continued_branch
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
@@ -211,7 +212,7 @@ class _RunContext:
 
     @property
     def session_id(self) -> str:
-        return f"{self.thread}/{self.branch}" if self.branch else self.thread
+        return branch_session_id(self.thread, self.branch)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
         except Exception as e:
             if getattr(e, _REPORTED, False):  # counted where it happened; raise_error lets it through
                 raise
-            self._failed(method.__name__, e)
+            self.report_failure(method.__name__, e)
             return None
 
     return wrapper
@@ -334,7 +335,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             if session_id is not None:
                 wanted = [session_id] if session_id in self._pending else []
             elif thread is not None:
-                wanted = [s for s in self._pending if s == thread or s.startswith(f"{thread}/")]
+                wanted = [s for s in self._pending if s == thread or is_branch_of(s, thread)]
             else:
                 wanted = list(self._pending)
             batches = [(sid, self._pending.pop(sid)) for sid in wanted]
@@ -407,7 +408,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                     if key in self._failed_inputs:
                         continue
                     self._failed_inputs.add(key)
-                self._defer(
+                self.defer(
                     context.session_id,
                     ToolCallFailed(tool_call_id=message.tool_call_id, error=_text(message.content)),
                 )
@@ -483,9 +484,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if message is not None and message.status == "error":
             with self._lock:
                 self._failed_inputs.add((session_id, call_id))
-            self._defer(session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
+            self.defer(session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
         else:
-            self._defer(session_id, ToolCallCompleted(tool_call_id=call_id))
+            self.defer(session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -501,7 +502,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             session_id = self._session_of_call(context.tool_call_id) or context.session_id
             with self._lock:  # the error ToolMessage made of it is the same failure
                 self._failed_inputs.add((session_id, context.tool_call_id))
-            self._defer(session_id, error_event)
+            self.defer(session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -628,13 +629,15 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         try:
             self.send(session_id, event)
         except Exception as e:
-            self._failed(f"{event.name} for session {session_id!r}", e)
+            self.report_failure(f"{event.name} for session {session_id!r}", e)
 
-    def _defer(self, session_id: str, event: Event) -> None:
+    def defer(self, session_id: str, event: Event) -> None:
+        """Queue an event for the session, sent when the session's model run ends (not mid-forward)."""
         with self._lock:
             self._pending.setdefault(session_id, []).append(event)
 
-    def _failed(self, where: str, error: Exception) -> None:
+    def report_failure(self, where: str, error: Exception) -> None:
+        """Count a failure in agentkv code: raise it when `raise_error`, else log it (the run goes on)."""
         with self._lock:
             self.errors += 1
         if self.raise_error:
@@ -755,7 +758,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             try:
                 self.backend.adopt(thread, winner)
             except Exception as e:
-                self._failed(f"adopting branch {winner!r} of {thread!r}", e)
+                self.report_failure(f"adopting branch {winner!r} of {thread!r}", e)
             else:
                 with self._lock:
                     self.adopted.append((thread, winner))

@@ -17,6 +17,7 @@ from typing import Any
 
 from agentkv import TransformersBackend
 from agentkv.chat import normalize_messages
+from agentkv.session_ids import branch_session_id
 
 __all__ = ["BranchSelector", "continued_branch", "own_message_count"]
 
@@ -26,7 +27,7 @@ BranchSelector = Callable[[str, Sequence[str]], str | None]
 
 def own_message_count(backend: TransformersBackend, thread: str, branch: str) -> int:
     """How many messages the branch session holds beyond the prefix it shares (0 when gone)."""
-    session_id = f"{thread}/{branch}"
+    session_id = branch_session_id(thread, branch)
     if session_id not in backend:
         return 0
     session = backend.get(session_id)
@@ -55,7 +56,7 @@ def continued_branch(
         return None  # the model call reports a malformed input itself
     best: tuple[int, str] | None = None
     for branch in branches:
-        session_id = f"{thread}/{branch}"
+        session_id = branch_session_id(thread, branch)
         if session_id not in backend:
             continue
         session = backend.get(session_id)

@@ -151,7 +151,7 @@ class AgentKVMiddleware(AgentMiddleware):
         try:
             fn(*args)
         except Exception as e:
-            self.handler._failed(getattr(fn, "__name__", "middleware"), e)
+            self.handler.report_failure(getattr(fn, "__name__", "middleware"), e)
 
     def _session_id(self, config: Mapping[str, Any] | None = None) -> str:
         if config is None:
@@ -166,7 +166,7 @@ class AgentKVMiddleware(AgentMiddleware):
         # These hooks run in nodes and tool tasks, not in model calls: a tool's `Send` task is
         # not a branch (its result is read by the thread's next model call).
         key = SessionKey.from_metadata(metadata, self.session_id, send_forks=False)
-        return f"{key.thread}/{key.branch}" if key.branch else key.thread
+        return key.session_id
 
     def _outcome(
         self, session_id: str, call: Mapping[str, Any], result: Any, error: BaseException | None
@@ -183,7 +183,7 @@ class AgentKVMiddleware(AgentMiddleware):
                 event = ToolCallFailed(tool_call_id=call_id, error=str(message.content))
             else:
                 event = ToolCallCompleted(tool_call_id=call_id)
-            self.handler._defer(session_id, event)
+            self.handler.defer(session_id, event)
 
         self._guard(record)
 

@@ -36,6 +36,7 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig, ensure_config
 
 from agentkv import Session, TransformersBackend
+from agentkv.session_ids import branch_session_id
 
 __all__ = [
     "BRANCH_KEY",
@@ -134,6 +135,11 @@ class SessionKey:
 
     thread: str
     branch: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        """The backend session id: `<thread>/<branch>`, or the thread's own."""
+        return branch_session_id(self.thread, self.branch)
 
     @classmethod
     def from_metadata(

@@ -55,7 +55,7 @@ from agentkv.demo import (
     summary_text,
     write_demo_json,
 )
-from agentkv.inspect import plot_span_strip
+from agentkv.inspection import plot_span_strip
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph.demo_agent import RECALL_QUESTIONS, SCRIPT, RecallQuestion, build_graph, turn_input
 from agentkv_langgraph.graph import with_kv_lifecycle
@@ -239,7 +239,7 @@ def run_demo(
     settings = demo_config(config, budget_tokens)
     ours = TransformersBackend(model, tokenizer, settings)
     full = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
-    limit_bytes = ours.session(DEMO_THREAD).lifecycle.budget.limit_bytes
+    limit_bytes = ours.session(DEMO_THREAD).budget_limits().device_bytes
     budget = {"budget_tokens": settings.budget.device_tokens, "budget_bytes": limit_bytes}
     rows: list[DemoTurn] = []
     out = Path(out_dir)

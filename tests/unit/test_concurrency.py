@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded, UserConfirmed
-from agentkv.session import Session
+from agentkv.backend.session import Session
 from agentkv.store.host import HostBlock
 
 SESSIONS = 32

@@ -31,7 +31,7 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
 
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded
-from agentkv.session import Session
+from agentkv.backend.session import Session
 from agentkv.store.host import HostBlock
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import with_kv_lifecycle

@@ -13,7 +13,7 @@ from rich.console import Console
 from agentkv.cli import build_parser, main
 from agentkv.config import AgentKVConfig
 from agentkv.demo import DEFAULT_BUDGET_TOKENS, RecallAnswer, demo_config, first_word
-from agentkv.inspect import load_snapshot, plot_span_strip, print_inspection
+from agentkv.inspection import load_snapshot, plot_span_strip, print_inspection
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def test_inject_faults_touches_one_session_and_always_undoes(tiny_model, tiny_to
             pass
     assert not any("update" in vars(layer) for layer in layers)
     assert "archive" not in vars(a.store) and "restore" not in vars(a.store)
-    assert "score" not in vars(a.lifecycle.policy)
+    assert "score" not in vars(a.manager.policy)
     a.extend([*TOOL_TURN, {"role": "user", "content": "ok"}])
     assert_exact(a, tiny_model)
     assert a.stats().faults == b.stats().faults == 0
@@ -179,10 +179,10 @@ def test_failed_restore_recomputes_the_span(tiny_model, tiny_tokenizer, bring_ba
     session.apply(Custom(event="arch", owner="call_1"))
     (tool,) = session.spans_owned_by("call_1")
     assert tool.state is SpanState.ARCHIVED and tool.tier is (Tier.HOST if tier == "host" else Tier.QUANTIZED)
-    session.lifecycle.recallable.add(tool.span_id)
+    session.manager.recallable.add(tool.span_id)
     with inject_faults(session, "restore") as fault:
         if bring_back == "move":
-            assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="test") is not None
+            assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None
         elif bring_back == "pin":
             assert session.pin("call_1").span_ids == (tool.span_id,)
         elif bring_back == "confirm":
@@ -205,12 +205,12 @@ def test_restore_and_recompute_both_failing_leaves_an_evicted_span(tiny_model, t
     session.apply(Custom(event="arch", owner="call_1"))
     (tool,) = session.spans_owned_by("call_1")
     with inject_faults(session, "restore"), inject_faults(session, "forward"):
-        assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="test") is None
+        assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is None
     # The archived copy is gone and the recompute failed: the span says so, and keeps its tokens.
     assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED and tool.token_ids
     assert session.stats().faults == 2
     session.check()
-    assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="later") is not None
+    assert session.manager.move(tool, SpanState.COMMITTED, reason="later") is not None
     session.check()
     assert_exact(session, tiny_model)
 
@@ -221,11 +221,11 @@ def test_failed_rehydrate_keeps_the_span_evicted_until_it_works(tiny_model, tiny
     session.apply(Custom(event="drop", owner="call_1"))
     (tool,) = session.spans_owned_by("call_1")
     with inject_faults(session, "forward"):
-        assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="test") is None
+        assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is None
     assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED
     assert [r["where"] for r in fault_records(session)] == ["rehydrate"]
     session.check()
-    assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="retry") is not None
+    assert session.manager.move(tool, SpanState.COMMITTED, reason="retry") is not None
     session.check()
     assert_exact(session, tiny_model)
 
@@ -352,8 +352,8 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
                 if demoted and demoted[0].state is SpanState.ARCHIVED:
                     session.release(session.pin(span_ids=[demoted[0].span_id], reason="needed again"))
                 elif demoted:
-                    session.lifecycle.move(demoted[0], SpanState.COMMITTED, reason="needed again")
-                    session.lifecycle.after_operation()
+                    session.manager.move(demoted[0], SpanState.COMMITTED, reason="needed again")
+                    session.manager.after_operation()
                 session.extend(history)
                 session.apply(ToolCallCompleted(call))
                 answer = session.generate(max_new_tokens=3, message_id=f"a{turn}")
@@ -374,10 +374,10 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     print(f"fault sweep {site}/{tier}: injected {injected}, survived {recorded}, surfaced {surfaced}")
     for span in session.spans:
         if span.state is SpanState.EVICTED:
-            assert session.lifecycle.move(span, SpanState.COMMITTED, reason="test") is not None
+            assert session.manager.move(span, SpanState.COMMITTED, reason="test") is not None
             assert span.tier is Tier.DEVICE
     assert not any(s.state is SpanState.EVICTED for s in session.spans)
-    session.lifecycle.after_operation()  # what a public operation does after moving spans
+    session.manager.after_operation()  # what a public operation does after moving spans
     system = next(s for s in session.spans if s.kind is SpanKind.SYSTEM)
     assert system.pinned and system.tier is Tier.DEVICE
     session.check()

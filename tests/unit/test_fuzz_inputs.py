@@ -37,7 +37,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
-from agentkv.manager import ApplyResult
+from agentkv.lifecycle import ApplyResult
 
 AGENTKV_DIR = str(Path(agentkv.__file__).parent)
 EXAMPLES = int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "250"))

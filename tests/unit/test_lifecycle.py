@@ -235,7 +235,7 @@ def test_rehydrated_span_equals_original_when_prefix_is_intact(tiny_model, tiny_
     tool = by_kind(session, SpanKind.TOOL_RESULT)[0]
     session.apply(Custom(event="drop", owner="call_1"))
     assert tool.tier is Tier.DROPPED
-    assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="test") is not None
+    assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None
     assert tool.tier is Tier.DEVICE
     assert (session.continuation_logits(probe) - exact).abs().max().item() <= 1e-4
     session.check()

@@ -15,7 +15,7 @@ from agentkv.policies import (
     H2OPolicy,
     IntentPolicy,
     KeyNormPolicy,
-    LifecyclePolicy,
+    KindPriorPolicy,
     Policy,
     ProtectRecentPolicy,
     ProtectSinksPolicy,
@@ -163,7 +163,7 @@ def test_attention_policies_say_so(view: SpanView) -> None:
     )
     for name in MATRIX_NAMES:
         policy = _policy(name)
-        if policy.needs_attention and not isinstance(policy, LifecyclePolicy):
+        if policy.needs_attention and not isinstance(policy, KindPriorPolicy):
             with pytest.raises(ValueError, match="needs view.attention"):
                 policy.score(bare)
         elif policy.needs_query:
@@ -283,22 +283,22 @@ def test_lifecycle_ranks_system_over_reasoning() -> None:
         sequence_length=10,
         attention=torch.full((10,), 0.1),  # equal attention; recency favours the reasoning span
     )
-    policy = LifecyclePolicy()
+    policy = KindPriorPolicy()
     assert _positions(view, policy.select(view, 5)) == set(range(5))
     spans = policy.span_score(view)
     assert set(spans) == {0, 1} and spans[0] > spans[1]
 
 
 def test_lifecycle_knobs() -> None:
-    assert LifecyclePolicy().needs_attention
-    assert not LifecyclePolicy(attention_weight=0.0).needs_attention
-    policy = LifecyclePolicy(kind_priors={"tool_result": 0.9})  # type: ignore[dict-item]
+    assert KindPriorPolicy().needs_attention
+    assert not KindPriorPolicy(attention_weight=0.0).needs_attention
+    policy = KindPriorPolicy(kind_priors={"tool_result": 0.9})  # type: ignore[dict-item]
     assert policy.kind_priors[SpanKind.TOOL_RESULT] == 0.9
     assert policy.kind_priors[SpanKind.SYSTEM] == 1.0  # defaults fill the rest
     with pytest.raises(ValueError, match="allowed"):
-        LifecyclePolicy(kind_priors={"memo": 1.0})  # type: ignore[dict-item]
+        KindPriorPolicy(kind_priors={"memo": 1.0})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="finite"):
-        LifecyclePolicy(recency_weight=math.nan)
+        KindPriorPolicy(recency_weight=math.nan)
 
 
 def test_composed_wrappers(view: SpanView) -> None:

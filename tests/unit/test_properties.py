@@ -57,8 +57,7 @@ from agentkv import (
     UserRejected,
 )
 from agentkv.chat import normalize_messages
-from agentkv.lifecycle import Lease
-from agentkv.manager import DEMOTED_STATES
+from agentkv.lifecycle import DEMOTED_STATES, Lease
 from agentkv.spans import SpanKind
 from agentkv.store.host import HostBlock
 from agentkv.store.quantized import QuantizedBlock
@@ -266,14 +265,14 @@ class SessionMachine(RuleBasedStateMachine):
         self.backend = TransformersBackend(self.model, self.tokenizer, self.config)
         self.session = self.backend.session("prop")
         self.span_mode = self.config.policy.name in ("lifecycle", "full")
-        lifecycle = self.session.lifecycle
-        original_move = lifecycle.move
+        mover = self.session.manager.mover
+        original_move = mover.move
 
         def recording_move(span: Any, target: SpanState, *, reason: str) -> Any:
             self.budget_moves.append((span.span_id, span.state, span.pinned, reason))
             return original_move(span, target, reason=reason)
 
-        lifecycle.move = recording_move  # type: ignore[method-assign]
+        mover.move = recording_move  # type: ignore[method-assign]
         self.messages.append({"role": "system", "content": f"You are a helpful assistant. {system}"})
         self._extend()
 
@@ -478,9 +477,9 @@ class SessionMachine(RuleBasedStateMachine):
         for span in [s for s in self.session.spans if s.state is SpanState.EVICTED]:
             assert span.token_ids, f"evicted span {span.span_id} lost its tokens"
             assert span.tier is Tier.DROPPED
-            moved = self.session.lifecycle.move(span, SpanState.COMMITTED, reason="test rehydrate")
+            moved = self.session.manager.move(span, SpanState.COMMITTED, reason="test rehydrate")
             assert moved is not None and span.tier is Tier.DEVICE and span.state is SpanState.COMMITTED
-        self.session.lifecycle.after_operation()
+        self.session.manager.after_operation()
         assert self.session.token_ids() == expected
 
     @precondition(lambda self: self.exact and bool(self.session.spans))
@@ -534,7 +533,7 @@ class SessionMachine(RuleBasedStateMachine):
         for span in session.spans:
             assert not (span.pinned and span.state in DEMOTED_STATES)
         stats = session.stats()
-        limit = session.lifecycle.last_limit
+        limit = session.manager.budget.last_limit
         if stats.budget_satisfied and limit is not None and self.config.policy.name != "full":
             usage = stats.device_bytes + stats.quantized_bytes
             assert usage <= limit * self.config.budget.high_watermark
@@ -624,7 +623,7 @@ def test_restored_pending_tail_attends_only_to_its_past(tiny_model, tiny_tokeniz
     )
     (span,) = session.spans_owned_by("ans")
     assert span.state is SpanState.EVICTED and span.n_computed < span.length
-    assert session.lifecycle.move(span, SpanState.COMMITTED, reason="test") is not None
+    assert session.manager.move(span, SpanState.COMMITTED, reason="test") is not None
     session.continuation_logits([5])  # encodes the pending tail
     session.check()
     with torch.inference_mode():

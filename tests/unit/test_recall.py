@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.recall import choose_within_room
+from agentkv.lifecycle.recall_ranking import choose_within_room
 from agentkv.spans import Span, SpanKind
 
 

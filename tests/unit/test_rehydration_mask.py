@@ -55,7 +55,7 @@ def test_rehydrated_span_equals_a_full_forward(model, tiny_tokenizer):
     assert session.apply(Custom(event="drop", owner="call_1")).applied
     assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED
 
-    assert session.lifecycle.move(tool, SpanState.COMMITTED, reason="test") is not None
+    assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None
     assert tool.tier is Tier.DEVICE
     assert session.stats().rehydrated_tokens == tool.length
     # The recomputed span sits at the end of the physical cache, after "thanks; ...".

@@ -5,58 +5,43 @@ the incoming messages with the cached ones message by message (by fingerprint),
 crops from the first that differs, and prefills the new suffix. `generate()` is
 our own decode loop over a cache whose physical layout may differ from the
 logical sequence. Lifecycle events, budgets and recall live in
-`agentkv.manager.LifecycleManager`; this module only encodes and decodes.
+`agentkv.lifecycle` (one `LifecycleManager` per session, held as
+`session.manager`); this module only encodes and decodes. The session's state
+(spans, messages, leases, turn, counters, log) is its public `SpanTable`,
+which the lifecycle reads and writes through methods; the session offers the
+lifecycle a few services (`SessionPort`: recompute a span, encode text, ...).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
+from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
+from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import LogitsProcessor, SamplingParams, StopMatcher, sample_next
+from agentkv.backend.sampling import LogitsProcessor, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
+from agentkv.config import AgentKVConfig
 from agentkv.events import Event
-from agentkv.lifecycle import Lease
+from agentkv.lifecycle.budget import BudgetLimits
+from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.manager import LifecycleManager
+from agentkv.lifecycle.results import ApplyResult
+from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, LogRecord, SessionStats
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
-if TYPE_CHECKING:
-    from agentkv.backend.transformers import TransformersBackend
-    from agentkv.config import AgentKVConfig
-    from agentkv.manager import ApplyResult, LifecycleManager
-
-logger = logging.getLogger("agentkv.session")
-
-
-class SessionClosedError(RuntimeError):
-    """The session was closed; create a new one with `backend.session(id)`."""
-
-
-@dataclass(frozen=True)
-class ExtendResult:
-    """What `Session.extend` did."""
-
-    prefilled_tokens: int
-    """Tokens encoded by the model in this call."""
-    reused_tokens: int
-    """Tokens of the incoming history served from the cache."""
-    cropped_tokens: int
-    """Cached tokens dropped because the history was rewritten upstream."""
-    new_spans: tuple[int, ...]
-    first_changed_message: int | None
-    """Index of the first message that differed from the cache (None = pure append)."""
-    seconds: float
+logger = logging.getLogger("agentkv.backend.session")
 
 
 class Session:
@@ -64,15 +49,13 @@ class Session:
 
     def __init__(
         self,
-        backend: TransformersBackend,
+        backend: SessionHost,
         session_id: str,
         *,
         parent: Session | None = None,
         branch: str | None = None,
         config: AgentKVConfig | None = None,
     ) -> None:
-        from agentkv.manager import LifecycleManager
-
         self.backend = backend
         self.session_id = session_id
         # A branch keeps its parent's settings: its budget and rules are the conversation's.
@@ -80,32 +63,64 @@ class Session:
         self.format = backend.chat_format
         self.runner = backend.runner
         self.lock = threading.RLock()
+        self.limits = BudgetLimits.resolve(self.config.budget, self.runner.bytes_per_token)
+        """The budget in bytes, resolved once; the manager enforces it (device and host alike)."""
         self.store = KVStore(
             self.runner.num_layers,
             self.runner.device,
             group_size=self.config.quantization.group_size,
             residual_tokens=self.config.quantization.residual_tokens,
-            host_limit_bytes=self.config.budget.host_bytes,
         )
-        self.spans: list[Span] = []
-        self.messages: list[ChatMessage] = []
-        self.counters = Counters()
-        self.log: deque[LogRecord] = deque(maxlen=10_000)
-        self.turn = 0
+        self.table = SpanTable(session_id)
+        """Spans, messages, leases, turn, counters and the event log (public)."""
         self.last_logits: torch.Tensor | None = None
-        self.leases: dict[int, Lease] = {}
         self.branch = branch
         self.parent = parent
         self.closed = False
-        self._next_span_id = itertools.count()
-        self.lifecycle: LifecycleManager = LifecycleManager(self)
+        self.manager: LifecycleManager
+        """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
         if parent is not None:
-            self._fork_from(parent)
+            self._fork_from(parent)  # the branch's table, store and manager, under the parent's lock
+        else:
+            self.manager = LifecycleManager(SessionServices(self), self.limits)
+
+    # -- the span table's fields, for reading ----------------------------------------------------
+
+    @property
+    def spans(self) -> list[Span]:
+        """The logical sequence's spans (the table's list)."""
+        return self.table.spans
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation's messages (the table's list)."""
+        return self.table.messages
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """Live pin receipts by id."""
+        return self.table.leases
+
+    @property
+    def turn(self) -> int:
+        """The current user turn."""
+        return self.table.turn
+
+    @property
+    def counters(self) -> Counters:
+        """Running totals."""
+        return self.table.counters
+
+    @property
+    def log(self) -> deque[LogRecord]:
+        """The event log."""
+        return self.table.log
+
+    def budget_limits(self) -> BudgetLimits:
+        """This session's budget in bytes (device, host, global) with its watermarks."""
+        return self.limits
 
     # -- small helpers -------------------------------------------------------------------------
-
-    def _record(self, kind: str, **detail: Any) -> None:
-        self.log.append(LogRecord(kind, detail))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -115,38 +130,24 @@ class Session:
             raise SessionClosedError(msg)
 
     def span(self, span_id: int) -> Span:
-        """The span with this id (KeyError naming the known range when absent)."""
-        for span in self.spans:
-            if span.span_id == span_id:
-                return span
-        msg = f"session {self.session_id!r} has no span {span_id}"
-        raise KeyError(msg)
+        """The span with this id (KeyError naming the session when absent)."""
+        return self.table.span(span_id)
 
     def spans_owned_by(self, owner: str) -> list[Span]:
         """Spans whose owner (message id, tool_call_id, branch) is `owner`."""
-        return [s for s in self.spans if s.owner == owner or s.branch == owner]
+        return self.table.owned_by(owner)
 
     @property
     def logical_length(self) -> int:
         """Tokens in the logical sequence (held or not)."""
-        return self.spans[-1].end if self.spans else 0
+        return self.table.logical_length
 
     def token_ids(self) -> list[int]:
         """The whole logical sequence's token ids (nothing is ever lost)."""
-        return [t for span in self.spans for t in span.token_ids]
+        return self.table.token_ids()
 
     def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
-        span = Span(
-            span_id=next(self._next_span_id),
-            kind=kind,
-            token_ids=list(token_ids),
-            start=self.logical_length,
-            turn=self.turn,
-            branch=self.branch,
-            **fields,
-        )
-        self.spans.append(span)
-        return span
+        return self.table.new_span(kind, token_ids, branch=self.branch, **fields)
 
     # -- encoding ------------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class Session:
         incoming = normalize_messages(messages)
         with self.lock:
             self._check_open()
-            message_spans = [s for s in self.spans if s.message_index >= 0]
+            message_spans = self.table.message_spans()
             k = 0
             while (
                 k < len(message_spans)
@@ -190,8 +191,8 @@ class Session:
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
                 index = k + offset
                 if message.role == "user":
-                    self.lifecycle.on_new_user_turn()
-                    self.turn += 1
+                    self.manager.on_new_user_turn()
+                    self.table.turn += 1
                 if offset == 0 and partial:
                     # The rewritten message keeps its unchanged leading tokens; it is new content.
                     span = self.spans[-1]
@@ -199,20 +200,20 @@ class Session:
                     span.state, span.frozen, span.generated = SpanState.ACTIVE, False, False
                     span.turn = self.turn
                     # Forget what the old message registered (its tool call ids): they are not this one's.
-                    self.lifecycle.on_span_removed(span)
+                    self.manager.on_span_removed(span)
                     self._describe_message(span, message, index)
                 else:
                     span = self._new_span(message.kind, ids)
                     self._describe_message(span, message, index)
-                    self.lifecycle.on_span_created(span)
+                    self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
             if any(m.role == "user" for m in incoming[k:]):
-                self.lifecycle.recall(incoming[-1])
+                self.manager.recall(incoming[-1])
             prefilled = self._prefill()
             self.counters.reused_tokens += reused
             self.counters.cropped_tokens += cropped
-            self.lifecycle.after_operation()
+            self.manager.after_operation()
             result = ExtendResult(
                 prefilled_tokens=prefilled,
                 reused_tokens=reused,
@@ -221,7 +222,9 @@ class Session:
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
             )
-            self._record("extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans))
+            self.table.record(
+                "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
+            )
             return result
 
     def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
@@ -230,7 +233,7 @@ class Session:
         span.message_index = index
         span.fingerprints = frozenset({message.fingerprint()})
         for call in message.tool_calls:
-            self.lifecycle.register_tool_call(call.id, span)
+            self.manager.register_tool_call(call.id, span)
 
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
@@ -253,9 +256,11 @@ class Session:
             for span in self.spans[index + 1 :]:
                 dropped += span.length
                 self.store.forget(span)
-                self.lifecycle.on_span_removed(span)
-            del self.spans[index + 1 :]
-            del self.messages[first.message_index if first.message_index >= 0 else len(self.messages) :]
+                self.manager.on_span_removed(span)
+            self.table.truncate(index + 1)
+            self.table.truncate_messages(
+                first.message_index if first.message_index >= 0 else len(self.messages)
+            )
             if keep_tokens:
                 slots = self.store.physical.slots_of(first.span_id)
                 offsets = self.store.physical.slot_offset[slots]
@@ -267,30 +272,23 @@ class Session:
             else:
                 dropped += first.length
                 self.store.forget(first)
-                self.lifecycle.on_span_removed(first)
-                self.spans.pop()
+                self.manager.on_span_removed(first)
+                self.table.truncate(index)
             if self.last_logits is not None:
                 self.last_logits = None
             return dropped
 
-    def _pending_feed(self) -> Feed:
-        ids: list[int] = []
-        positions: list[int] = []
-        span_ids: list[int] = []
-        offsets: list[int] = []
-        for span in self.spans:
-            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
-                continue
-            for offset in range(span.n_computed, span.length):
-                ids.append(span.token_ids[offset])
-                positions.append(span.start + offset)
-                span_ids.append(span.span_id)
-                offsets.append(offset)
-        return Feed(ids, positions, span_ids, offsets)
+    def prefill_pending(self) -> int:
+        """Encode every token whose KV is pending (a generated answer's end of turn); returns how many.
+
+        Call with the session's lock held; a fork calls it on its parent before sharing the cache.
+        """
+        with self.lock:
+            return self._prefill()
 
     def _prefill(self) -> int:
         """Encode every token whose KV is pending; returns how many."""
-        feed = self._pending_feed()
+        feed = Feed.pending(self.spans)
         if not len(feed):
             return 0
         physical = self.store.physical
@@ -303,31 +301,26 @@ class Session:
             mask = self.runner.logical_mask(physical, feed.positions)
         with self.backend.model_lock:
             self.last_logits = (
-                self._forward(feed, attention_mask=mask) if mask is not None else self._forward(feed)
+                self.forward(feed, attention_mask=mask) if mask is not None else self.forward(feed)
             )
         for span in self.spans:
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
-                self._mark_computed(span)
+                span.mark_computed()
         self.counters.prefill_tokens += len(feed)
         return len(feed)
 
-    @staticmethod
-    def _mark_computed(span: Span) -> None:
-        """Record that a span's pending tail now has KV on the device.
+    def forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
+        """Run `feed` through the model over this session's cache (the caller holds `model_lock`).
 
-        A span compressed at commit lists the offsets it kept; tail tokens computed
-        after the commit are held too, so they join that list (they were never scored:
-        compression happens once, at commit).
+        Charges the time to `forward_seconds`, and collects the attention signal on
+        prefills when the policy uses it.
         """
-        if span.kept is not None:
-            span.kept = sorted(set(span.kept) | set(range(span.n_computed, span.length)))
-        span.n_computed = span.length
-
-    def _forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         before = self.runner.forward_seconds
         self.store.physical.compact_pending()  # a forward must never attend a removed slot
         try:
-            return self.lifecycle.observed_forward(feed, **kwargs)
+            return self.runner.forward_observed(
+                self.store.physical, feed, self.manager.policy, window=self.config.commit.window, **kwargs
+            )
         finally:
             self.counters.forward_seconds += self.runner.forward_seconds - before
 
@@ -430,64 +423,41 @@ class Session:
             self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens + suffix)
             span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
             span.message_index = len(self.messages)
-            self.lifecycle.on_span_created(span)
+            self.manager.on_span_created(span)
             try:
                 self._prefill()
             except BaseException:
                 # No answer was started: take the prompt span back, so spans and messages stay aligned.
-                self.spans.remove(span)
-                self.lifecycle.on_span_removed(span)
+                self.table.remove(span)
+                self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
             logits = self.last_logits
             if logits is None:
                 msg = "no logits after prefill"
                 raise RuntimeError(msg)
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device="cpu").manual_seed(params.seed)
-            stop_ids = self.format.stop_token_ids()
-            matcher = StopMatcher(params.stop)
-            produced: list[int] = []
-            emitted = 0
-            text = ""
-            finished_by_stop_string = False
+            answer = Answer()
+
+            def step(token: int) -> torch.Tensor:
+                span.token_ids.append(token)
+                return self._decode_one(span)
+
             try:
-                for _ in range(params.max_new_tokens):
-                    if params.logits_processor is not None:
-                        logits = params.logits_processor(produced, logits)
-                    token = sample_next(logits.cpu(), params, generator)
-                    if token in stop_ids:
-                        break
-                    produced.append(token)
-                    span.token_ids.append(token)
-                    text = self.backend.tokenizer.decode(produced, skip_special_tokens=True)
-                    cut = matcher.find(text)
-                    if cut is not None:
-                        text = text[:cut]
-                        finished_by_stop_string = True
-                    safe = len(text) if finished_by_stop_string else matcher.safe_length(text)
-                    # Byte-level BPE may end mid-character: hold back a trailing replacement char.
-                    while safe > emitted and text[safe - 1] == "\ufffd" and not finished_by_stop_string:
-                        safe -= 1
-                    if safe > emitted:
-                        yield text[emitted:safe]
-                        emitted = safe
-                    if finished_by_stop_string or len(produced) >= params.max_new_tokens:
-                        break
-                    logits = self._decode_one(span)
-                if emitted < len(text):
-                    yield text[emitted:]
+                yield from decode_answer(
+                    logits, step, params, self.backend.tokenizer, self.format.stop_token_ids(), answer
+                )
             finally:
-                self._finish_answer(span, prefix, text, len(produced))
+                # The last produced token was not fed back: it is encoded with the end of turn.
+                span.token_ids.extend(answer.tokens[len(span.token_ids) - len(prompt_ids) :])
+                self._finish_answer(span, prefix, answer.text, len(answer.tokens))
 
     def _decode_one(self, span: Span) -> torch.Tensor:
-        """Feed the span's last (pending) token; return next-token logits `[V]`."""
+        """Feed the span's last produced token (pending); return next-token logits `[V]`."""
         offset = span.length - 1
         feed = Feed([span.token_ids[offset]], [span.start + offset], [span.span_id], [offset])
         with self.backend.model_lock:
-            logits = self._forward(feed)
-        self._mark_computed(span)
+            logits = self.forward(feed)
+        span.mark_computed()
         if logits is None:
             msg = "no logits from decode step"
             raise RuntimeError(msg)
@@ -501,8 +471,8 @@ class Session:
         span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
         self.messages.append(message)
         self.counters.generated_tokens += produced
-        self._record("generate", span=span.span_id, tokens=produced, chars=len(text))
-        self.lifecycle.after_operation()
+        self.table.record("generate", span=span.span_id, tokens=produced, chars=len(text))
+        self.manager.after_operation()
 
     def bind_message(self, message: Any, span_id: int | None = None) -> None:
         """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls).
@@ -523,7 +493,7 @@ class Session:
             if normalized.tool_calls:
                 span.kind = SpanKind.TOOL_CALL
                 for call in normalized.tool_calls:
-                    self.lifecycle.register_tool_call(call.id, span)
+                    self.manager.register_tool_call(call.id, span)
             if 0 <= span.message_index < len(self.messages):
                 self.messages[span.message_index] = normalized
 
@@ -537,7 +507,7 @@ class Session:
         """
         with self.lock:
             self._check_open()
-            prefilled = self._prefill() if self._pending_feed().input_ids else 0
+            prefilled = self._prefill() if Feed.pending(self.spans).input_ids else 0
             start = self.logical_length
             ids = list(token_ids)
             feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
@@ -551,7 +521,7 @@ class Session:
                 # Encoding the pending tail (a generated answer's end of turn) grew the cache: the
                 # budget is enforced now, after scoring, as generate() does after an answer, so the
                 # scores are those a decode would see.
-                self.lifecycle.after_operation()
+                self.manager.after_operation()
             if logits is None:
                 return torch.empty(0)
             return logits
@@ -564,11 +534,7 @@ class Session:
             logits = self.continuation_logits(prompt + target)
             if self.last_logits is None:
                 return float("nan")
-            rows = torch.cat([self.last_logits[None], logits[:-1]])  # row i predicts token i
-            logprobs = torch.log_softmax(rows.float(), dim=-1)
-            ids = torch.tensor(prompt + target)
-            picked = logprobs[torch.arange(len(ids)), ids]
-            return float(picked[len(prompt) :].sum())
+            return answer_logprob(self.last_logits, logits, prompt, target)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -576,22 +542,22 @@ class Session:
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            return self.lifecycle.apply(event)
+            return self.manager.apply(event)
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
     ) -> Lease:
         """Pin spans (by owner or ids); returns the lease to give back with `release`."""
         with self.lock:
-            lease = self.lifecycle.pin(owner=owner, span_ids=span_ids, reason=reason)
+            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
             # Pinning brings back a span that was already demoted: the budget may need enforcing.
-            self.lifecycle.after_operation()
+            self.manager.after_operation()
             return lease
 
     def release(self, lease: Lease) -> bool:
         """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
         with self.lock:
-            return self.lifecycle.release(lease)
+            return self.manager.release(lease)
 
     def fork(self, branch: str) -> Session:
         """A branch session sharing this session's KV as a read-only prefix (no copy)."""
@@ -605,8 +571,9 @@ class Session:
         branch cannot release what is now the thread's own history.
         """
         with self.lock:
-            self._record("branch", adopted_as=session_id, was=self.session_id)
+            self.table.record("branch", adopted_as=session_id, was=self.session_id)
             self.session_id = session_id
+            self.table.session_id = session_id
             self.parent = None
             self.branch = None
             for span in self.spans:
@@ -614,34 +581,20 @@ class Session:
 
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:
-            if parent._prefill():
-                parent.lifecycle.after_operation()
-            self.store.physical = parent.store.physical.fork()
-            for span in parent.spans:
-                clone = Span(
-                    **{
-                        **span.__dict__,
-                        "leases": set(span.leases),
-                        "kept": None if span.kept is None else list(span.kept),
-                    }
-                )
-                clone.branch = span.branch
-                self.spans.append(clone)
+            if parent.prefill_pending():
+                parent.manager.after_operation()
+            self.store = parent.store.fork()
+            self.table = parent.table.fork(self.session_id)
+            for clone in self.table.spans:
                 # Archived blocks are not copied: the child sees them as evicted (recomputable
                 # from their tokens), so its states still say where its KV is.
                 if clone.tier in (Tier.HOST, Tier.QUANTIZED):
                     clone.tier = Tier.DROPPED
                     clone.state = SpanState.EVICTED
                     clone.kept = None
-            # The parent's pins hold in the branch too (the system prompt, confirmed facts).
-            self.leases = dict(parent.leases)
-            self.messages = list(parent.messages)
-            self.turn = parent.turn
             self.last_logits = parent.last_logits
-            # Continue the parent's numbering: ids of spans a rewrite removed are never reused, so
-            # nothing that still names them (an old lease, a recall mark) lands on a new span.
-            self._next_span_id = itertools.count(next(parent._next_span_id))
-            self.lifecycle.inherit(parent.lifecycle)
+            self.manager = LifecycleManager(SessionServices(self), self.limits)
+            self.manager.inherit(parent.manager)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -654,36 +607,19 @@ class Session:
                 by_state[span.state.value] += span.length
             c = self.counters
             c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
-            return SessionStats(
+            return SessionStats.from_counters(
+                c,
                 session_id=self.session_id,
-                prefill_tokens=c.prefill_tokens,
-                reused_tokens=c.reused_tokens,
                 device_bytes=tiers.device,
                 quantized_bytes=tiers.quantized,
                 host_bytes=tiers.host,
-                peak_device_bytes=c.peak_device_bytes,
-                tokens_by_state=by_state,
-                generated_tokens=c.generated_tokens,
-                cropped_tokens=c.cropped_tokens,
-                rehydrated_tokens=c.rehydrated_tokens,
-                restored_tokens=c.restored_tokens,
-                compressed_tokens=c.compressed_tokens,
                 shared_device_bytes=tiers.shared,
+                tokens_by_state=by_state,
                 attended_tokens=self.store.physical.length,
                 logical_tokens=self.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,
-                events_applied=c.events_applied,
-                events_noop=c.events_noop,
-                events_internal=c.events_internal,
-                transitions=c.transitions,
-                faults=c.faults,
-                budget_unmet=c.budget_unmet,
-                budget_satisfied=self.lifecycle.budget_satisfied,
-                lifecycle_seconds=c.lifecycle_seconds,
-                policy_seconds=c.policy_seconds,
-                store_seconds=c.store_seconds,
-                forward_seconds=c.forward_seconds,
+                budget_satisfied=self.manager.budget_satisfied,
             )
 
     def snapshot(self) -> dict[str, Any]:
@@ -693,7 +629,7 @@ class Session:
             spans = []
             for span in self.spans:
                 entry = span.describe()
-                entry["bytes"] = self.lifecycle.span_bytes(span)
+                entry["bytes"] = self.store.span_bytes(span)
                 entry["preview"] = tokenizer.decode(span.token_ids[:48], skip_special_tokens=False)
                 spans.append(entry)
             return {"session_id": self.session_id, "stats": self.stats().to_dict(), "spans": spans}
@@ -711,15 +647,13 @@ class Session:
     def check(self) -> None:
         """Verify the invariants; raise `AssertionError`-free `RuntimeError` naming the first broken one."""
         with self.lock:
-            self.lifecycle.check()
+            self.manager.check()
 
     def close(self) -> None:
         """Free the session's KV (tokens are dropped with it)."""
         with self.lock:
-            self.store.blocks.clear()  # every archived block; the attended cache goes at once below
-            self.store.physical.truncate(0)
-            self.spans.clear()
-            self.messages.clear()
+            self.store.close()
+            self.table.clear()
             self.closed = True
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from agentkv.session import Session
+    from agentkv.backend.session import Session
 
 STATE_COLOURS = {
     "active": "#4c9be8",

@@ -7,7 +7,7 @@ prior: user and system text outrank the model's own scaffolding (tool-call
 syntax, reasoning) that has already served its purpose. Attention refines the
 choice within and across spans; recency breaks ties toward the present.
 
-Per DESIGN.md ("commit then freeze", after FlowKV, Chen et al. 2025), the session
+Per docs/design.md ("commit then freeze", after FlowKV, Chen et al. 2025), the session
 scores a span once at commit; `span_score` gives each span one number that later
 orders whole-span demotion under pressure.
 """
@@ -51,7 +51,7 @@ def _default_priors() -> dict[SpanKind, float]:
 
 
 @dataclass
-class LifecyclePolicy(Policy):
+class KindPriorPolicy(Policy):
     """Score = attention_weight · normalised attention + kind prior + recency_weight · recency.
 
     All three terms are in [0, 1] so the weights read as trade-offs: with the
@@ -68,12 +68,14 @@ class LifecyclePolicy(Policy):
 
     needs_attention = True
     needs_query = False
+    whole_spans = True
+    scores_spans = True
 
     def __post_init__(self) -> None:
         for name in ("attention_weight", "recency_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                msg = f"LifecyclePolicy.{name} must be a finite number, got {value!r}"
+                msg = f"KindPriorPolicy.{name} must be a finite number, got {value!r}"
                 raise ValueError(msg)
         self.kind_priors = _parse_priors(self.kind_priors)
         self.needs_attention = self.attention_weight != 0
@@ -131,10 +133,10 @@ def _parse_priors(priors: Mapping[SpanKind, float] | Mapping[str, float]) -> dic
         try:
             kind = SpanKind(key)
         except ValueError as e:
-            msg = f"LifecyclePolicy.kind_priors: unknown span kind {key!r}; allowed: {allowed}"
+            msg = f"KindPriorPolicy.kind_priors: unknown span kind {key!r}; allowed: {allowed}"
             raise ValueError(msg) from e
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            msg = f"LifecyclePolicy.kind_priors[{kind.value!r}] must be a finite number, got {value!r}"
+            msg = f"KindPriorPolicy.kind_priors[{kind.value!r}] must be a finite number, got {value!r}"
             raise ValueError(msg)
         merged[kind] = float(value)
     return merged

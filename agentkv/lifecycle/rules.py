@@ -1,4 +1,4 @@
-"""Lifecycle states, the allowed moves between them, the rules table, and pin leases.
+"""Lifecycle states, the allowed moves between them, and the rules table.
 
     ACTIVE ──commit──► COMMITTED ──archive──► ARCHIVED
       │                   │  ▲                  │
@@ -6,18 +6,18 @@
                           │        (recall: ARCHIVED/EVICTED → COMMITTED)
                         evict ─────► EVICTED  (KV dropped, token ids kept)
 
-`pinned` is not a state but a set of leases on a span: a pinned span is never
-demoted by budget pressure. Rules map an event's targets to actions; an action
-leads to a state through `ACTION_STATES`.
+`pinned` is not a state but a set of leases on a span (`agentkv.lifecycle.leases`):
+a pinned span is never demoted by budget pressure. Rules map an event's targets to
+actions; an action leads to a state through `ACTION_STATES`. The rules are
+validated once, by `agentkv.config.rule_problems` (the YAML validation and
+`Rules` both call it).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from agentkv.events import ACTIONS, EVENT_TARGETS
+from agentkv.config import rule_problems
 from agentkv.spans import SpanState
 
 TRANSITIONS: dict[SpanState, frozenset[SpanState]] = {
@@ -30,6 +30,9 @@ TRANSITIONS: dict[SpanState, frozenset[SpanState]] = {
     SpanState.EVICTED: frozenset({SpanState.COMMITTED}),
 }
 """Allowed moves. EVICTED → COMMITTED is recall by recomputing the span from its token ids."""
+
+DEMOTED_STATES = frozenset({SpanState.ARCHIVED, SpanState.EVICTABLE, SpanState.EVICTED})
+"""States a pinned span never enters."""
 
 ACTION_STATES: dict[str, SpanState | None] = {
     "keep": None,
@@ -80,40 +83,16 @@ class Rules:
     """The event → target → action table, defaults merged with overrides."""
 
     def __init__(self, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        overrides = overrides or {}
+        problems = rule_problems(overrides)
+        if problems:
+            msg = "; ".join(f"rules.{'.'.join(path)}: {message}" for path, message in problems)
+            raise ValueError(msg)
         table = {name: dict(targets) for name, targets in DEFAULT_RULES.items()}
-        for name, targets in (overrides or {}).items():
-            allowed_targets = ("owner",) if name.startswith("custom:") else EVENT_TARGETS.get(name)
-            if allowed_targets is None:
-                msg = f"rules.{name}: unknown event; allowed: {', '.join(EVENT_TARGETS)} or custom:<name>"
-                raise ValueError(msg)
-            for target, action in targets.items():
-                if target not in allowed_targets:
-                    msg = f"rules.{name}.{target}: unknown target; allowed: {', '.join(allowed_targets)}"
-                    raise ValueError(msg)
-                if action not in ACTIONS:
-                    msg = f"rules.{name}.{target}: unknown action {action!r}; allowed: {', '.join(ACTIONS)}"
-                    raise ValueError(msg)
+        for name, targets in overrides.items():
             table.setdefault(name, {}).update(targets)
         self.table = table
 
     def actions(self, event_name: str) -> dict[str, str]:
         """Target → action for an event name (empty for an unknown custom event)."""
         return dict(self.table.get(event_name, {}))
-
-
-_lease_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A receipt for a pin. Only `Session.release(lease)` with this receipt removes that pin."""
-
-    lease_id: int
-    session_id: str
-    span_ids: tuple[int, ...]
-    reason: str = ""
-
-    @staticmethod
-    def new(session_id: str, span_ids: tuple[int, ...], reason: str = "") -> Lease:
-        """A fresh lease with a process-unique id."""
-        return Lease(next(_lease_ids), session_id, span_ids, reason)

@@ -1,0 +1,62 @@
+"""What a session and its backend promise each other, and what session calls return."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agentkv.backend.runner import ModelRunner
+from agentkv.chat import ChatFormat
+from agentkv.config import AgentKVConfig
+
+
+class SessionHost(Protocol):
+    """What a session needs from the backend that owns it (`TransformersBackend` provides it)."""
+
+    config: AgentKVConfig
+    chat_format: ChatFormat
+    runner: ModelRunner
+    tokenizer: Any
+    model_lock: Any
+    """A lock serialising model forwards (attention hooks live on the shared model)."""
+
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a session with this id is live."""
+        ...
+
+    def sessions(self) -> Iterator[Any]:
+        """A snapshot of the live sessions."""
+        ...
+
+    def fork(self, session_id: str, branch: str) -> Any:
+        """Create (or get) the branch session `<session_id>/<branch>`."""
+        ...
+
+    def close(self, session_id: str) -> None:
+        """Free a session's KV and forget it."""
+        ...
+
+    def device_bytes(self) -> int:
+        """Device KV bytes across all sessions."""
+        ...
+
+
+class SessionClosedError(RuntimeError):
+    """The session was closed; create a new one with `backend.session(id)`."""
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    """What `Session.extend` did."""
+
+    prefilled_tokens: int
+    """Tokens encoded by the model in this call."""
+    reused_tokens: int
+    """Tokens of the incoming history served from the cache."""
+    cropped_tokens: int
+    """Cached tokens dropped because the history was rewritten upstream."""
+    new_spans: tuple[int, ...]
+    first_changed_message: int | None
+    """Index of the first message that differed from the cache (None = pure append)."""
+    seconds: float

@@ -1,0 +1,115 @@
+"""The session's side of the lifecycle: the services `agentkv.lifecycle.port.SessionPort` names.
+
+The lifecycle manager never holds the session itself; it holds this adapter,
+which offers exactly what the lifecycle may use (recompute a span, encode text,
+global usage, branch sessions) through the session's public methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from agentkv.backend.runner import Feed, ModelRunner
+from agentkv.chat import ChatFormat
+from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.table import SpanTable
+from agentkv.session_ids import is_branch_of
+from agentkv.spans import Span
+from agentkv.store.kvstore import KVStore
+
+
+class ServedSession(Protocol):
+    """The public face of a session this adapter reads (`agentkv.backend.session.Session`)."""
+
+    session_id: str
+    config: AgentKVConfig
+    table: SpanTable
+    store: KVStore
+    runner: ModelRunner
+    format: ChatFormat
+    backend: Any
+    parent: Any
+
+    def forward(self, feed: Feed, **kwargs: Any) -> Any:
+        """Run a feed through the model over the session's cache."""
+        ...
+
+
+class SessionServices:
+    """`SessionPort` over a session."""
+
+    def __init__(self, session: ServedSession) -> None:
+        self.session = session
+
+    @property
+    def session_id(self) -> str:
+        """The session's id."""
+        return self.session.session_id
+
+    @property
+    def config(self) -> AgentKVConfig:
+        """The session's configuration."""
+        return self.session.config
+
+    @property
+    def table(self) -> SpanTable:
+        """The session's span table."""
+        return self.session.table
+
+    @property
+    def store(self) -> KVStore:
+        """The session's store."""
+        return self.session.store
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Device bytes of one attended token's KV."""
+        return self.session.runner.bytes_per_token
+
+    def recompute(self, span: Span) -> None:
+        """Compute a dropped span's KV from its token ids at its logical positions.
+
+        The mask is by logical position: the span attends only to what precedes it
+        in the conversation, wherever those tokens sit in the physical cache.
+        """
+        positions = list(range(span.start, span.start + span.n_computed))
+        feed = Feed(
+            span.token_ids[: span.n_computed],
+            positions,
+            [span.span_id] * len(positions),
+            list(range(len(positions))),
+        )
+        self.session.store.physical.compact_pending()
+        mask = self.session.runner.logical_mask(self.session.store.physical, positions)
+        with self.session.backend.model_lock:
+            self.session.forward(feed, logits="none", attention_mask=mask)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` (no chat template)."""
+        return self.session.format.encode(text)
+
+    def token_text(self, token: int) -> str:
+        """One token's text."""
+        return str(self.session.backend.tokenizer.decode([token]))
+
+    def token_embeddings(self) -> Any:
+        """The model's input embedding module, or None."""
+        get = getattr(self.session.runner.model, "get_input_embeddings", None)
+        return get() if callable(get) else None
+
+    def global_device_bytes(self) -> int:
+        """Device KV bytes across the backend's sessions."""
+        return self.session.backend.device_bytes()
+
+    def child_branches(self) -> list[tuple[str, str | None]]:
+        """`(session_id, branch)` of the live branch sessions forked from this one."""
+        session = self.session
+        return [
+            (child.session_id, child.branch)
+            for child in session.backend.sessions()
+            if is_branch_of(child.session_id, session.session_id) and child.parent is session
+        ]
+
+    def close_child(self, session_id: str) -> None:
+        """Close a branch session forked from this one."""
+        self.session.backend.close(session_id)

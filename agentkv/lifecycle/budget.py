@@ -1,0 +1,226 @@
+"""Budgets: the one place a token budget becomes bytes, and where pressure is relieved.
+
+`BudgetLimits.resolve` turns the YAML budget (`device_tokens` / `device_bytes`,
+`host_tokens` / `host_bytes`, `global_device_bytes`) into bytes once per session;
+the store's host limit and the manager's checks both read that one result.
+
+Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
+- *span mode* (agentkv's `lifecycle` policy, and `full`): pressure demotes whole
+  spans — evictable first, then the lowest-scored committed ones are archived,
+  then quantized archives are evicted. Spans were compressed once, at commit.
+- *token mode* (generic baselines: window, StreamingLLM, H2O, SnapKV, …): pressure
+  re-scores every attended token and keeps the top ones, as those methods do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from agentkv.config import BudgetConfig
+from agentkv.lifecycle.compression import Compressor
+from agentkv.lifecycle.marks import RecallMarks
+from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.port import SessionPort
+from agentkv.spans import Span, SpanState, Tier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BudgetLimits:
+    """A session's budget in bytes (None = no limit), with its watermarks."""
+
+    device_bytes: int | None
+    """Per-session device limit: attended KV plus quantized archives."""
+    host_bytes: int | None
+    """Per-session limit on the host tier."""
+    global_device_bytes: int | None
+    """Device limit across every session of the backend."""
+    high: float
+    """Fraction of a limit at which demotion starts."""
+    low: float
+    """Fraction of a limit demotion brings usage back under."""
+
+    @staticmethod
+    def resolve(budget: BudgetConfig, bytes_per_token: int) -> BudgetLimits:
+        """Bytes for every limit; a byte figure wins over a token figure for the same tier."""
+        device = budget.device_bytes
+        if device is None and budget.device_tokens:
+            device = budget.device_tokens * bytes_per_token
+        host = budget.host_bytes
+        if host is None and budget.host_tokens:
+            host = budget.host_tokens * bytes_per_token
+        return BudgetLimits(
+            device_bytes=device,
+            host_bytes=host,
+            global_device_bytes=budget.global_device_bytes,
+            high=budget.high_watermark,
+            low=budget.low_watermark,
+        )
+
+
+class BudgetKeeper:
+    """Holds one session under its device and host budgets after each operation."""
+
+    def __init__(
+        self,
+        port: SessionPort,
+        limits: BudgetLimits,
+        mover: Mover,
+        compressor: Compressor,
+        marks: RecallMarks,
+        *,
+        whole_spans: bool,
+        enforced: bool,
+    ) -> None:
+        self.port = port
+        self.table = port.table
+        self.limits = limits
+        self.mover = mover
+        self.compressor = compressor
+        self.marks = marks
+        self.whole_spans = whole_spans
+        """Span mode (True) or token mode (False); see the module docstring."""
+        self.enforced = enforced
+        """False for policy `full`: the device budget is reported, never enforced."""
+        self.satisfied = True
+        """Whether the last check met the device budget."""
+        self.last_limit: int | None = None
+        """The device limit the last `enforce` applied (`check` holds usage to it)."""
+
+    def usage_bytes(self) -> int:
+        """What the device budget counts: attended KV plus quantized archives (both on the device)."""
+        tiers = self.port.store.bytes_by_tier()
+        return tiers.device + tiers.quantized
+
+    def effective_limit(self) -> int | None:
+        """This session's device limit now: its own, lowered by its share of a global excess."""
+        limit = self.limits.device_bytes
+        global_limit = self.limits.global_device_bytes
+        if global_limit is not None:
+            backend_usage = self.port.global_device_bytes()
+            if backend_usage > global_limit * self.limits.high:
+                # This session pays for the excess of all sessions (the one that is growing now).
+                own = self.usage_bytes()
+                share = max(0, own - (backend_usage - int(global_limit * self.limits.low)))
+                limit = share if limit is None else min(limit, share)
+        return limit
+
+    def enforce(self) -> None:
+        """Demote until under the low watermark when over the high one; then the host budget."""
+        table = self.table
+        limit = self.effective_limit() if self.enforced else None
+        self.last_limit = limit
+        if limit is not None:
+            usage = self.usage_bytes()
+            if usage > limit * self.limits.high:
+                target = int(limit * self.limits.low)
+                if self.whole_spans:
+                    with self.port.store.deferred_removal():  # one compaction for all moves
+                        self._demote_spans(target)
+                else:
+                    for span in self.compressor.evict_tokens(target):
+                        self.mover.move(span, SpanState.EVICTED, reason="budget")
+                usage = self.usage_bytes()
+            satisfied = usage <= limit * self.limits.high
+            if not satisfied and self.satisfied:
+                logger.warning(
+                    "session %s: device budget %d B cannot be met (%d B held) without demoting pinned "
+                    "or active spans",
+                    table.session_id,
+                    limit,
+                    usage,
+                )
+            if not satisfied:
+                table.counters.budget_unmet += 1
+            self.satisfied = satisfied
+        else:
+            self.satisfied = True
+        self._enforce_host_budget()
+        tiers = self.port.store.bytes_by_tier()
+        table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)
+
+    def check(self) -> list[str]:
+        """The budget invariant: reported as met means usage is under the high watermark."""
+        if self.satisfied and self.last_limit is not None:
+            usage = self.usage_bytes()
+            if usage > self.last_limit * self.limits.high:
+                return [
+                    f"budget reported as met but device usage {usage} B is over the high watermark "
+                    f"({self.limits.high} of {self.last_limit} B)"
+                ]
+        return []
+
+    def demotable(self, span: Span) -> bool:
+        """Neither pinned nor protected by this turn's recall."""
+        return not span.pinned and span.span_id not in self.marks.recalled
+
+    def _demote_spans(self, target: int) -> None:
+        """Demote whole spans until device usage is at most `target` bytes.
+
+        Order: the grace queue (evictable spans, oldest first), then committed spans on
+        the device, lowest score first, then quantized archives. Spans recalled for this
+        turn go last, least relevant first, and only as far as the limit itself (the high
+        watermark, not `target`): recall chose them for the question being answered, but
+        the budget is a limit and the turn's own new content (a long tool result arriving
+        after the recall) must fit. Pinned and active spans are never demoted. Usage is
+        re-read only after a move (`usage_bytes` sums every block).
+        """
+        spans = self.table.spans
+        marks = self.marks
+        usage = self.usage_bytes()
+        limit = self.last_limit
+        hard = max(target, int(limit * self.limits.high)) if limit is not None else target
+
+        def demote(candidates: list[Span], state: SpanState, *, recalled: bool = False) -> bool:
+            nonlocal usage
+            goal = hard if recalled else target
+            for span in candidates:
+                if usage <= goal:
+                    return True
+                if span.pinned or (span.span_id in marks.recalled) is not recalled:
+                    continue
+                was_recallable = span.span_id in marks.recallable
+                if self.mover.move(span, state, reason="budget") is None:
+                    continue
+                # Archived by the budget, or an archive the budget evicted: still recallable
+                # (restored, or recomputed from its token ids). Released spans are not.
+                if state is SpanState.ARCHIVED or was_recallable:
+                    marks.recallable.add(span.span_id)
+                usage = self.usage_bytes()
+            return usage <= goal
+
+        def by_score(state: SpanState, tier: Tier) -> list[Span]:
+            chosen = (s for s in spans if s.state is state and s.tier is tier)
+            return sorted(chosen, key=lambda s: (s.score, s.start))
+
+        # 1. The grace queue: evictable spans go first, oldest first.
+        evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
+        if demote(evictable, SpanState.EVICTED):
+            return
+        # 2. Committed spans on the device, lowest score first (whole spans: never re-scored).
+        if demote(by_score(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
+            return
+        # 3. Quantized archives still count on the device: the lowest-scored go.
+        if demote(by_score(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
+            return
+        # 4. Last resort: what recall brought in for this turn, least relevant first.
+        relevance = marks.relevance
+        recalled = sorted(
+            (s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE),
+            key=lambda s: (relevance.get(s.span_id, 0.0), s.start),
+        )
+        demote(recalled, SpanState.ARCHIVED, recalled=True)
+
+    def _enforce_host_budget(self) -> None:
+        limit = self.limits.host_bytes
+        if limit is None:
+            return
+        store = self.port.store
+        host = [s for s in self.table.spans if s.tier is Tier.HOST]
+        for span in sorted(host, key=lambda s: (s.score, s.start)):
+            if store.host_bytes() <= limit * self.limits.low:
+                return
+            if self.demotable(span) and span.state is not SpanState.EVICTED:
+                self.mover.move(span, SpanState.EVICTED, reason="host budget")

@@ -1,0 +1,161 @@
+"""The mover: the one place where a span's lifecycle state and its storage tier change together.
+
+Every move goes `check_transition` → the store verb the move needs → the new
+state, and a failed store verb is a recorded fault that leaves the span where it
+was (a failed offload never loses a span; a failed restore falls back on
+recomputing the span from its token ids).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from agentkv.lifecycle.compression import Compressor
+from agentkv.lifecycle.marks import RecallMarks
+from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.rehydration import rehydrate
+from agentkv.lifecycle.results import Transition
+from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
+from agentkv.lifecycle.timing import SectionTimer
+from agentkv.spans import Span, SpanState, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class Mover:
+    """Moves spans between states, doing the store work each move needs."""
+
+    def __init__(
+        self,
+        port: SessionPort,
+        archive_tier: str,
+        marks: RecallMarks,
+        timer: SectionTimer,
+    ) -> None:
+        self.port = port
+        self.table = port.table
+        self.archive_tier = archive_tier
+        self.marks = marks
+        self.timer = timer
+        self.compressor: Compressor | None = None
+        """Compresses a span at its first commit (set by the manager, which owns the policy)."""
+
+    def move(self, span: Span, target: SpanState, *, reason: str) -> Transition | None:
+        """Move one span to `target`, doing the store work the move needs. None when nothing changed."""
+        if span.state is target:
+            return None
+        if span.pinned and target in DEMOTED_STATES:
+            logger.debug("span %s is pinned: %s does not demote it", span.span_id, reason)
+            return None
+        check_transition(span.state, target, reason)
+        before = span.state
+        store = self.port.store
+        with self.timer.timed("store_seconds"):
+            if target is SpanState.COMMITTED:
+                if span.tier is not Tier.DEVICE and not self._bring_back(span):
+                    self._settle_failed_bring_back(span)
+                    return None
+                if not span.frozen and self.compressor is not None:
+                    self.compressor.compress_at_commit(span)
+                span.frozen = True
+            elif target is SpanState.ARCHIVED:
+                if span.tier is Tier.DEVICE and not self._archive(span):
+                    return None
+                if span.tier is Tier.DROPPED:
+                    target = SpanState.EVICTED
+            elif target is SpanState.EVICTED:
+                store.drop(span)
+                self.marks.recallable.discard(span.span_id)
+        span.state = target
+        store.note_state(span, before, target)
+        self.table.counters.transitions += 1
+        logger.debug(
+            "session %s span %s (%s): %s -> %s [%s] on %s",
+            self.table.session_id,
+            span.span_id,
+            span.kind.value,
+            before.value,
+            target.value,
+            span.tier.value,
+            reason,
+        )
+        return Transition(span.span_id, before, target, span.tier, reason)
+
+    def restore_together(self, spans: Sequence[Span]) -> None:
+        """Restore archived spans with one append, before their moves (which then find them attended).
+
+        On failure nothing is restored and each span's own move restores it, or
+        recomputes it from its token ids.
+        """
+        archived = [s for s in spans if s.tier in (Tier.HOST, Tier.QUANTIZED)]
+        if len(archived) < 2:
+            return
+        with self.timer.timed("store_seconds"):
+            try:
+                self.port.store.restore_many(archived)
+            except Exception as e:  # noqa: BLE001 - each span falls back on its own move
+                self.fault("restore", None, e)
+                return
+            self.table.counters.restored_tokens += sum(s.held_tokens for s in archived)
+
+    def fault(self, where: str, span: Span | None, error: Exception) -> None:
+        """Record a survived failure (counted, logged, in the event log)."""
+        self.table.counters.faults += 1
+        span_id = None if span is None else span.span_id
+        logger.warning(
+            "session %s: %s of span %s failed (%s); kept safe", self.table.session_id, where, span_id, error
+        )
+        self.table.record("fault", where=where, span=span_id, error=repr(error))
+
+    def _settle_failed_bring_back(self, span: Span) -> None:
+        """After a restore *and* its recompute failed, say what is true: the KV is gone.
+
+        The failed restore already dropped the archived block to fall back on
+        recomputing; when the recompute fails too, an ARCHIVED span would claim KV it
+        no longer has. It becomes EVICTED: its token ids remain, so a later recall
+        (or `move(span, COMMITTED)`) recomputes it.
+        """
+        if span.tier is Tier.DROPPED and span.state is not SpanState.EVICTED:
+            before = span.state
+            span.state = SpanState.EVICTED
+            self.port.store.note_state(span, before, SpanState.EVICTED)
+            self.table.counters.transitions += 1
+            self.table.record(
+                "transition",
+                span=span.span_id,
+                before=before.value,
+                after="evicted",
+                reason="restore and recompute failed",
+            )
+
+    def _archive(self, span: Span) -> bool:
+        """Archive to the configured tier; on failure keep the span on the device (a recorded fault)."""
+        try:
+            self.port.store.archive(span, self.archive_tier)
+        except Exception as e:  # noqa: BLE001 - a failed offload must never lose the span
+            self.fault("archive", span, e)
+            return False
+        return True
+
+    def _bring_back(self, span: Span) -> bool:
+        """Restore an archived span, or recompute a dropped one."""
+        store = self.port.store
+        if span.tier in (Tier.HOST, Tier.QUANTIZED):
+            try:
+                store.restore_many([span])
+                self.table.counters.restored_tokens += span.held_tokens
+                return True
+            except Exception as e:  # noqa: BLE001 - fall back to recomputing from the token ids
+                self.fault("restore", span, e)
+                store.drop(span)
+        return self.rehydrate(span)
+
+    def rehydrate(self, span: Span) -> bool:
+        """Recompute a dropped span from its token ids; False (a recorded fault) when that fails."""
+        try:
+            rehydrate(span, self.port)
+        except Exception as e:  # noqa: BLE001
+            self.fault("rehydrate", span, e)
+            return False
+        return True

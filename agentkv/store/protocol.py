@@ -1,0 +1,106 @@
+"""The store protocol: where a session's KV lives, as the lifecycle sees it.
+
+The lifecycle decides *what* happens to a span (commit, release, archive, evict,
+recall, pin); a store carries it out on whatever holds the KV. The lifecycle's
+mover (`agentkv.lifecycle.mover`) is the only caller of the verbs below, and the
+only place where a span's lifecycle state and its storage tier change together.
+
+Two implementations:
+
+- `agentkv.store.kvstore.KVStore`: the in-process physical cache of a local
+  Transformers model (device tensors, an int8/int4 tier, a host tier).
+- a served-engine store (vLLM + LMCache over HTTP): `note_state(COMMITTED)` pins
+  the span's prefix in the engine, `note_state(EVICTABLE)` leaves the span out of
+  the next prompt, `archive` deletes it from L1 and keeps L2, `restore` prefetches,
+  `fork` shares the prefix with a branch, `forget` deletes a branch's tail.
+
+The verbs take `Span`s (token ids, logical positions, kept offsets: everything an
+engine needs to address the KV by token sequence) and return plain Python values;
+tensors stay inside the implementations. A store sets `span.tier` (and
+`span.kept`) when it moves KV; it never changes `span.state` (the mover does).
+
+Errors: a verb that cannot do its work raises; the mover records a fault and
+keeps the span where it was (a failed offload must never lose a span).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from agentkv.spans import Span, SpanState
+
+ARCHIVE_TIERS: tuple[str, ...] = ("host", "int8", "int4", "drop")
+"""Where `archive` may put a span (`agentkv.archive_tier` in YAML)."""
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes held per tier, now."""
+
+    device: int
+    quantized: int
+    host: int
+    shared: int = 0
+    """Part of `device` that is a prefix shared with a parent session (not owned)."""
+
+
+@runtime_checkable
+class KVStoreProtocol(Protocol):
+    """What the lifecycle asks of "where KV lives" (one store per session)."""
+
+    def archive(self, span: Span, tier: str) -> None:
+        """Move an attended span out of attention into `tier` (one of `ARCHIVE_TIERS`).
+
+        `drop` releases the KV (`span.tier` becomes DROPPED); the others keep it
+        recallable (`span.tier` becomes HOST or QUANTIZED). Raises when the span is
+        not attended or the tier is full; the span then stays where it was.
+        """
+        ...
+
+    def restore_many(self, spans: Sequence[Span]) -> None:
+        """Bring archived spans back into attention, all or nothing (`span.tier` becomes DEVICE)."""
+        ...
+
+    def drop(self, span: Span) -> None:
+        """Release a span's KV wherever it is; its token ids stay, so it can be recomputed."""
+        ...
+
+    def forget(self, span: Span) -> None:
+        """Remove a span entirely (a history rewrite or a pruned branch's tail)."""
+        ...
+
+    def compress(self, span: Span, keep_offsets: list[int]) -> int:
+        """Keep only `keep_offsets` of an attended span (commit-time compression); returns tokens dropped."""
+        ...
+
+    def adopt_recomputed(self, span: Span) -> None:
+        """The span's KV was recomputed from its token ids and is attended again (`span.tier` DEVICE)."""
+        ...
+
+    def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
+        """The lifecycle moved `span` from `before` to `after` (an engine pins or unpins its prefix)."""
+        ...
+
+    def bytes_by_tier(self) -> TierBytes:
+        """Exact bytes held per tier, now."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Bytes on the host tier (what the host budget counts)."""
+        ...
+
+    def span_bytes(self, span: Span) -> int:
+        """Bytes held for one span in its tier."""
+        ...
+
+    def deferred_removal(self) -> AbstractContextManager[None]:
+        """Batch the removals of several moves (one compaction for all of them)."""
+        ...
+
+    def check(self, spans: Sequence[Span]) -> list[str]:
+        """Inconsistencies between the spans' tiers and what the store holds (empty = none)."""
+        ...

@@ -1,0 +1,160 @@
+"""The shape of the house: no import cycles, no private reach-ins, a light core import.
+
+Import edges are read from the source with `ast`, every import counts: module
+level, inside functions, and under `if TYPE_CHECKING:` (a cycle hidden behind a
+guard is still a cycle in the design). `from a.b import c` depends on `a.b.c`
+when that is a module, else on the package `a.b`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "agentkv": ROOT / "agentkv",
+    "agentkv_langchain": ROOT / "integrations" / "agentkv_langchain",
+    "agentkv_langgraph": ROOT / "integrations" / "agentkv_langgraph",
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name → file, for every project module."""
+    found: dict[str, Path] = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _resolve(module: str, level: int, current: str, is_package: bool) -> str:
+    if level == 0:
+        return module
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules `name` imports (anywhere in the file)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                targets.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module or "", node.level, name, is_package)
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                targets.add(child if child in modules else base)
+    edges = set()
+    for target in targets:
+        # `import a.b.c` of a module we do not know (a name): the nearest known module.
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            edges.add(target)
+    return edges
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Project module → project modules it imports."""
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_graph_sees_function_level_and_type_checking_imports() -> None:
+    graph = import_graph()
+    assert "agentkv.lifecycle.manager" in graph["agentkv.backend.session"]
+    # cli imports the benchmarks inside its commands, and they are edges too.
+    assert any(m.startswith("agentkv.bench") for m in graph["agentkv.cli"])
+    # `if TYPE_CHECKING:` imports count (the port names the table only there).
+    assert "agentkv.lifecycle.table" in graph["agentkv.lifecycle.port"]
+
+
+def test_the_cycle_finder_finds_a_loop() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(import_graph())
+    assert not cycles, "import cycles among project modules: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+PRIVATE_REACH = re.compile(r"\b(session|handler|parent|child|backend|manager|store)\._[a-z]\w*")
+
+
+def test_no_private_reach_into_sessions_or_handlers() -> None:
+    """No module touches another object's `_private` state (`session._x`, `handler._x`, ...)."""
+    offenders = []
+    for path in [*ROOT.joinpath("agentkv").rglob("*.py"), *ROOT.joinpath("integrations").rglob("*.py")]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if PRIVATE_REACH.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("heavy", ["matplotlib", "rich"])
+def test_importing_the_core_does_not_import_benchmark_dependencies(heavy: str) -> None:
+    loaded = f"any(m == {heavy!r} or m.startswith({heavy + '.'!r}) for m in sys.modules)"
+    code = f"import sys, agentkv; print({loaded})"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "False", f"`import agentkv` imported {heavy}"
+
+
+def test_lifecycle_modules_stay_small() -> None:
+    sizes = {
+        path.name: len(path.read_text(encoding="utf-8").splitlines())
+        for path in ROOT.joinpath("agentkv", "lifecycle").glob("*.py")
+    }
+    assert max(sizes.values()) <= 350, sizes

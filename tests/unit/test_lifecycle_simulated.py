@@ -1,0 +1,292 @@
+"""The lifecycle on a simulated span table and store: no model, no tensors.
+
+As SGLang tests its radix cache in a simulated mode, these tests drive the real
+`LifecycleManager` (events, rules, mover, budget, leases, recall, invariants)
+over a `SpanTable` and a fake store that implements `KVStoreProtocol` with
+byte counts only. What they show holds for any store, the engine-backed one
+included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from agentkv import AgentKVConfig, BranchPruned, ToolCallCompleted, TurnEnded, UserConfirmed
+from agentkv.chat import ChatMessage
+from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes
+
+BYTES_PER_TOKEN = 10
+
+
+class FakeStore:
+    """Where KV "lives", as byte counts per span; records every verb it is asked to do."""
+
+    def __init__(self) -> None:
+        self.archived: dict[int, str] = {}
+        """span id → archive tier name of the spans it holds off the device."""
+        self.held: dict[int, int] = {}
+        """span id → tokens it holds for that span (device or archive)."""
+        self.calls: list[tuple[str, int]] = []
+        self.states: list[tuple[int, SpanState, SpanState]] = []
+        self.fail_archive = False
+
+    def archive(self, span: Span, tier: str) -> None:
+        if tier not in ARCHIVE_TIERS:
+            raise ValueError(tier)
+        if self.fail_archive:
+            msg = "archive refused"
+            raise RuntimeError(msg)
+        self.calls.append(("archive", span.span_id))
+        if tier == "drop":
+            self.drop(span)
+            return
+        self.archived[span.span_id] = tier
+        span.tier = Tier.HOST if tier == "host" else Tier.QUANTIZED
+
+    def restore_many(self, spans: Sequence[Span]) -> None:
+        for span in spans:
+            self.calls.append(("restore", span.span_id))
+            self.archived.pop(span.span_id, None)
+            span.tier = Tier.DEVICE
+
+    def drop(self, span: Span) -> None:
+        self.calls.append(("drop", span.span_id))
+        self.archived.pop(span.span_id, None)
+        span.tier = Tier.DROPPED
+        span.kept = None
+
+    def forget(self, span: Span) -> None:
+        self.archived.pop(span.span_id, None)
+
+    def compress(self, span: Span, keep_offsets: list[int]) -> int:
+        dropped = span.held_tokens - len(keep_offsets)
+        span.kept = sorted(keep_offsets)
+        return dropped
+
+    def adopt_recomputed(self, span: Span) -> None:
+        self.calls.append(("recompute", span.span_id))
+        span.tier = Tier.DEVICE
+        span.kept = None
+
+    def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
+        self.states.append((span.span_id, before, after))
+
+    def bytes_by_tier(self) -> TierBytes:
+        raise NotImplementedError  # replaced per test by the table-backed figures below
+
+    def host_bytes(self) -> int:
+        return self.bytes_by_tier().host
+
+    def span_bytes(self, span: Span) -> int:
+        return span.held_tokens * BYTES_PER_TOKEN
+
+    @contextmanager
+    def deferred_removal(self) -> Iterator[None]:
+        yield
+
+    def check(self, spans: Sequence[Span]) -> list[str]:
+        problems = []
+        for span in spans:
+            archived = span.span_id in self.archived
+            if archived != (span.tier in (Tier.HOST, Tier.QUANTIZED)):
+                problems.append(f"span {span.span_id} tier {span.tier.value} but store archived={archived}")
+        return problems
+
+
+class FakePort:
+    """The session side: a table, the fake store, and words as tokens."""
+
+    def __init__(self, config: AgentKVConfig) -> None:
+        self.session_id = "sim"
+        self.config = config
+        self.table = SpanTable("sim")
+        self.store = FakeStore()
+        self.store.bytes_by_tier = self._bytes_by_tier  # type: ignore[method-assign]
+        self.vocabulary: dict[str, int] = {}
+        self.recomputed: list[int] = []
+
+    def _bytes_by_tier(self) -> TierBytes:
+        per_tier = {tier: 0 for tier in Tier}
+        for span in self.table.spans:
+            per_tier[span.tier] += span.held_tokens * BYTES_PER_TOKEN
+        return TierBytes(per_tier[Tier.DEVICE], per_tier[Tier.QUANTIZED], per_tier[Tier.HOST])
+
+    @property
+    def bytes_per_token(self) -> int:
+        return BYTES_PER_TOKEN
+
+    def recompute(self, span: Span) -> None:
+        self.recomputed.append(span.span_id)
+
+    def encode_text(self, text: str) -> list[int]:
+        return [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]
+
+    def token_text(self, token: int) -> str:
+        return next(word for word, i in self.vocabulary.items() if i == token)
+
+    def token_embeddings(self) -> Any:
+        return None
+
+    def global_device_bytes(self) -> int:
+        return self._bytes_by_tier().device
+
+    def child_branches(self) -> list[tuple[str, str | None]]:
+        return []
+
+    def close_child(self, session_id: str) -> None:
+        raise AssertionError("no branches in these tests")
+
+    # -- what the session's encoder would do ------------------------------------------------------
+
+    def add(self, manager: LifecycleManager, kind: SpanKind, text: str, **fields: Any) -> Span:
+        """Append a span whose KV is computed (a prefill), as `Session.extend` does."""
+        if kind is SpanKind.USER:
+            manager.on_new_user_turn()
+            self.table.turn += 1
+        span = self.table.new_span(kind, self.encode_text(text), branch=fields.pop("branch", None), **fields)
+        span.n_computed = span.length
+        manager.on_span_created(span)
+        return span
+
+
+def simulated(**config: Any) -> tuple[FakePort, LifecycleManager]:
+    agentkv_config = AgentKVConfig.from_dict(config)
+    port = FakePort(agentkv_config)
+    manager = LifecycleManager(port, BudgetLimits.resolve(agentkv_config.budget, BYTES_PER_TOKEN))
+    return port, manager
+
+
+def test_the_fake_store_satisfies_the_protocol() -> None:
+    assert isinstance(FakeStore(), KVStoreProtocol)
+
+
+def test_tool_call_events_commit_the_result_and_release_the_call() -> None:
+    port, manager = simulated()
+    port.add(manager, SpanKind.SYSTEM, "you are helpful")
+    port.add(manager, SpanKind.USER, "what is the weather")
+    call = port.add(manager, SpanKind.TOOL_CALL, "weather ( )")
+    manager.register_tool_call("c1", call)
+    result = port.add(manager, SpanKind.TOOL_RESULT, "sunny 21 degrees", owner="c1")
+    applied = manager.apply(ToolCallCompleted("c1"))
+    assert applied.applied
+    assert result.state is SpanState.COMMITTED and call.state is SpanState.EVICTABLE
+    # The store heard of each state change (an engine pins a committed prefix on it).
+    assert (result.span_id, SpanState.ACTIVE, SpanState.COMMITTED) in port.store.states
+    assert manager.apply(ToolCallCompleted("c1")).applied is False  # idempotent
+    manager.check()
+
+
+def test_budget_pressure_demotes_the_grace_queue_first_then_archives_oldest() -> None:
+    port, manager = simulated(budget={"device_tokens": 12, "low_watermark": 0.5}, archive_tier="host")
+    system = port.add(manager, SpanKind.SYSTEM, "sys")
+    first = port.add(manager, SpanKind.USER, "one two three")
+    answer = port.add(manager, SpanKind.ASSISTANT, "four five six")
+    manager.apply(TurnEnded())
+    call = port.add(manager, SpanKind.TOOL_CALL, "call ( )")
+    manager.register_tool_call("c", call)
+    manager.apply(ToolCallCompleted("c"))  # the call is released: evictable
+    assert call.state is SpanState.EVICTABLE
+    port.add(manager, SpanKind.USER, "seven eight nine ten")
+    manager.after_operation()
+    # 14 tokens > 12: the evictable call goes first; then the oldest committed spans are archived.
+    assert call.state is SpanState.EVICTED and call.tier is Tier.DROPPED
+    assert first.state is SpanState.ARCHIVED and first.tier is Tier.HOST
+    assert answer.state is SpanState.ARCHIVED
+    assert system.pinned and system.tier is Tier.DEVICE  # pinned: never demoted
+    assert manager.budget_satisfied
+    assert port.store.bytes_by_tier().device <= 12 * BYTES_PER_TOKEN
+    manager.check()
+
+
+def test_a_lease_keeps_a_span_on_the_device_until_given_back() -> None:
+    port, manager = simulated(budget={"device_tokens": 6})
+    fact = port.add(manager, SpanKind.USER, "the code is 4417")
+    manager.apply(UserConfirmed(owner=None))  # no assistant span yet: nothing to pin
+    lease = manager.pin(span_ids=[fact.span_id], reason="keep", commit=True)
+    port.add(manager, SpanKind.USER, "more text arrives here now")
+    manager.after_operation()
+    assert fact.state is SpanState.COMMITTED and fact.tier is Tier.DEVICE
+    assert not manager.budget_satisfied  # only pinned and active spans are left
+    assert manager.release(lease) and not manager.release(lease)  # a receipt works once
+    manager.after_operation()
+    assert fact.state is SpanState.ARCHIVED
+    manager.check()
+
+
+def test_host_tokens_is_a_host_budget_in_tokens() -> None:
+    """`host_tokens` becomes bytes in the one place budgets do (it used to be ignored by the store)."""
+    port, manager = simulated(budget={"device_tokens": 4, "host_tokens": 6, "low_watermark": 1.0})
+    spans = []
+    for i in range(4):
+        spans.append(port.add(manager, SpanKind.USER, f"fact{i} a b"))
+        manager.apply(TurnEnded())
+        manager.after_operation()
+    assert manager.budget.limits.host_bytes == 6 * BYTES_PER_TOKEN
+    host = port.store.bytes_by_tier().host
+    assert 0 < host <= 6 * BYTES_PER_TOKEN
+    assert spans[0].state is SpanState.EVICTED  # the oldest archive made room
+    manager.check()
+
+
+def test_recall_brings_back_the_archived_span_the_question_names() -> None:
+    port, manager = simulated(budget={"device_tokens": 8}, archive_tier="host")
+    fact = port.add(manager, SpanKind.TOOL_RESULT, "the door code is 4417", owner="t")
+    manager.apply(TurnEnded())
+    other = port.add(manager, SpanKind.USER, "weather was sunny all week")
+    manager.apply(TurnEnded())
+    manager.after_operation()
+    assert fact.state is SpanState.ARCHIVED
+    recalled = manager.recall(ChatMessage("user", "which door code"))
+    assert recalled == [fact.span_id] and fact.tier is Tier.DEVICE
+    assert ("restore", fact.span_id) in port.store.calls
+    manager.after_operation()  # the session enforces the budget after the prefill that follows
+    assert fact.state is SpanState.COMMITTED  # recalled for this turn: the other span goes first
+    assert other.state is SpanState.ARCHIVED
+    manager.check()
+
+
+def test_an_evicted_span_is_recomputed_from_its_tokens() -> None:
+    port, manager = simulated()
+    span = port.add(manager, SpanKind.USER, "an old message")
+    manager.apply(TurnEnded())
+    assert manager.move(span, SpanState.EVICTED, reason="test") is not None
+    assert span.tier is Tier.DROPPED and span.token_ids
+    assert manager.move(span, SpanState.COMMITTED, reason="needed") is not None
+    assert port.recomputed == [span.span_id] and span.tier is Tier.DEVICE
+    assert port.table.counters.rehydrated_tokens == span.length
+    manager.check()
+
+
+def test_a_failed_archive_keeps_the_span_and_records_a_fault() -> None:
+    port, manager = simulated(budget={"device_tokens": 4})
+    span = port.add(manager, SpanKind.USER, "keep me safe please, all of it")
+    port.store.fail_archive = True
+    manager.apply(TurnEnded())  # commits, then the budget check tries to archive
+    assert span.state is SpanState.COMMITTED and span.tier is Tier.DEVICE
+    assert port.table.counters.faults >= 1
+    assert any(r.kind == "fault" for r in port.table.log)
+    manager.check()
+
+
+def test_a_pruned_branch_is_evicted_at_once() -> None:
+    port, manager = simulated()
+    port.add(manager, SpanKind.USER, "shared prefix")
+    mine = port.add(manager, SpanKind.ASSISTANT, "idea b", branch="b")
+    result = manager.apply(BranchPruned("b"))
+    assert result.applied and mine.state is SpanState.EVICTED
+    manager.check()
+
+
+@pytest.mark.parametrize("bad", [SpanState.ARCHIVED, SpanState.EVICTABLE])
+def test_illegal_moves_name_the_allowed_ones(bad: SpanState) -> None:
+    port, manager = simulated()
+    span = port.add(manager, SpanKind.USER, "text")
+    manager.move(span, SpanState.EVICTED, reason="test")
+    with pytest.raises(ValueError, match="allowed from evicted: committed"):
+        manager.move(span, bad, reason="test")
