@@ -58,6 +58,9 @@ class ThreadTools:
     current: list[dict[str, Any]] = field(default_factory=list)
     """The tools the latest note (or the start) made callable."""
     notes: list[_Note] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    """Fingerprints of the previous call's messages after the system prompt: a call that does not
+    continue them starts a new conversation on this session (a rewrite, or another caller)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def plan(
@@ -74,7 +77,10 @@ class ThreadTools:
         """
         with self.lock:
             system = chat[0]["content"] if chat and chat[0].get("role") == "system" else ""
-            if self.started is None or system != self.system or not self._anchored(chat):
+            body = [_fingerprint(m) for m in (chat[1:] if system else chat)]
+            continues = body[: len(self.seen)] == self.seen
+            self.seen = body
+            if self.started is None or system != self.system or not continues or not self._anchored(chat):
                 # The first call, or a new conversation on this session: tools as given.
                 self.started, self.system, self.current, self.notes = list(tools), system, list(tools), []
                 return chat, list(tools)
@@ -115,7 +121,9 @@ class ThreadTools:
     def copy(self) -> ThreadTools:
         """An independent copy (a branch continues its parent's conversation)."""
         with self.lock:
-            return ThreadTools(self.started, self.system, list(self.current), list(self.notes))
+            return ThreadTools(
+                self.started, self.system, list(self.current), list(self.notes), list(self.seen)
+            )
 
 
 _TABLE: weakref.WeakKeyDictionary[Session, ThreadTools] = weakref.WeakKeyDictionary()
