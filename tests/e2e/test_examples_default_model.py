@@ -27,7 +27,11 @@ def backend(default_model) -> TransformersBackend:
 
 def test_tool_assistant_on_the_default_model(example, backend):
     result = example("tool_assistant").main(backend, turns=10, max_new_tokens=24)
-    assert result["repaired"] == 0  # forced tool choice: the 135M model writes parseable calls
+    # Forced tool choice: the 135M model writes parseable calls, but one in the ten turns. Since
+    # tool_choice="none" lets it write its text answer after a tool result (it used to be cut at a
+    # started <tool_call>, leaving content=''), later forced calls read a different history, and in
+    # one of them it fills the arguments unparseably; the demo repairs that call with the defaults.
+    assert result["repaired"] <= 1
     assert result["handler_errors"] == 0
     by_owner = {s["owner"]: s for s in result["spans"]}
     completed = [t for _, name, t in result["events"] if name == "ToolCallCompleted"]
