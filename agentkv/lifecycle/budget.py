@@ -120,8 +120,10 @@ class BudgetKeeper:
                     with self.port.store.deferred_removal():  # one compaction for all moves
                         self._demote_spans(target)
                 else:
+                    # Token mode drops tokens, not spans; a span left with none is evicted, whatever
+                    # its state (the generic baselines drop active tokens too, by design).
                     for span in self.compressor.evict_tokens(target):
-                        self.mover.move(span, SpanState.EVICTED, reason="budget")
+                        self.mover.move(span, SpanState.EVICTED, reason="no tokens left")
                 usage = self.usage_bytes()
             satisfied = usage <= limit * self.limits.high
             if not satisfied and self.satisfied:
