@@ -3,6 +3,7 @@
 from agentkv.backend import SamplingParams, TransformersBackend, UnknownSessionError
 from agentkv.backend.session import ExtendResult, Session, SessionClosedError
 from agentkv.config import AgentKVConfig
+from agentkv.engines import EngineBackend, EngineSession
 from agentkv.events import (
     BranchOpened,
     BranchPruned,
@@ -21,15 +22,24 @@ from agentkv.metrics import SessionStats
 from agentkv.models import load_model
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 
+Backend = TransformersBackend | EngineBackend
+"""Either backend: the integrations take both (same sessions API, same lifecycle)."""
+AnySession = Session | EngineSession
+"""A session of either backend."""
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AgentKVConfig",
+    "AnySession",
+    "Backend",
     "ApplyResult",
     "BranchOpened",
     "BranchPruned",
     "BranchSelected",
     "Custom",
+    "EngineBackend",
+    "EngineSession",
     "Event",
     "ExtendResult",
     "Lease",

@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,8 +140,10 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak`."""
+    """`agentkv bench reuse|memory|soak|forget|engine`."""
     console = Console()
+    if args.which == "engine":
+        return _bench_engine(args, console)
     model, tokenizer = _load(args)
     out = Path(args.out) / args.which
     if args.which == "reuse":
@@ -185,12 +187,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = run_memory_bench(model, tokenizer, budgets=budgets, out_dir=out, progress=bars)
         console.print(memory_table(result))
         console.print(acceptance_line(result["acceptance"]))
+    elif args.which == "forget":
+        from agentkv.bench.forget import forget_table, run_forget_bench
+
+        forget_budgets: tuple[float | None, ...] = (0.25,) if args.quick else (None, 0.25)
+        with _progress(args) as bars:
+            result = run_forget_bench(model, tokenizer, budgets=forget_budgets, out_dir=out, progress=bars)
+        console.print(forget_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
         with _progress(args) as bars:
             summary = run_soak(model, tokenizer, turns=args.turns or 300, out_dir=out, progress=bars)
         _print_kv("soak", summary, console)
+    console.print(f"results in {out}/")
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace, console: Console) -> int:
+    """`agentkv bench engine`: concurrent tool agents on vLLM + LMCache (see `agentkv.bench.engine`)."""
+    from agentkv.bench.engine import run_engine_bench
+
+    out = Path(args.out) / "engine"
+    summary = run_engine_bench(
+        vllm_url=args.vllm_url,
+        coordinator_url=args.coordinator_url,
+        threads=args.threads,
+        turns=args.turns or 4,
+        chunk_size=args.chunk_size,
+        device_tokens=args.device_tokens,
+        l2_quota_gb=args.l2_quota_gb,
+        out_dir=out,
+        progress=lambda line: console.log(line),
+    )
+    table = Table(title=f"agentkv bench engine: {args.threads} agents ({summary['settings']})")
+    for name in (
+        "mode",
+        "requests",
+        "prompt tok",
+        "computed tok",
+        "vLLM hits",
+        "LMCache hits",
+        "p50 s",
+        "p95 s",
+        "req/s",
+        "LMCache L1 B",
+        "LMCache L2 B",
+        "hint failures",
+    ):
+        table.add_column(name, justify="right")
+    for m in summary["modes"]:
+        table.add_row(
+            m["mode"],
+            str(m["requests"]),
+            f"{m['prompt_tokens']:,.0f}",
+            f"{m['computed_tokens']:,.0f}",
+            f"{m['local_hits']:,.0f}",
+            f"{m['lmcache_hits']:,.0f}",
+            f"{m['latency_p50']:.2f}",
+            f"{m['latency_p95']:.2f}",
+            f"{m['requests_per_s']:.2f}",
+            f"{m['lmcache_bytes'].get('l1', 0):,}",
+            f"{m['lmcache_bytes'].get('l2', 0):,}",
+            str(m["hint_failures"]),
+        )
+    console.print(table)
+    console.print(
+        f"computed prefill tokens, lru / events: {summary['computed_ratio_lru_over_events']:.2f}x; "
+        f"vllm / events: {summary['computed_ratio_vllm_over_events']:.2f}x; "
+        f"answers identical (lru vs events): {summary['answers_identical']}"
+    )
     console.print(f"results in {out}/")
     return 0
 
@@ -273,14 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak"],
-        help="reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns",
+        choices=["reuse", "memory", "soak", "forget", "engine"],
+        help=(
+            "reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
+            "forget: the forgetting side thread on tool-heavy traces; "
+            "engine: tool agents on vLLM + LMCache (start it with scripts/serve.sh)"
+        ),
     )
+    bench.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="engine: vLLM server")
+    bench.add_argument(
+        "--coordinator-url", default="http://127.0.0.1:9300", help="engine: LMCache coordinator"
+    )
+    bench.add_argument("--threads", type=int, default=8, help="engine: concurrent agents (default 8)")
+    bench.add_argument("--chunk-size", type=int, default=64, help="engine: LMCache chunk (64)")
+    bench.add_argument(
+        "--device-tokens", type=int, default=768, help="engine: per-session budget, events mode"
+    )
+    bench.add_argument("--l2-quota-gb", type=float, help="engine: LMCache L2 quota per conversation")
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )
     bench.add_argument("--turns", type=int, help="turns (reuse: 22, soak: 300)")
-    bench.add_argument("--quick", action="store_true", help="memory: only the 25%% budget")
+    bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
     bench.set_defaults(func=cmd_bench)
 

@@ -54,6 +54,7 @@ __all__ = [
     "BudgetConfig",
     "CallbacksConfig",
     "CommitConfig",
+    "ForgetConfig",
     "PolicyConfig",
     "QuantizationConfig",
     "RecallConfig",
@@ -330,6 +331,84 @@ class RecallConfig(_Section):
     """Recompute evicted spans from their tokens when recalled."""
 
 
+FORGET_PROMPT_FIELD = "{handles}"
+"""The placeholder `ForgetConfig.prompt` must contain: the listing of candidate tool results."""
+
+DEFAULT_FORGET_PROMPT = (
+    "Housekeeping, not a question for the user. These earlier tool results are still in your memory:\n"
+    f"{FORGET_PROMPT_FIELD}\n"
+    "Which of them will not be needed for any later question? Call forget_tool_outputs with their "
+    "handles; an empty list keeps them all."
+)
+"""What the side thread asks (`{handles}` becomes one line per candidate: handle, tool, preview)."""
+
+
+class ForgetConfig(_Section):
+    """The agent decides what to forget: a side thread that names stale tool results (SideQuest-style).
+
+    Off by default. When on, at a turn end (every `every_turns` turns and/or when the device
+    budget is at its watermarks) a fork of the session lists the committed tool results by
+    short handles (`T1`, `T2`: the k-th tool result of the conversation), the model answers
+    with a constrained `forget_tool_outputs` call, the fork is closed at once, and the named
+    results are released at the next turn boundary (rule `custom:forget_tool_output`).
+    """
+
+    enabled: bool = Field(
+        default=False, strict=True, description="Run the forgetting side thread (off by default)."
+    )
+    """Run the forgetting side thread (off by default)."""
+    every_turns: int | None = Field(
+        default=1,
+        ge=1,
+        strict=True,
+        description="Run it every this many turns; null = only on the budget's watermark.",
+    )
+    """Run it every this many turns; null = only on the budget's watermark."""
+    on_high_watermark: bool = Field(
+        default=False,
+        strict=True,
+        description="Also run it at a turn end when the device budget reached its high watermark.",
+    )
+    """Also run it at a turn end when the device budget reached its high watermark."""
+    prompt: str = Field(
+        default=DEFAULT_FORGET_PROMPT,
+        min_length=1,
+        description="What the side thread asks; must contain {handles} (the candidate listing).",
+    )
+    """What the side thread asks; must contain {handles} (the candidate listing)."""
+    max_candidates: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        strict=True,
+        description="At most this many tool results offered (oldest first).",
+    )
+    """At most this many tool results offered (oldest first)."""
+    preview_chars: int = Field(
+        default=80, ge=0, le=2000, strict=True, description="Characters of each result shown in the listing."
+    )
+    """Characters of each result shown in the listing."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_placeholder(cls, value: str) -> str:
+        if FORGET_PROMPT_FIELD not in value:
+            msg = f"must contain {FORGET_PROMPT_FIELD} (where candidates are listed), got {show_value(value)}"
+            raise ValueError(msg)
+        rest = value.replace(FORGET_PROMPT_FIELD, "")
+        if "{" in rest or "}" in rest:
+            msg = f"only the placeholder {FORGET_PROMPT_FIELD} may use braces"
+            raise ValueError(msg)
+        return value
+
+    @model_validator(mode="after")
+    def _has_trigger(self) -> ForgetConfig:
+        if self.enabled and self.every_turns is None and not self.on_high_watermark:
+            msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
+            raise ConfigProblems([(("every_turns",), msg)])
+        return self
+
+
 class CallbacksConfig(_Section):
     """Behaviour of the LangChain callback handler that turns runs into events."""
 
@@ -342,6 +421,72 @@ class CallbacksConfig(_Section):
 
 
 _DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
+
+
+_URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+SALT_POLICIES: tuple[str, ...] = ("conversation", "shared")
+"""`engine.salt`: one `cache_salt` per conversation (branches share it), or none (all share prefixes)."""
+
+
+class EngineConfig(_Section):
+    """A served engine (vLLM + LMCache) that carries out the lifecycle instead of local tensors.
+
+    The same events, rules and budgets drive it: commits pin prefixes on LMCache's
+    coordinator, releases leave spans out of the prompt and delete stale chunks,
+    recalls prefetch (see docs/scale-out.md).
+    """
+
+    vllm_url: str = Field(description="Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000.")
+    """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
+    served_model: str = Field(
+        default="agentkv-default",
+        min_length=1,
+        description="The model name vLLM serves (--served-model-name).",
+    )
+    """The model name vLLM serves (--served-model-name)."""
+    model_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model as LMCache knows it (vLLM's --model path); null = the default model's.",
+    )
+    """The model as LMCache knows it (vLLM's --model path); null = the default model's."""
+    coordinator_url: str | None = Field(
+        default=None,
+        description="LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints.",
+    )
+    """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints."""
+    salt: Literal["conversation", "shared"] = Field(
+        default="conversation",
+        description="cache_salt per conversation (branches share it), or shared = no salt.",
+        json_schema_extra={"enum": list(SALT_POLICIES)},
+    )
+    """cache_salt per conversation (branches share it), or shared = no salt."""
+    chunk_size: int = Field(
+        default=256,
+        gt=0,
+        strict=True,
+        description="LMCache's --chunk-size (pins and deletes cover whole chunks).",
+    )
+    """LMCache's --chunk-size (pins and deletes cover whole chunks)."""
+    hint_timeout_s: float = Field(
+        default=10.0, gt=0, strict=True, description="Seconds per coordinator call (a late hint is dropped)."
+    )
+    """Seconds per coordinator call (a late hint is dropped)."""
+    request_timeout_s: float = Field(
+        default=300.0, gt=0, strict=True, description="Seconds per completion request."
+    )
+    """Seconds per completion request."""
+    prefetch_wait_s: float = Field(
+        default=5.0, ge=0, strict=True, description="Seconds a recall waits for its prefetch before the call."
+    )
+    """Seconds a recall waits for its prefetch before the call."""
+
+    @field_validator("vllm_url", "coordinator_url")
+    @classmethod
+    def _url_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _URL_RE.match(value):
+            raise ValueError(f"expected an http:// or https:// URL, got {show_value(value)}")
+        return value
 
 
 class AgentKVConfig(_Section):
@@ -387,6 +532,15 @@ class AgentKVConfig(_Section):
         default_factory=CallbacksConfig, description="LangChain callback handler settings."
     )
     """LangChain callback handler settings."""
+    engine: EngineConfig | None = Field(
+        default=None, description="A served engine (vLLM + LMCache); null = the local Transformers model."
+    )
+    """A served engine (vLLM + LMCache); null = the local Transformers model."""
+    forget: ForgetConfig = Field(
+        default_factory=ForgetConfig,
+        description="The forgetting side thread (SideQuest-style), off by default.",
+    )
+    """The forgetting side thread (SideQuest-style), off by default."""
 
     @field_validator("device")
     @classmethod

@@ -17,6 +17,7 @@ import yaml
 
 from agentkv.config import CUSTOM_EVENT_PREFIX, CUSTOM_EVENT_TARGETS, AgentKVConfig
 from agentkv.events import ACTIONS, EVENT_TARGETS, EVENT_TYPES
+from agentkv.lifecycle import DEFAULT_RULES
 
 __all__ = ["REGENERATE_COMMAND", "render_config_reference"]
 
@@ -76,7 +77,9 @@ def render_config_reference() -> str:
     for key, prop in schema["properties"].items():
         sub = _ref(schema, prop)
         if sub is not None:
-            parts.append(_section(f"{_SECTION}.{key}", sub, schema, defaults[key]))
+            # An optional section is null by default: show its keys' own defaults.
+            section_defaults = defaults[key] if defaults[key] is not None else _own_defaults(sub)
+            parts.append(_section(f"{_SECTION}.{key}", sub, schema, section_defaults))
     parts.append(_rules())
     parts.append(_defaults_yaml(defaults))
     return "\n".join(part.rstrip("\n") + "\n" for part in parts)
@@ -127,6 +130,12 @@ def _rules() -> str:
         f'| `{CUSTOM_EVENT_PREFIX}<name>` | a user `Custom(event="<name>")` event | {custom_targets} |'
     )
     lines += ["", "Actions: " + ", ".join(f"`{a}`" for a in ACTIONS) + "."]
+    custom_defaults = {k: v for k, v in DEFAULT_RULES.items() if k.startswith(CUSTOM_EVENT_PREFIX)}
+    if custom_defaults:
+        lines += ["", "Built-in custom events with a default rule (override them like any other):", ""]
+        for name, rule in custom_defaults.items():
+            actions = ", ".join(f"`{t}: {a}`" for t, a in rule.items())
+            lines.append(f"- `{name}`: {actions}")
     return "\n".join(lines) + "\n"
 
 
@@ -135,11 +144,20 @@ def _defaults_yaml(defaults: dict[str, Any]) -> str:
     return f"## Defaults\n\nThe whole section with every default:\n\n```yaml\n{text}```\n"
 
 
+def _own_defaults(model: dict[str, Any]) -> dict[str, Any]:
+    """Each key's schema default; a key without one is required."""
+    return {key: prop.get("default", "(required)") for key, prop in model["properties"].items()}
+
+
 def _ref(root: dict[str, Any], prop: dict[str, Any]) -> dict[str, Any] | None:
     """The sub-model schema a property points to, or None for a plain value."""
     ref = prop.get("$ref")
     if not isinstance(ref, str):
-        return None
+        # An optional section (`engine: null` by default) is `anyOf: [{$ref}, {type: null}]`.
+        refs = [b["$ref"] for b in prop.get("anyOf", []) if isinstance(b.get("$ref"), str)]
+        if len(refs) != 1:
+            return None
+        ref = refs[0]
     sub: dict[str, Any] = root["$defs"][ref.rsplit("/", 1)[-1]]
     return sub
 

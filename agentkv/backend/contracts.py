@@ -29,8 +29,8 @@ class SessionHost(Protocol):
         """A snapshot of the live sessions."""
         ...
 
-    def fork(self, session_id: str, branch: str) -> Any:
-        """Create (or get) the branch session `<session_id>/<branch>`."""
+    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> Any:
+        """Create (or get) the branch session `<session_id>/<branch>` (`config`: its own settings)."""
         ...
 
     def close(self, session_id: str) -> None:

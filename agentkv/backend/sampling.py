@@ -4,11 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 """`(ids generated so far, next-token logits [V]) -> logits [V]`: masks tokens before sampling."""
+
+
+class AnswerOptions(TypedDict, total=False):
+    """The keyword options of `Session.generate` (those of `Session.stream`)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: Sequence[str] | str | None
+    prefix: str
+    seed: int | None
+    message_id: str | None
+    logits_processor: LogitsProcessor | None
 
 
 @dataclass(frozen=True)

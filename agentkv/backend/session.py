@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -28,10 +28,11 @@ from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionH
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import LogitsProcessor, SamplingParams
+from agentkv.backend.sampling import AnswerOptions, LogitsProcessor, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event
+from agentkv.events import Event, TurnEnded
+from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
@@ -79,6 +80,8 @@ class Session:
         self.closed = False
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
+        self.forget = ForgetController(self)
+        """The forgetting side thread and `forget_tool_outputs` requests (see `agentkv.forget`)."""
         if parent is not None:
             self._fork_from(parent)  # the branch's table, store and manager, under the parent's lock
         else:
@@ -172,6 +175,9 @@ class Session:
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
                 k += 1
+            if any(m.role == "user" for m in incoming[k:]):
+                # A turn boundary: forget decisions (side thread, agent requests) are applied now.
+                self.forget.at_turn_boundary()
             reused = sum(s.length for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -326,50 +332,14 @@ class Session:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        max_new_tokens: int = 256,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = None,
-        prefix: str = "",
-        seed: int | None = None,
-        message_id: str | None = None,
-        logits_processor: LogitsProcessor | None = None,
-    ) -> str:
+    def generate(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> str:
         """Answer as the assistant; the answer becomes a cached assistant span.
 
-        Args:
-            max_new_tokens: at most this many new tokens (>= 1).
-            temperature: 0 = greedy; otherwise sample with `top_p` / `top_k`.
-            top_p: nucleus sampling threshold.
-            top_k: keep only the k most likely tokens (0 = off).
-            stop: strings that end the answer (excluded from it).
-            prefix: the answer starts with this text (e.g. a forced tool call opening);
-                the returned text excludes it.
-            seed: seeds the sampler.
-            message_id: id of the message that will carry this answer (span owner).
-            logits_processor: `(generated ids, logits [V]) -> logits`, applied before each
-                pick (e.g. to forbid a tool-call tag while letting the answer go on).
-
-        Returns:
-            The generated text (without `prefix` and stop strings).
+        Takes the options of `stream` (temperature, top_p, top_k, stop, prefix, seed,
+        message_id, logits_processor) and returns the whole text, without `prefix` and
+        stop strings.
         """
-        return "".join(
-            self.stream(
-                max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                stop=stop,
-                prefix=prefix,
-                seed=seed,
-                message_id=message_id,
-                logits_processor=logits_processor,
-            )
-        )
+        return "".join(self.stream(max_new_tokens, **options))
 
     def stream(
         self,
@@ -384,7 +354,20 @@ class Session:
         message_id: str | None = None,
         logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[str]:
-        """Like `generate`, but yields text pieces as they are decoded.
+        """Answer as the assistant, yielding text pieces as they are decoded.
+
+        Args:
+            max_new_tokens: at most this many new tokens (>= 1).
+            temperature: 0 = greedy; otherwise sample with `top_p` / `top_k`.
+            top_p: nucleus sampling threshold.
+            top_k: keep only the k most likely tokens (0 = off).
+            stop: strings that end the answer (excluded from it).
+            prefix: the answer starts with this text (e.g. a forced tool call opening);
+                the pieces exclude it.
+            seed: seeds the sampler.
+            message_id: id of the message that will carry this answer (span owner).
+            logits_processor: `(generated ids, logits [V]) -> logits`, applied before each
+                pick (e.g. to forbid a tool-call tag while letting the answer go on).
 
         The session lock is held from the first piece until the stream ends, so other
         calls on this session wait meanwhile. Iterate it to the end, or `close()` it, on
@@ -542,7 +525,12 @@ class Session:
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            return self.manager.apply(event)
+            if isinstance(event, ForgetRequested):
+                return self.forget.request(event)
+            result = self.manager.apply(event)
+            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+                self.forget.on_turn_ended()
+            return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
@@ -559,9 +547,12 @@ class Session:
         with self.lock:
             return self.manager.release(lease)
 
-    def fork(self, branch: str) -> Session:
-        """A branch session sharing this session's KV as a read-only prefix (no copy)."""
-        return self.backend.fork(self.session_id, branch)
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Session:
+        """A branch session sharing this session's KV as a read-only prefix (no copy).
+
+        `config` = the branch's own settings (None = this session's).
+        """
+        return self.backend.fork(self.session_id, branch, config=config)
 
     def detach(self, session_id: str) -> None:
         """Stand alone as the conversation `session_id` (a branch adopted by its thread).

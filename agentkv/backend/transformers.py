@@ -101,15 +101,18 @@ class TransformersBackend:
         with self._table_lock:
             return iter(list(self._sessions.values()))
 
-    def fork(self, session_id: str, branch: str) -> Session:
-        """Create (or get) the branch session `<session_id>/<branch>` sharing the parent's KV prefix."""
+    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> Session:
+        """Create (or get) the branch session `<session_id>/<branch>` sharing the parent's KV prefix.
+
+        `config` applies only when the branch is created here; None = the parent's.
+        """
         parent = self.get(session_id)
         child_id = branch_session_id(session_id, branch)
         with self._table_lock:
             existing = self._sessions.get(child_id)
             if existing is not None and not existing.closed:
                 return existing
-        child = Session(self, child_id, parent=parent, branch=branch)
+        child = Session(self, child_id, parent=parent, branch=branch, config=config)
         parent.manager.note_branch(branch)
         with self._table_lock:
             self._sessions[child_id] = child
@@ -167,6 +170,11 @@ class TransformersBackend:
         return session.apply(event)
 
     # -- global accounting ---------------------------------------------------------------------
+
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the model supports (None = not declared); `EngineBackend` has the same."""
+        return self.runner.max_positions
 
     def device_bytes(self) -> int:
         """Device KV bytes across all sessions, shared prefixes counted once.

@@ -61,6 +61,9 @@ DEFAULT_RULES: dict[str, dict[str, str]] = {
     "branch_pruned": {"branch": "evict"},
     "branch_selected": {"branch": "commit", "siblings": "evict"},
     "session_closed": {"all": "evict"},
+    # The forgetting side thread / `forget_tool_outputs` tool (`agentkv.forget`): the named tool
+    # result's KV goes now; its token ids stay, so recall can recompute it if it is needed after all.
+    "custom:forget_tool_output": {"owner": "evict"},
 }
 """What each event does by default; `AgentKVConfig.rules` overrides entries target by target."""
 

@@ -45,7 +45,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -53,6 +53,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 
 from agentkv import (
     AgentKVConfig,
+    Backend,
     BranchOpened,
     BranchPruned,
     BranchSelected,
@@ -67,6 +68,21 @@ from agentkv import (
     UserRejected,
 )
 from agentkv.session_ids import branch_session_id, is_branch_of
+from agentkv_langchain.decisions import (
+    CONFIRM_EVENT,
+    CUSTOM_EVENTS,
+    GENERIC_EVENT,
+    OWNER_KEY,
+    PIN_EVENT,
+    PRUNE_BRANCH_EVENT,
+    REJECT_EVENT,
+    SELECT_BRANCH_EVENT,
+    Decision,
+    ToolCallRecord,
+    custom_event_from,
+    decisions_for,
+    resume_decision,
+)
 from agentkv_langchain.fanout import BranchSelector, continued_branch
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
@@ -95,104 +111,15 @@ __all__ = [
 
 logger = logging.getLogger("agentkv.callbacks")
 
-CONFIRM_EVENT = "agentkv.confirm"
-"""Custom event: the user confirmed `data["owner"]` (None = the latest answer) → `UserConfirmed`."""
-REJECT_EVENT = "agentkv.reject"
-"""Custom event: the user rejected `data["owner"]` → `UserRejected`."""
-PRUNE_BRANCH_EVENT = "agentkv.prune_branch"
-"""Custom event: branch `data["branch"]` lost → `BranchPruned` on the parent (closes the branch's session)."""
-SELECT_BRANCH_EVENT = "agentkv.select_branch"
-"""Custom event: branch `data["branch"]` won → `BranchSelected` on the parent (closes its siblings)."""
-PIN_EVENT = "agentkv.pin"
-"""Custom event: pin the spans owned by `data["owner"]`; the lease is kept in `handler.leases`."""
-GENERIC_EVENT = "agentkv.event"
-"""Custom event: `data` is an `agentkv.Event` or `{"event": name, "owner": ..., "payload": {}}` → `Custom`."""
-CUSTOM_EVENTS: tuple[str, ...] = (
-    CONFIRM_EVENT,
-    REJECT_EVENT,
-    PRUNE_BRANCH_EVENT,
-    SELECT_BRANCH_EVENT,
-    PIN_EVENT,
-    GENERIC_EVENT,
-)
-"""Every custom event name the handler understands; other names are ignored (they belong to someone else)."""
-
-OWNER_KEY = "agentkv_owner"
-"""Key of an `interrupt()` value naming the span a confirmation is about (e.g. the plan's message id)."""
-
 _BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
 """LangGraph's control-flow exceptions: an interrupt is a pause, not a failure."""
-
-_CONFIRM_WORDS = frozenset(
-    {
-        "approve",
-        "approved",
-        "accept",
-        "accepted",
-        "yes",
-        "y",
-        "ok",
-        "okay",
-        "confirm",
-        "confirmed",
-        "true",
-        "edit",
-        "edited",
-        "respond",
-    }
-)
-_REJECT_WORDS = frozenset(
-    {"reject", "rejected", "no", "n", "deny", "denied", "decline", "declined", "cancel", "false"}
-)
 
 _REPORTED = "_agentkv_reported"
 """Marks an exception already counted, so an outer guard does not count it again."""
 
-Decision = Literal["confirm", "reject"]
-
 P = ParamSpec("P")
 R = TypeVar("R")
 H = TypeVar("H", bound="KVLifecycleCallbackHandler")
-
-
-def resume_decision(value: Any) -> Decision | None:
-    """Read a human's answer (a `Command(resume=...)` value, a HITL decision) as confirm / reject.
-
-    Confirm: `True`, "approve", "accept", "yes", "ok", "confirm", "edit", "respond",
-    or a mapping whose `type` (or `decision` / `action`) is one of those, or
-    `{"approved": True}`. Reject: `False`, "reject", "no", "deny", "decline",
-    "cancel", or a mapping saying so. Words are matched case-insensitively.
-
-    "edit" confirms because the human kept the proposal and changed its details
-    (it runs, edited); "respond" (`HumanInTheLoopMiddleware`: the human answers in
-    the tool's place) confirms because the human engaged with the call rather than
-    dismissing it, and the answer becomes the call's result.
-
-    Args:
-        value: The resume value.
-
-    Returns:
-        "confirm", "reject", or None for anything else (free text, None): no event,
-        since guessing would pin or drop the wrong thing.
-    """
-    if isinstance(value, bool):
-        return "confirm" if value else "reject"
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _CONFIRM_WORDS:
-            return "confirm"
-        if word in _REJECT_WORDS:
-            return "reject"
-        return None
-    if isinstance(value, Mapping):
-        approved = value.get("approved")
-        if isinstance(approved, bool):
-            return "confirm" if approved else "reject"
-        for key in ("type", "decision", "action"):
-            kind = value.get(key)
-            if isinstance(kind, (str, bool)):
-                return resume_decision(kind)
-    return None
 
 
 @dataclass
@@ -213,16 +140,6 @@ class _RunContext:
     @property
     def session_id(self) -> str:
         return branch_session_id(self.thread, self.branch)
-
-
-@dataclass(frozen=True)
-class _ToolCallRecord:
-    """A tool call the model made: which message (span owner) holds it."""
-
-    tool_call_id: str
-    name: str
-    args: Mapping[str, Any]
-    message_id: str | None
 
 
 def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P], R | None]:
@@ -275,7 +192,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
     def __init__(
         self,
-        backend: TransformersBackend,
+        backend: Backend,
         *,
         config: AgentKVConfig | None = None,
         raise_error: bool | None = None,
@@ -304,7 +221,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self._runs: dict[UUID, _RunContext] = {}
         self._interrupts: dict[str, dict[str, Any]] = {}
         """Per thread: pending interrupt id → its value (what a resume answers)."""
-        self._tool_calls: dict[str, list[_ToolCallRecord]] = {}
+        self._tool_calls: dict[str, list[ToolCallRecord]] = {}
         """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
         self._branches: dict[tuple[str, str], int | None] = {}
         """Open branches `(thread, branch)` → the graph step that opened them (settled ones leave)."""
@@ -438,7 +355,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                 message = getattr(generation, "message", None)
                 if isinstance(message, AIMessage) and message.tool_calls:
                     records = [
-                        _ToolCallRecord(
+                        ToolCallRecord(
                             str(call.get("id") or ""), call["name"], call.get("args") or {}, message.id
                         )
                         for call in message.tool_calls
@@ -590,7 +507,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         context = self._context(run_id) or self._context_from(run_id, None, metadata)
         data = data if data is not None else {}
         if name == GENERIC_EVENT:
-            self._emit(context.session_id, _generic_event(data))
+            self._emit(context.session_id, custom_event_from(data))
             return
         if not isinstance(data, Mapping):
             msg = f"{name}: data must be a mapping, got {type(data).__name__}"
@@ -735,8 +652,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         winner = None
         keep: set[str] = set()
-        if messages is not None and self.adopt_branches:
-            winner = continued_branch(self.backend, thread, settling, messages)
+        backend = self.backend
+        # Adoption moves a local session (`TransformersBackend.adopt`); an engine's branches are pruned.
+        if messages is not None and self.adopt_branches and isinstance(backend, TransformersBackend):
+            winner = continued_branch(backend, thread, settling, messages)
         if at_end:
             keep = set(selected)
             if not keep and self.branch_selector is not None:
@@ -752,11 +671,11 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                     self._selected.discard((thread, branch))
                 else:
                     self._selected.add((thread, branch))
-        if winner is not None:
+        if winner is not None and isinstance(backend, TransformersBackend):
             with self._lock:
                 self.events.append((thread, BranchSelected(branch=winner)))
             try:
-                self.backend.adopt(thread, winner)
+                backend.adopt(thread, winner)
             except Exception as e:
                 self.report_failure(f"adopting branch {winner!r} of {thread!r}", e)
             else:
@@ -814,7 +733,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
     @staticmethod
     def _decision_events(
-        answered: Sequence[tuple[str, Any, Any]], records: Sequence[_ToolCallRecord]
+        answered: Sequence[tuple[str, Any, Any]], records: Sequence[ToolCallRecord]
     ) -> list[Event]:
         """Confirm/reject events for answered interrupts.
 
@@ -826,7 +745,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """
         by_owner: dict[str | None, list[Decision]] = {}
         for _, value, answer in answered:
-            for owner, decision in _decisions(value, answer, records):
+            for owner, decision in decisions_for(value, answer, records):
                 by_owner.setdefault(owner, []).append(decision)
         events: list[Event] = []
         for owner, decisions in by_owner.items():
@@ -838,64 +757,6 @@ class KVLifecycleCallbackHandler(_HandlerBase):
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _decisions(
-    value: Any, answer: Any, records: Sequence[_ToolCallRecord]
-) -> list[tuple[str | None, Decision]]:
-    """`(owner, decision)` pairs for one answered interrupt."""
-    if isinstance(value, Mapping) and value.get("type") == "tool_approval":  # HITL per-call mode
-        decision = resume_decision(answer)
-        owner = _owner_of_call(str(value.get("tool_call_id")), records)
-        return [(owner, decision)] if decision else []
-    if isinstance(value, Mapping) and "action_requests" in value and isinstance(answer, Mapping):
-        requests = list(value.get("action_requests") or [])
-        out: list[tuple[str | None, Decision]] = []
-        unused = list(records)
-        for request, item in zip(requests, answer.get("decisions") or [], strict=False):
-            decision = resume_decision(item)
-            record = _match_request(request, unused)
-            if record is not None:
-                unused.remove(record)
-            if decision:
-                out.append((record.message_id if record is not None else None, decision))
-        return out
-    decision = resume_decision(answer)
-    owner = value.get(OWNER_KEY) if isinstance(value, Mapping) else None
-    return [(str(owner) if owner is not None else None, decision)] if decision else []
-
-
-def _owner_of_call(call_id: str, records: Sequence[_ToolCallRecord]) -> str | None:
-    return next((r.message_id for r in records if r.tool_call_id == call_id), None)
-
-
-def _match_request(request: Any, records: Sequence[_ToolCallRecord]) -> _ToolCallRecord | None:
-    """The tool call a HITL action request shows (requests carry name and args, not the call id)."""
-    if not isinstance(request, Mapping):
-        return None
-    same_name = [r for r in records if r.name == request.get("name")]
-    exact = [r for r in same_name if dict(r.args) == dict(request.get("args") or {})]
-    candidates = exact or same_name
-    return candidates[0] if candidates else None
-
-
-def _generic_event(data: Any) -> Event:
-    if isinstance(data, Event):
-        return data
-    if not isinstance(data, Mapping):
-        kind = type(data).__name__
-        msg = f"{GENERIC_EVENT}: data must be an agentkv Event or a mapping with 'event', got {kind}"
-        raise TypeError(msg)
-    name = data.get("event") or data.get("name")
-    if not isinstance(name, str) or not name:
-        msg = f"{GENERIC_EVENT}: data['event'] must name the event (rules key custom:<name>), got {name!r}"
-        raise ValueError(msg)
-    owner = data.get("owner")
-    payload = data.get("payload") or {}
-    if not isinstance(payload, Mapping):
-        msg = f"{GENERIC_EVENT}: data['payload'] must be a mapping, got {type(payload).__name__}"
-        raise TypeError(msg)
-    return Custom(event=name, owner=str(owner) if owner is not None else None, payload=dict(payload))
 
 
 def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:

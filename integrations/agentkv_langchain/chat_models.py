@@ -43,13 +43,8 @@ from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
-    ChatMessage,
-    FunctionMessage,
-    HumanMessage,
     InvalidToolCall,
-    SystemMessage,
     ToolCall,
-    ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
@@ -61,13 +56,15 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import ConfigDict, Field, model_validator
 
-from agentkv import Session, TransformersBackend
+from agentkv import AnySession, Backend, EngineBackend, Session
 from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import shared_backend
+from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.sessions import calling, current_metadata, session_for
 from agentkv_langchain.tools import (
     ANY_TOOL,
     TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
     CallEnd,
     ToolCallBan,
     ToolCallStreamFilter,
@@ -86,18 +83,6 @@ __all__ = ["ChatAgentKV", "to_chat_dicts"]
 _SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
 _IGNORED_KWARGS = ("strict", "parallel_tool_calls")
 """Accepted and ignored: the `<tool_call>` protocol has no strict mode; parallel calls are always allowed."""
-_SKIPPED_BLOCKS = frozenset(
-    {
-        "tool_use",
-        "tool_call",
-        "tool_call_chunk",
-        "invalid_tool_call",
-        "server_tool_call",
-        "reasoning",
-        "thinking",
-    }
-)
-"""Content blocks a text model does not read: tool calls travel in `tool_calls`; past reasoning is dropped."""
 
 
 class ChatAgentKV(BaseChatModel):
@@ -133,8 +118,9 @@ class ChatAgentKV(BaseChatModel):
     call's opening, so even a tiny model writes a call to the right tool.
     """
 
-    backend: TransformersBackend
-    """The in-process model and its sessions; default: `shared_backend(config, model=model)`."""
+    backend: Backend
+    """The in-process model (or a served engine) and its sessions (one KV cache per conversation);
+    default: `shared_backend(config, model=model)`."""
     model: str | None = Field(default=None, exclude=True)
     """Model id / directory / .gguf path to load when no `backend` is given (None = `config.model`)."""
     config: Any = Field(default=None, exclude=True)
@@ -181,7 +167,11 @@ class ChatAgentKV(BaseChatModel):
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
         if not self.model_name:
-            self.model_name = _model_name(self.backend.model)
+            backend = self.backend
+            if isinstance(backend, EngineBackend):
+                self.model_name = backend.engine.served_model
+            else:
+                self.model_name = _model_name(backend.model)
         return self
 
     # -- LangChain plumbing ------------------------------------------------------------------
@@ -228,7 +218,7 @@ class ChatAgentKV(BaseChatModel):
             tool_choice=True,
             tool_call_streaming=False,
         )
-        limit = self.backend.runner.max_positions
+        limit = self.backend.max_positions
         if limit:
             profile["max_input_tokens"] = int(limit)
         return profile
@@ -498,17 +488,23 @@ class ChatAgentKV(BaseChatModel):
             before = session.stats()
             extended = session.extend(plan.messages)
             prefix = plan.prefix
+            local = isinstance(session, Session)
             if plan.choice == ANY_TOOL:  # "any" / "required": the model picks among the bound tools
-                name = choose_tool(session.answer_logprob, tool_names(plan.tools))
+                names = tool_names(plan.tools)
+                name = names[0]  # an engine session cannot score the names: the first bound tool
+                if isinstance(session, Session):
+                    name = choose_tool(session.answer_logprob, names)
                 prefix = forced_call_prefix(name, tool_parameters(plan.tools, name))
             visible = ToolCallStreamFilter() if plan.tools else None
             if visible is not None:
                 visible.feed(prefix)
             call_end = CallEnd(prefix) if prefix else None
-            processor = _tool_call_ban(self.backend) if plan.ban_calls else None
-            pieces = session.stream(
-                **plan.sampling, prefix=prefix, message_id=message_id, logits_processor=processor
-            )
+            options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
+            if plan.ban_calls and local:
+                options["logits_processor"] = _tool_call_ban(self.backend)
+            elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
+                options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
+            pieces = session.stream(**options)
             try:
                 for piece in pieces:
                     if first_token_s is None:
@@ -582,7 +578,7 @@ class ChatAgentKV(BaseChatModel):
             generation_info={"finish_reason": finish},
         )
 
-    def _session(self, metadata: Mapping[str, Any]) -> Session:
+    def _session(self, metadata: Mapping[str, Any]) -> AnySession:
         """The session this call extends: the thread's (or `session_id`'s), see `agentkv_langchain.sessions`.
 
         The one place a call picks its KV cache; a subclass that wants another cache per
@@ -597,7 +593,7 @@ class ChatAgentKV(BaseChatModel):
         messages: Sequence[BaseMessage],
         stop: list[str] | None,
         kwargs: Mapping[str, Any],
-        session: Session | None = None,
+        session: AnySession | None = None,
     ) -> _Plan:
         """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs.
 
@@ -699,72 +695,6 @@ class _Plan:
     """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
 
 
-# ---------------------------------------------------------------------------- messages
-
-
-def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as the plain dicts `Session.extend` reads.
-
-    Ids become span owners (a `ToolMessage` is owned by its `tool_call_id`), tool
-    calls travel in `tool_calls`, and content is reduced to its text: tool-call and
-    reasoning blocks are skipped, and media blocks are refused (a text model cannot
-    read them; better an error than an answer about an image it never saw).
-
-    Raises:
-        ValueError: a message has image, audio or file content, or an unknown type.
-    """
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        entry: dict[str, Any] = {"role": _role(message, i), "content": _text(message.content, i)}
-        if message.id:
-            entry["id"] = message.id
-        if isinstance(message.name, str) and message.name:
-            entry["name"] = message.name
-        if isinstance(message, AIMessage) and message.tool_calls:
-            entry["tool_calls"] = [
-                {"id": c.get("id"), "name": c["name"], "args": c["args"]} for c in message.tool_calls
-            ]
-        if isinstance(message, ToolMessage):
-            entry["tool_call_id"] = message.tool_call_id
-        out.append(entry)
-    return out
-
-
-def _role(message: BaseMessage, index: int) -> str:
-    if isinstance(message, SystemMessage):
-        return "system"
-    if isinstance(message, HumanMessage):
-        return "user"
-    if isinstance(message, AIMessage):
-        return "assistant"
-    if isinstance(message, (ToolMessage, FunctionMessage)):
-        return "tool"
-    if isinstance(message, ChatMessage):
-        return message.role
-    msg = f"messages[{index}]: unsupported message type {type(message).__name__}"
-    raise ValueError(msg)
-
-
-def _text(content: str | list[str | dict[str, Any]], index: int) -> str:
-    if isinstance(content, str):
-        return content
-    parts: list[str] = []
-    for block in content:
-        if isinstance(block, str):
-            parts.append(block)
-            continue
-        kind = block.get("type")
-        if kind == "text":
-            parts.append(str(block.get("text", "")))
-        elif kind not in _SKIPPED_BLOCKS:
-            msg = (
-                f"messages[{index}].content: a {kind!r} block cannot be read by a text-only local model; "
-                f"allowed: text blocks (skipped: {', '.join(sorted(_SKIPPED_BLOCKS))})"
-            )
-            raise ValueError(msg)
-    return "".join(parts)
-
-
 # ---------------------------------------------------------------------------- small helpers
 
 
@@ -804,7 +734,7 @@ def _run_id(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRu
     return run_manager.run_id if run_manager is not None else None
 
 
-def _history_before_answer(session: Session, output_tokens: int) -> int:
+def _history_before_answer(session: AnySession, output_tokens: int) -> int:
     """Tokens in the session's logical history before the answer's first generated token.
 
     The answer's span holds the generation prompt (and any prefilled call opening),
@@ -818,7 +748,7 @@ _BANS: dict[int, ToolCallBan] = {}
 _BANS_LOCK = threading.Lock()
 
 
-def _tool_call_ban(backend: TransformersBackend) -> ToolCallBan:
+def _tool_call_ban(backend: Backend) -> ToolCallBan:
     """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
     key = id(backend.tokenizer)
     with _BANS_LOCK:

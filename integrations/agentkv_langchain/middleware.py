@@ -40,10 +40,10 @@ from langgraph.types import Command
 
 from agentkv import (
     AgentKVConfig,
+    Backend,
     Event,
     ToolCallCompleted,
     ToolCallFailed,
-    TransformersBackend,
     TurnEnded,
     UserConfirmed,
     UserRejected,
@@ -82,7 +82,7 @@ class AgentKVMiddleware(AgentMiddleware):
 
     def __init__(
         self,
-        backend: TransformersBackend,
+        backend: Backend,
         *,
         handler: KVLifecycleCallbackHandler | None = None,
         config: AgentKVConfig | None = None,

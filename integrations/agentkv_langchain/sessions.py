@@ -35,7 +35,7 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig, ensure_config
 
-from agentkv import Session, TransformersBackend
+from agentkv import AnySession, Backend
 from agentkv.session_ids import branch_session_id
 
 __all__ = [
@@ -161,7 +161,7 @@ class SessionKey:
         return cls(thread=str(thread), branch=str(branch) if branch else None)
 
 
-def open_session(backend: TransformersBackend, key: SessionKey) -> Session:
+def open_session(backend: Backend, key: SessionKey) -> AnySession:
     """The session for `key`: the thread's own, or a fork of it for a branch (both created on first use)."""
     session = backend.session(key.thread)
     if key.branch is None:
@@ -169,8 +169,6 @@ def open_session(backend: TransformersBackend, key: SessionKey) -> Session:
     return backend.fork(key.thread, key.branch)
 
 
-def session_for(
-    backend: TransformersBackend, metadata: Mapping[str, Any] | None, fixed: str | None = None
-) -> Session:
+def session_for(backend: Backend, metadata: Mapping[str, Any] | None, fixed: str | None = None) -> AnySession:
     """The session a model call with this run metadata uses (see the module docstring)."""
     return open_session(backend, SessionKey.from_metadata(metadata, fixed))

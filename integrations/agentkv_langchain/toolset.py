@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv import Session
+from agentkv import AnySession
 from agentkv.chat import normalize_message
 from agentkv_langchain.tools import render_tool_prompt, tool_names
 
@@ -126,11 +126,11 @@ class ThreadTools:
             )
 
 
-_TABLE: weakref.WeakKeyDictionary[Session, ThreadTools] = weakref.WeakKeyDictionary()
+_TABLE: weakref.WeakKeyDictionary[AnySession, ThreadTools] = weakref.WeakKeyDictionary()
 _TABLE_LOCK = threading.Lock()
 
 
-def thread_tools(session: Session) -> ThreadTools:
+def thread_tools(session: AnySession) -> ThreadTools:
     """The tool state of a session's conversation (created on first use, gone with the session)."""
     with _TABLE_LOCK:
         state = _TABLE.get(session)

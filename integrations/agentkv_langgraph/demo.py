@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
 
-from agentkv import AgentKVConfig, Session, TransformersBackend, TurnEnded
+from agentkv import AgentKVConfig, AnySession, Session, TransformersBackend, TurnEnded
 from agentkv.demo import (
     AGENTKV_RUN,
     FULL_RUN,
@@ -81,12 +81,16 @@ class ReencodingChatAgentKV(ChatAgentKV):
     _calls: int = PrivateAttr(default=0)
     _last: Session | None = PrivateAttr(default=None)
 
-    def _session(self, metadata: Mapping[str, Any]) -> Session:
+    def _session(self, metadata: Mapping[str, Any]) -> AnySession:
         if self._last is not None:
             self.backend.close(self._last.session_id)
         self._calls += 1
-        self._last = self.backend.session(f"reencode-call-{self._calls}")
-        return self._last
+        session = self.backend.session(f"reencode-call-{self._calls}")
+        if not isinstance(session, Session):
+            msg = f"the re-encode baseline needs a TransformersBackend, got {type(self.backend).__name__}"
+            raise TypeError(msg)
+        self._last = session
+        return session
 
     @property
     def last_session(self) -> Session | None:

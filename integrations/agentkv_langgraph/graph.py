@@ -30,7 +30,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langgraph.pregel import Pregel
 
-from agentkv import AgentKVConfig, Session, TransformersBackend
+from agentkv import AgentKVConfig, AnySession, Backend
 from agentkv_langchain.backends import ConfigLike, resolve_config, shared_backend
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
 from agentkv_langchain.fanout import BranchSelector
@@ -50,7 +50,7 @@ _BACKEND_WIDE = ("model", "device", "dtype", "callbacks")
 class KVLifecycle:
     """What `with_kv_lifecycle` attached to a graph: the backend, the handler and the base config."""
 
-    backend: TransformersBackend
+    backend: Backend
     """Where the sessions live."""
     handler: KVLifecycleCallbackHandler
     """The callback handler that turns the graph's runs into events."""
@@ -78,7 +78,7 @@ class KVLifecycle:
             )
         return self.config.with_overrides({k: v for k, v in overrides.items() if k not in _BACKEND_WIDE})
 
-    def prepare(self, run_config: RunnableConfig | None) -> Session | None:
+    def prepare(self, run_config: RunnableConfig | None) -> AnySession | None:
         """Create the run's thread session with the run's settings, if it does not exist yet.
 
         Returns:
@@ -98,7 +98,7 @@ class KVLifecycle:
             )
         return session
 
-    def session(self, thread_id: str = DEFAULT_THREAD) -> Session:
+    def session(self, thread_id: str = DEFAULT_THREAD) -> AnySession:
         """A thread's session (created with the graph's settings if absent)."""
         return self.backend.session(thread_id, config=self.config)
 
@@ -136,7 +136,7 @@ def _lifecycle_class(base: type[Pregel]) -> type[Pregel]:
 def with_kv_lifecycle(
     graph: G,
     *,
-    backend: TransformersBackend | None = None,
+    backend: Backend | None = None,
     config: ConfigLike = None,
     raise_error: bool | None = None,
     adopt_branches: bool = True,

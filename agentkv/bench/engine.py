@@ -1,0 +1,253 @@
+"""`agentkv bench engine`: concurrent tool agents on vLLM + LMCache, with and without lifecycle hints.
+
+N agent threads each play one of the shipped workloads (`agentkv/bench/workloads/`) as
+a tool agent: per turn the user message, its tool calls and results, one model call
+(the engine decodes a few tokens), the tool events, the scripted answer, `TurnEnded`.
+Every thread has its own conversation (its own `cache_salt`). The engine's caches are
+meant to be smaller than the working set (`scripts/serve.sh` with `AGENTKV_VLLM_BLOCKS`
+and a small `AGENTKV_L1_GB`; `--l2-quota-gb` caps LMCache's L2 per conversation).
+
+Modes, run one after the other on the same stack, each from cold caches:
+
+- `vllm`: vLLM prefix caching alone. Not a separate run: every prompt token that vLLM's
+  own cache did not hold would be computed, so its computed tokens are the `lru` run's
+  prompt tokens minus its local prefix-cache hits (vLLM's own counters).
+- `lru`: vLLM + LMCache with no hints: the whole history every call (policy `full`, no
+  budget), LMCache evicting least-recently-used chunks.
+- `events`: vLLM + LMCache driven by agentkv: the default lifecycle rules and a device
+  budget decide the prompt, commits pin, releases delete stale chunks, recalls prefetch.
+
+Figures come from the engine itself (vLLM `/metrics`: prompt tokens by source, local and
+LMCache hits; the coordinator's `/instances/usage`: bytes per tier). Latency is the wall
+time of each call with a few new tokens (close to TTFT on this model; the machine is
+shared, so compare ratios, not seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench.workloads import Workload, load_workloads
+from agentkv.config import AgentKVConfig
+from agentkv.engines.backend import EngineBackend
+from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.vllm import EngineMetrics
+from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
+
+MODES: tuple[str, ...] = ("vllm", "lru", "events")
+
+
+@dataclass
+class ModeResult:
+    """One mode's figures (totals over every call of every thread)."""
+
+    mode: str
+    requests: int
+    seconds: float
+    prompt_tokens: float
+    computed_tokens: float
+    """Prompt tokens the engine prefilled (neither vLLM's cache nor LMCache had them)."""
+    local_hits: float
+    lmcache_hits: float
+    latency_p50: float
+    latency_p95: float
+    requests_per_s: float
+    lmcache_bytes: dict[str, int] = field(default_factory=dict)
+    """LMCache bytes per tier after the run (`l1` CPU memory, `l2` storage)."""
+    engine_device_bytes: int = 0
+    """vLLM's own KV cache capacity (bytes), the same in every mode."""
+    answers: dict[str, str] = field(default_factory=dict)
+    hint_failures: int = 0
+
+
+def _tool_agent(
+    backend: EngineBackend, session_id: str, workload: Workload, turns: int, max_tokens: int
+) -> tuple[dict[str, str], list[float]]:
+    """Play one workload as a tool agent; returns the generated text per turn and each call's latency."""
+    session = backend.session(session_id)
+    history: list[dict[str, Any]] = [{"role": "system", "content": workload.system}]
+    answers: dict[str, str] = {}
+    latencies: list[float] = []
+    for t, turn in enumerate(workload.turns[:turns]):
+        history.append({"role": "user", "content": turn.user})
+        events: list[Any] = []
+        for j, tool in enumerate(turn.tools):
+            call_id = f"call_{t}_{j}"
+            call = {"id": call_id, "name": tool.name, "args": dict(tool.args)}
+            history.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            history.append({"role": "tool", "content": tool.result, "tool_call_id": call_id})
+            events.append(ToolCallFailed(tool_call_id=call_id) if tool.failed else ToolCallCompleted(call_id))
+        session.extend(history)
+        started = time.perf_counter()
+        answers[f"{session_id.rsplit('-', 1)[-1]}:{t}"] = session.generate(max_tokens)
+        latencies.append(time.perf_counter() - started)
+        for event in events:
+            session.apply(event)
+        history.append({"role": "assistant", "content": turn.assistant})
+        session.extend(history)  # the scripted answer replaces the generated one: same history in every mode
+        session.apply(TurnEnded())
+    return answers, latencies
+
+
+def _mode_config(
+    mode: str, vllm_url: str, coordinator_url: str, chunk_size: int, device_tokens: int
+) -> AgentKVConfig:
+    engine = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
+    if mode == "events":
+        return AgentKVConfig.model_validate(
+            {
+                "engine": {**engine, "coordinator_url": coordinator_url},
+                "budget": {"device_tokens": device_tokens},
+            }
+        )
+    return AgentKVConfig.model_validate({"engine": engine, "policy": "full"})
+
+
+def _reset(backend: EngineBackend, coordinator: CoordinatorClient) -> None:
+    """Cold caches: vLLM's prefix cache and LMCache's L1 (each mode also has its own salts)."""
+    request = urllib.request.Request(f"{backend.vllm.url}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=120):  # noqa: S310 (local stack)
+        pass
+    for url in coordinator.instances().values():
+        coordinator.clear_l1(url)
+
+
+def run_mode(
+    mode: str,
+    *,
+    vllm_url: str,
+    coordinator_url: str,
+    threads: int,
+    turns: int,
+    max_tokens: int,
+    chunk_size: int,
+    device_tokens: int,
+    progress: Callable[[str], None] | None = None,
+) -> ModeResult:
+    """Run `lru` or `events` once, from cold caches."""
+    config = _mode_config(mode, vllm_url, coordinator_url, chunk_size, device_tokens)
+    backend = EngineBackend.from_config(config)
+    # The LMCache stack is there in both modes; only the events mode sends it hints.
+    coordinator = CoordinatorClient(coordinator_url, backend.model_path)
+    _reset(backend, coordinator)
+    workloads = load_workloads()
+    nonce = time.strftime("%H%M%S")
+    before = backend.vllm.metrics()
+    started = time.perf_counter()
+    answers: dict[str, str] = {}
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def agent(i: int) -> None:
+        got, took = _tool_agent(
+            backend, f"{mode}-{nonce}-{i}", workloads[i % len(workloads)], turns, max_tokens
+        )
+        with lock:
+            answers.update(got)
+            latencies.extend(took)
+        if progress is not None:
+            progress(f"{mode}: agent {i} done")
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(agent, range(threads)))
+    seconds = time.perf_counter() - started
+    delta: EngineMetrics = backend.vllm.metrics().minus(before)
+    usage = coordinator.usage()
+    failures = sum(s.store.stats.hint_failures for s in backend.sessions())
+    for session in list(backend.sessions()):
+        backend.close(session.session_id)
+    ordered = sorted(latencies)
+    return ModeResult(
+        mode=mode,
+        requests=len(latencies),
+        seconds=seconds,
+        prompt_tokens=delta.prompt_tokens,
+        computed_tokens=delta.computed_tokens,
+        local_hits=delta.prefix_cache_hits,
+        lmcache_hits=delta.external_hits,
+        latency_p50=statistics.median(ordered) if ordered else 0.0,
+        latency_p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0,
+        requests_per_s=len(latencies) / seconds if seconds else 0.0,
+        lmcache_bytes=usage,
+        answers=answers,
+        hint_failures=failures,
+    )
+
+
+def vllm_alone(lru: ModeResult) -> ModeResult:
+    """VLLM prefix caching alone, from the `lru` run: what LMCache served would have been computed."""
+    return ModeResult(
+        mode="vllm",
+        requests=lru.requests,
+        seconds=lru.seconds,
+        prompt_tokens=lru.prompt_tokens,
+        computed_tokens=lru.prompt_tokens - lru.local_hits,
+        local_hits=lru.local_hits,
+        lmcache_hits=0.0,
+        latency_p50=float("nan"),
+        latency_p95=float("nan"),
+        requests_per_s=float("nan"),
+        answers=lru.answers,
+    )
+
+
+def run_engine_bench(
+    *,
+    vllm_url: str,
+    coordinator_url: str,
+    threads: int = 8,
+    turns: int = 4,
+    max_tokens: int = 8,
+    chunk_size: int = 64,
+    device_tokens: int = 768,
+    l2_quota_gb: float | None = None,
+    out_dir: str | Path = "runs",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the modes and write `engine_bench.json`; returns the summary (modes + ratios)."""
+    if not 1 <= threads <= 64:
+        msg = f"threads: expected 1..64, got {threads}"
+        raise ValueError(msg)
+    if l2_quota_gb is not None:
+        CoordinatorClient(coordinator_url, "-").set_default_quota(l2_quota_gb)
+    common = dict(
+        vllm_url=vllm_url,
+        coordinator_url=coordinator_url,
+        threads=threads,
+        turns=turns,
+        max_tokens=max_tokens,
+        chunk_size=chunk_size,
+        device_tokens=device_tokens,
+        progress=progress,
+    )
+    lru = run_mode("lru", **common)  # type: ignore[arg-type]
+    events = run_mode("events", **common)  # type: ignore[arg-type]
+    modes = [vllm_alone(lru), lru, events]
+    same = sum(events.answers.get(k) == v for k, v in lru.answers.items())
+    summary = {
+        "settings": {
+            "threads": threads,
+            "turns": turns,
+            "max_tokens": max_tokens,
+            "chunk_size": chunk_size,
+            "device_tokens": device_tokens,
+            "l2_quota_gb": l2_quota_gb,
+        },
+        "modes": [asdict(m) for m in modes],
+        "computed_ratio_lru_over_events": lru.computed_tokens / max(1.0, events.computed_tokens),
+        "computed_ratio_vllm_over_events": modes[0].computed_tokens / max(1.0, events.computed_tokens),
+        "answers_identical": f"{same}/{len(lru.answers)}",
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_bench.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return summary

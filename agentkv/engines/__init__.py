@@ -1,0 +1,36 @@
+"""Served engines behind the same lifecycle: vLLM + LMCache over HTTP (see docs/scale-out.md).
+
+`EngineBackend` is the counterpart of `TransformersBackend`: the same sessions, events,
+rules and budgets, with "where KV lives" carried out by the engine (`EngineStore`).
+"""
+
+from agentkv.engines.backend import EngineBackend, kv_bytes_per_token
+from agentkv.engines.http import (
+    EngineError,
+    EngineRequestError,
+    EngineUnavailableError,
+    FakeTransport,
+    UrllibTransport,
+)
+from agentkv.engines.lmcache import CoordinatorClient, Lookup
+from agentkv.engines.session import EngineSession
+from agentkv.engines.store import EngineStore, EngineTarget
+from agentkv.engines.vllm import Completion, EngineMetrics, VLLMClient
+
+__all__ = [
+    "Completion",
+    "CoordinatorClient",
+    "EngineBackend",
+    "EngineError",
+    "EngineMetrics",
+    "EngineRequestError",
+    "EngineSession",
+    "EngineStore",
+    "EngineTarget",
+    "EngineUnavailableError",
+    "FakeTransport",
+    "Lookup",
+    "UrllibTransport",
+    "VLLMClient",
+    "kv_bytes_per_token",
+]

@@ -1,0 +1,218 @@
+"""`EngineBackend`: sessions whose KV lives in a served engine (vLLM + LMCache).
+
+The counterpart of `TransformersBackend` for a model served elsewhere: the same
+session table API (`session`, `get`, `fork`, `close`, `apply`), the same config
+(with an `engine:` block), the same lifecycle per session. The backend only needs
+the model's tokenizer (to build the prompts as token ids) and its KV size per token.
+
+Routing is sticky: every session of this backend lands on one LMCache instance (the
+first the coordinator lists), because deletes and prefetches act on one instance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from agentkv.chat import ChatFormat
+from agentkv.config import AgentKVConfig, EngineConfig
+from agentkv.engines.http import EngineError, Transport
+from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.session import EngineSession
+from agentkv.engines.store import EngineTarget
+from agentkv.engines.vllm import VLLMClient
+from agentkv.events import Event, validate_event
+from agentkv.session_ids import branch_session_id
+
+logger = logging.getLogger("agentkv.engines")
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype_bytes: int = 2) -> int:
+    """Engine KV bytes of one token: layers x (K, V) x KV heads x head dim x dtype bytes.
+
+    vLLM serves a float32 checkpoint in bfloat16 on CPU (2 bytes), as on most GPUs.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * dtype_bytes)
+
+
+class EngineBackend:
+    """Sessions over a served model.
+
+    Args:
+        tokenizer: the served model's tokenizer (prompts are sent as its token ids).
+        config: agentkv settings; `config.engine` names the engine (required).
+        bytes_per_token: engine KV bytes per token (`kv_bytes_per_token(model_dir)`).
+        transport: how requests are sent (a `FakeTransport` in tests); None = urllib.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: AgentKVConfig,
+        *,
+        bytes_per_token: int,
+        model_path: str | None = None,
+        max_positions: int | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if config.engine is None:
+            msg = "EngineBackend: expected a config with an `engine:` block (vllm_url, ...), got none"
+            raise ValueError(msg)
+        engine: EngineConfig = config.engine
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_format = ChatFormat(tokenizer)
+        self.bytes_per_token = bytes_per_token
+        self.max_positions = max_positions
+        """Positions the served model supports (None = not declared)."""
+        self.model_path = engine.model_path or model_path or engine.served_model
+        self.vllm = VLLMClient(
+            engine.vllm_url, engine.served_model, timeout=engine.request_timeout_s, transport=transport
+        )
+        self.coordinator = (
+            None
+            if engine.coordinator_url is None
+            else CoordinatorClient(
+                engine.coordinator_url, self.model_path, timeout=engine.hint_timeout_s, transport=transport
+            )
+        )
+        self._target: EngineTarget | None = None
+        self._target_lock = threading.Lock()
+        self._sessions: dict[str, EngineSession] = {}
+        self._table_lock = threading.Lock()
+        self.noop_events = 0
+
+    @classmethod
+    def from_config(cls, config: AgentKVConfig) -> EngineBackend:
+        """Build from a config alone: the tokenizer and KV size come from the served model's directory."""
+        from transformers import AutoTokenizer
+
+        from agentkv.models import converted_model_dir
+
+        if config.engine is None:
+            msg = "EngineBackend.from_config: expected a config with an `engine:` block, got none"
+            raise ValueError(msg)
+        model_dir = config.engine.model_path or str(converted_model_dir())
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        declared = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        return cls(
+            tokenizer,
+            config,
+            bytes_per_token=kv_bytes_per_token(model_dir),
+            model_path=model_dir,
+            max_positions=declared.get("max_position_embeddings"),
+        )
+
+    # -- the engine ----------------------------------------------------------------------------
+
+    def salt_for(self, session_id: str) -> str:
+        """The `cache_salt` of a conversation (`engine.salt`: per conversation, or shared = none)."""
+        return "" if self.engine.salt == "shared" else session_id
+
+    def target(self) -> EngineTarget | None:
+        """The LMCache instance this backend's sessions use (sticky); None without a coordinator.
+
+        Resolved on first use; a coordinator that does not answer yet means no hints
+        for now (logged), and the next session asks again.
+        """
+        if self.coordinator is None:
+            return None
+        with self._target_lock:
+            if self._target is None:
+                try:
+                    instances = self.coordinator.instances()
+                except EngineError as e:
+                    logger.warning("LMCache coordinator unavailable (%s); this session runs without hints", e)
+                    return None
+                if not instances:
+                    logger.warning("no LMCache server registered with the coordinator; no hints for now")
+                    return None
+                instance_id = sorted(instances)[0]
+                self._target = EngineTarget(
+                    self.coordinator,
+                    instance_id,
+                    instances[instance_id],
+                    chunk_size=self.engine.chunk_size,
+                    prefetch_wait=self.engine.prefetch_wait_s,
+                )
+            return self._target
+
+    # -- session table ---------------------------------------------------------------------------
+
+    def session(
+        self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None
+    ) -> EngineSession:
+        """The session with this id, created on first use (`create=False` raises KeyError when absent)."""
+        if not isinstance(session_id, str) or not session_id:
+            msg = f"session id: expected a non-empty string, got {session_id!r}"
+            raise ValueError(msg)
+        with self._table_lock:
+            existing = self._sessions.get(session_id)
+            if existing is not None and not existing.closed:
+                return existing
+            if not create:
+                raise KeyError(self._unknown(session_id))
+            session = EngineSession(self, session_id, config=config)
+            self._sessions[session_id] = session
+            return session
+
+    def get(self, session_id: str) -> EngineSession:
+        """An existing session (KeyError naming the known ids)."""
+        return self.session(session_id, create=False)
+
+    def _unknown(self, session_id: str) -> str:
+        known = ", ".join(sorted(self._sessions)[:20]) or "none"
+        return f"unknown session {session_id!r}; known sessions: {known}"
+
+    def __contains__(self, session_id: object) -> bool:
+        with self._table_lock:
+            return session_id in self._sessions
+
+    def sessions(self) -> Iterator[EngineSession]:
+        """A snapshot of the live sessions."""
+        with self._table_lock:
+            return iter(list(self._sessions.values()))
+
+    def fork(self, session_id: str, branch: str) -> EngineSession:
+        """Create (or get) the branch session sharing the parent's prefix on the engine (same salt)."""
+        parent = self.get(session_id)
+        child_id = branch_session_id(session_id, branch)
+        with self._table_lock:
+            existing = self._sessions.get(child_id)
+            if existing is not None and not existing.closed:
+                return existing
+        child = EngineSession(self, child_id, parent=parent, branch=branch)
+        parent.manager.note_branch(branch)
+        with self._table_lock:
+            self._sessions[child_id] = child
+        return child
+
+    def close(self, session_id: str) -> None:
+        """Unpin and delete a session's KV on the engine and forget it (KeyError when absent)."""
+        with self._table_lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise KeyError(self._unknown(session_id))
+        session.close()
+
+    def apply(self, session_id: str, event: Event) -> Any:
+        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
+        validate_event(event)
+        with self._table_lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            self.noop_events += 1
+            logger.info("event %s for unknown session %r ignored", event.name, session_id)
+            return None
+        return session.apply(event)
+
+    def device_bytes(self) -> int:
+        """Engine KV bytes of every session's prompt (what the global budget counts)."""
+        return sum(s.store.bytes_by_tier().device for s in self.sessions() if not s.closed)

@@ -1,0 +1,416 @@
+"""`EngineSession`: one conversation on a served engine, with the same lifecycle as a local one.
+
+The session keeps what a local session keeps (a `SpanTable` of token ids, messages,
+leases, counters) and the same `LifecycleManager` moves its spans on events, budgets
+and recalls. Only "where KV lives" differs: the store is an `EngineStore`, so a move
+becomes a pin, a delete or a prefetch on LMCache, and the prompt the engine sees is
+the attended spans' token ids. `generate` syncs those hints and asks vLLM for the
+answer; the engine's own usage figures become the session's prefill / reuse counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
+from agentkv.config import AgentKVConfig
+from agentkv.engines.store import EngineStore, EngineTarget
+from agentkv.engines.vllm import VLLMClient
+from agentkv.events import Event
+from agentkv.lifecycle import ApplyResult, BudgetLimits, Lease, LifecycleManager, SpanTable
+from agentkv.metrics import SessionStats
+from agentkv.session_ids import is_branch_of
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+
+logger = logging.getLogger("agentkv.engines")
+
+
+class EngineHost(Protocol):
+    """What an engine session needs from the backend that owns it (`EngineBackend` provides it)."""
+
+    config: AgentKVConfig
+    chat_format: ChatFormat
+    tokenizer: Any
+    bytes_per_token: int
+    vllm: VLLMClient
+
+    def salt_for(self, session_id: str) -> str:
+        """The conversation's `cache_salt`."""
+        ...
+
+    def target(self) -> EngineTarget | None:
+        """The LMCache instance hints go to (None = no coordinator)."""
+        ...
+
+    def sessions(self) -> Iterator[Any]:
+        """A snapshot of the live sessions."""
+        ...
+
+    def fork(self, session_id: str, branch: str) -> Any:
+        """Create (or get) the branch session."""
+        ...
+
+    def close(self, session_id: str) -> None:
+        """Unpin and delete a session's KV and forget it."""
+        ...
+
+    def device_bytes(self) -> int:
+        """Engine KV bytes across the sessions."""
+        ...
+
+
+class EngineServices:
+    """The `SessionPort` the lifecycle manager uses, over an engine session."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self.session = session
+
+    @property
+    def session_id(self) -> str:
+        """The session's id."""
+        return self.session.session_id
+
+    @property
+    def config(self) -> AgentKVConfig:
+        """The session's configuration."""
+        return self.session.config
+
+    @property
+    def table(self) -> SpanTable:
+        """The session's span table."""
+        return self.session.table
+
+    @property
+    def store(self) -> EngineStore:
+        """The session's engine store."""
+        return self.session.store
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Engine KV bytes of one token."""
+        return self.session.backend.bytes_per_token
+
+    def recompute(self, span: Span) -> None:
+        """Nothing to do now: the span is back in the prompt, the engine computes it on the next call."""
+        del span
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` (no chat template)."""
+        return self.session.format.encode(text)
+
+    def token_text(self, token: int) -> str:
+        """One token's text."""
+        return str(self.session.backend.tokenizer.decode([token]))
+
+    def token_embeddings(self) -> Any:
+        """No model weights here: recall ranks by words only."""
+        return None
+
+    def global_device_bytes(self) -> int:
+        """Engine KV bytes across the backend's sessions."""
+        return self.session.backend.device_bytes()
+
+    def child_branches(self) -> list[tuple[str, str | None]]:
+        """`(session_id, branch)` of the live branch sessions forked from this one."""
+        session = self.session
+        return [
+            (child.session_id, child.branch)
+            for child in session.backend.sessions()
+            if is_branch_of(child.session_id, session.session_id) and child.parent is session
+        ]
+
+    def close_child(self, session_id: str) -> None:
+        """Close a branch session forked from this one (its tail is deleted on the engine)."""
+        self.session.backend.close(session_id)
+
+
+class EngineSession:
+    """One conversation on the engine. Thread-safe: a per-session lock serialises every call."""
+
+    def __init__(
+        self,
+        backend: EngineHost,
+        session_id: str,
+        *,
+        parent: EngineSession | None = None,
+        branch: str | None = None,
+        config: AgentKVConfig | None = None,
+    ) -> None:
+        self.backend = backend
+        self.session_id = session_id
+        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
+        self.format = backend.chat_format
+        self.lock = threading.RLock()
+        self.branch = branch
+        self.parent = parent
+        self.closed = False
+        self.store: EngineStore
+        self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
+        # Branches of a conversation share its salt: the engine shares their prefix (no copy).
+        self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
+        if parent is None:
+            self.table = SpanTable(session_id)
+            shared: list[int] = []
+        else:
+            with parent.lock:
+                self.table = parent.table.fork(session_id)
+                shared = parent.store.prompt()
+        self.store = EngineStore(
+            backend.target(),
+            self.cache_salt,
+            lambda: self.table.spans,
+            backend.bytes_per_token,
+            shared_prefix=shared,
+        )
+        self.manager = LifecycleManager(EngineServices(self), self.limits)
+        if parent is not None:
+            self.manager.inherit(parent.manager)
+
+    # -- the table's fields, for reading ---------------------------------------------------------
+
+    @property
+    def spans(self) -> list[Span]:
+        """The logical sequence's spans."""
+        return self.table.spans
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation's messages, as the session holds them."""
+        return self.table.messages
+
+    @property
+    def counters(self) -> Any:
+        """Running totals (prefill and reused tokens come from the engine's usage)."""
+        return self.table.counters
+
+    @property
+    def turn(self) -> int:
+        """The current user turn."""
+        return self.table.turn
+
+    def _check_open(self) -> None:
+        if self.closed:
+            msg = (
+                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
+            )
+            raise SessionClosedError(msg)
+
+    # -- encoding: spans only, the engine computes KV on the next call ---------------------------
+
+    def extend(self, messages: Sequence[Any]) -> ExtendResult:
+        """Bring the span table in line with `messages` (matched by fingerprint; crop at the first change)."""
+        started = time.perf_counter()
+        incoming = normalize_messages(messages)
+        with self.lock:
+            self._check_open()
+            message_spans = self.table.message_spans()
+            k = 0
+            while (
+                k < len(message_spans)
+                and k < len(incoming)
+                and incoming[k].fingerprint() in message_spans[k].fingerprints
+            ):
+                k += 1
+            reused = sum(s.length for s in message_spans[:k])
+            cropped = self._crop(message_spans[k]) if k < len(message_spans) else 0
+            new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
+            new_spans: list[int] = []
+            for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
+                if message.role == "user":
+                    self.manager.on_new_user_turn()
+                    self.table.turn += 1
+                span = self.table.new_span(message.kind, ids, branch=self.branch)
+                span.n_computed = len(ids)  # held by the prompt; the engine computes or reuses it
+                self._describe(span, message, k + offset)
+                self.manager.on_span_created(span)
+                self.messages.append(message)
+                new_spans.append(span.span_id)
+            if any(m.role == "user" for m in incoming[k:]):
+                self.manager.recall(incoming[-1])
+            self.counters.cropped_tokens += cropped
+            self.manager.after_operation()
+            self.table.record("extend", prefilled=0, reused=reused, cropped=cropped, spans=new_spans)
+            return ExtendResult(
+                prefilled_tokens=0,
+                reused_tokens=reused,
+                cropped_tokens=cropped,
+                new_spans=tuple(new_spans),
+                first_changed_message=k if k < len(message_spans) else None,
+                seconds=time.perf_counter() - started,
+            )
+
+    def _describe(self, span: Span, message: ChatMessage, index: int) -> None:
+        span.kind = message.kind
+        span.owner = message.owner
+        span.message_index = index
+        span.fingerprints = frozenset({message.fingerprint()})
+        for call in message.tool_calls:
+            self.manager.register_tool_call(call.id, span)
+
+    def _crop(self, first: Span) -> int:
+        """Drop `first` and every span after it (a history rewrite): their engine tails are stale."""
+        index = self.spans.index(first)
+        dropped = 0
+        for span in self.spans[index:]:
+            dropped += span.length
+            self.store.forget(span)
+            self.manager.on_span_removed(span)
+        self.table.truncate(index)
+        self.table.truncate_messages(first.message_index if first.message_index >= 0 else len(self.messages))
+        return dropped
+
+    # -- decoding on the engine ------------------------------------------------------------------
+
+    def generate(
+        self,
+        max_new_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        stop: Sequence[str] | str | None = None,
+        prefix: str = "",
+        message_id: str | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> str:
+        """Answer as the assistant on the engine (greedy); the answer becomes an assistant span.
+
+        Raises:
+            ValueError: nothing to answer, `max_new_tokens < 1`, or `temperature != 0` (the engine
+                path decodes greedily: answers must match across runs).
+            EngineUnavailableError / EngineRequestError: vLLM did not answer (the agent needs it).
+        """
+        del top_p, top_k, seed  # sampling knobs: greedy decoding ignores them, as a local session does
+        if temperature != 0.0:
+            msg = f"temperature: engine sessions decode greedily (0.0), got {temperature}"
+            raise ValueError(msg)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        with self.lock:
+            self._check_open()
+            if not self.messages:
+                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
+                raise ValueError(msg)
+            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
+            span = self.table.new_span(SpanKind.ASSISTANT, prompt_ids, branch=self.branch, generated=True)
+            span.owner = message_id
+            span.n_computed = len(prompt_ids)
+            span.message_index = len(self.messages)
+            self.manager.on_span_created(span)
+            prompt = self.store.prompt()
+            self.store.sync(prompt)
+            try:
+                done = self.backend.vllm.complete(
+                    prompt, max_tokens=max_new_tokens, cache_salt=self.cache_salt or None, stop=stops or None
+                )
+            except BaseException:
+                self.table.remove(span)  # no answer was started: spans and messages stay aligned
+                self.manager.on_span_removed(span)
+                raise
+            produced = [t for t in done.token_ids if t not in self.format.stop_token_ids()]
+            span.token_ids.extend(produced)
+            span.n_computed = span.length
+            self.store.completed(prompt + produced)
+            self.counters.prefill_tokens += max(0, done.prompt_tokens - done.cached_tokens)
+            self.counters.reused_tokens += done.cached_tokens
+            self.counters.generated_tokens += len(produced)
+            self._finish_answer(span, prefix, done.text)
+            return done.text
+
+    def stream(self, max_new_tokens: int = 256, **options: Any) -> Iterator[str]:
+        """`generate` as one piece (the engine path does not stream token by token)."""
+        yield self.generate(max_new_tokens, **options)
+
+    def _finish_answer(self, span: Span, prefix: str, text: str) -> None:
+        span.token_ids.extend(self.format.assistant_suffix_ids())
+        span.n_computed = span.length
+        message = ChatMessage("assistant", prefix + text, message_id=span.owner)
+        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
+        self.messages.append(message)
+        self.table.record("generate", span=span.span_id, chars=len(text))
+        self.manager.after_operation()
+
+    def bind_message(self, message: Any, span_id: int | None = None) -> None:
+        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls)."""
+        normalized = normalize_messages([message])[0]
+        with self.lock:
+            generated = [s for s in self.spans if s.generated]
+            if span_id is None and not generated:
+                msg = "bind_message: this session has generated nothing yet"
+                raise ValueError(msg)
+            span = generated[-1] if span_id is None else self.table.span(span_id)
+            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
+            if normalized.owner:
+                span.owner = normalized.owner
+            if normalized.tool_calls:
+                span.kind = SpanKind.TOOL_CALL
+                for call in normalized.tool_calls:
+                    self.manager.register_tool_call(call.id, span)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def apply(self, event: Event) -> ApplyResult:
+        """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`)."""
+        with self.lock:
+            self._check_open()
+            return self.manager.apply(event)
+
+    def pin(
+        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
+    ) -> Lease:
+        """Pin spans (never demoted); a committed span's prefix is pinned on LMCache at the next call."""
+        with self.lock:
+            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
+            self.manager.after_operation()
+            return lease
+
+    def release(self, lease: Lease) -> bool:
+        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
+        with self.lock:
+            return self.manager.release(lease)
+
+    def fork(self, branch: str) -> EngineSession:
+        """A branch session on the same salt: the engine shares the prefix, nothing is copied."""
+        return self.backend.fork(self.session_id, branch)
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def stats(self) -> SessionStats:
+        """Counters and the engine KV this session holds per tier (device = prompt, host = L2 archive)."""
+        with self.lock:
+            tiers = self.store.bytes_by_tier()
+            by_state = {state.value: 0 for state in SpanState}
+            for span in self.spans:
+                by_state[span.state.value] += span.length
+            c = self.counters
+            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
+            return SessionStats.from_counters(
+                c,
+                session_id=self.session_id,
+                device_bytes=tiers.device,
+                quantized_bytes=tiers.quantized,
+                host_bytes=tiers.host,
+                shared_device_bytes=tiers.shared,
+                tokens_by_state=by_state,
+                attended_tokens=sum(s.length for s in self.spans if s.tier is Tier.DEVICE),
+                logical_tokens=self.table.logical_length,
+                spans=len(self.spans),
+                turn=self.turn,
+                budget_satisfied=self.manager.budget_satisfied,
+            )
+
+    def check(self) -> None:
+        """Verify the lifecycle invariants."""
+        with self.lock:
+            self.manager.check()
+
+    def close(self) -> None:
+        """Unpin and delete this session's KV on the engine; forget its spans."""
+        with self.lock:
+            self.store.close()
+            self.table.clear()
+            self.closed = True

@@ -1,0 +1,352 @@
+"""`EngineStore`: the store protocol carried out by a served engine (vLLM + LMCache).
+
+The lifecycle (rules, mover, budget, recall) is the same as for a local model; only
+"where KV lives" differs. On an engine:
+
+| store verb (lifecycle move) | what the engine does |
+|---|---|
+| `note_state(→ COMMITTED)` (commit) | pin the prompt prefix through the span |
+| `archive(span, tier)` (archive) | span leaves the prompt; old tail: L1 deleted, L2 kept |
+| `drop` / `forget` (release, evict, prune) | span leaves the prompt; old tail deleted |
+| `restore_many` (recall) | span back in the prompt; prefetch L2 → L1 first |
+| fork | nothing to copy: a branch uses the parent's `cache_salt` |
+| `close` (session closed) | unpin what the session pinned, delete its own tail |
+
+Engines reuse KV **by prefix only**: leaving a span out of the prompt changes every
+chunk after it, so the chunks of the previous sequence past the first change are
+*stale* (nothing will ever ask for them again). Verbs only record what changed;
+`sync(prompt)`, called right before the next engine request, reconciles once:
+deletes the stale chunks by key (not the kept prefix), moves the commit pin, and
+prefetches recalled spans. Every call there is a *hint*: an engine that is down,
+slow or answers 4xx makes it a logged no-op (`hint_failures`), never an error for
+the agent, because the prompt itself carries the whole truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.engines.http import EngineError
+from agentkv.engines.lmcache import CoordinatorClient, TierName
+from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.kvstore import TierBytes
+
+logger = logging.getLogger("agentkv.engines")
+
+PINNING_STATES = frozenset({SpanState.COMMITTED})
+"""A span in one of these states is part of the pinned prefix."""
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One served engine as a session sees it: the coordinator, the LMCache server it lands on, units.
+
+    Attributes:
+        coordinator: the LMCache coordinator client (pins, lookup, prefetch, deletes).
+        instance_id: the LMCache server this session's requests are routed to (sticky).
+        instance_url: that server's own HTTP API (key-addressed deletes).
+        chunk_size: LMCache's chunk size in tokens (pins and deletes act on whole chunks).
+        prefetch_wait: seconds to wait for a prefetch to complete before the next call.
+    """
+
+    coordinator: CoordinatorClient
+    instance_id: str
+    instance_url: str
+    chunk_size: int = 256
+    prefetch_wait: float = 5.0
+
+
+@dataclass
+class HintStats:
+    """What the store asked of the engine, and what failed (failures are logged no-ops)."""
+
+    pins: int = 0
+    unpins: int = 0
+    deleted_chunks: int = 0
+    prefetches: int = 0
+    prefetch_completed: int = 0
+    hint_failures: int = 0
+    last_failure: str = ""
+    log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+class EngineStore:
+    """The store protocol (`archive`, `restore_many`, `drop`, `note_state`, …) over vLLM + LMCache.
+
+    Args:
+        target: the engine this session uses; None = vLLM alone (no LMCache): verbs
+            still decide the prompt, no hints are sent.
+        cache_salt: the conversation's salt; branch sessions pass their parent's.
+        spans: the session's span table in logical order (read, never written, except `span.tier`).
+        bytes_per_token: KV bytes of one token on the engine (all layers, K and V).
+        shared_prefix: for a branch, the sequence it inherits from its parent: never deleted by it.
+    """
+
+    def __init__(
+        self,
+        target: EngineTarget | None,
+        cache_salt: str,
+        spans: Callable[[], Sequence[Span]],
+        bytes_per_token: int,
+        *,
+        shared_prefix: Sequence[int] = (),
+    ) -> None:
+        if bytes_per_token <= 0:
+            msg = f"bytes_per_token: expected > 0, got {bytes_per_token}"
+            raise ValueError(msg)
+        self.target = target
+        self.cache_salt = cache_salt
+        self.spans = spans
+        self.bytes_per_token = bytes_per_token
+        self.stats = HintStats()
+        self.sent: list[int] = list(shared_prefix)
+        """The sequence the engine last held KV for (prompt + generated ids)."""
+        self.shared_prefix: list[int] = list(shared_prefix)
+        self._commit_pin: list[int] = []
+        self._archive_pins: dict[int, list[int]] = {}
+        self._selected_pins: list[list[int]] = []
+        self._stale_tier: TierName | None = None
+        self._archived_since_sync: list[int] = []
+        self._recalled_since_sync = False
+
+    # -- the store protocol -----------------------------------------------------------------
+
+    def archive(self, span: Span, tier: str) -> None:
+        """Leave the span out of the prompt; L2 keeps the sequence that held it (recallable)."""
+        if tier == "drop":
+            self.drop(span)
+            return
+        span.tier = Tier.HOST
+        self._archived_since_sync.append(span.span_id)
+        self._mark_stale("l1")
+
+    def restore_many(self, spans: Sequence[Span]) -> None:
+        """Put archived spans back in the prompt; the next `sync` prefetches that prefix."""
+        for span in spans:
+            span.tier = Tier.DEVICE
+        self._recalled_since_sync = True
+
+    def drop(self, span: Span) -> None:
+        """Leave the span out of the prompt; its stale tail is deleted on every tier at `sync`."""
+        if span.tier is Tier.DEVICE:
+            self._mark_stale("all")
+        span.tier = Tier.DROPPED
+
+    def forget(self, span: Span) -> None:
+        """A history rewrite or a pruned branch: the span's tail is stale everywhere."""
+        self._mark_stale("all")
+        span.tier = Tier.DROPPED
+
+    def compress(self, span: Span, keep_offsets: list[int]) -> int:
+        """Engines keep whole spans: commit-time token compression does not apply (0 dropped)."""
+        del span, keep_offsets
+        return 0
+
+    def adopt_recomputed(self, span: Span) -> None:
+        """The span is attended again; the engine recomputes (or reloads) it on the next call."""
+        span.tier = Tier.DEVICE
+
+    def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
+        """Commit pins are placed at `sync` (on the prompt the engine will see); nothing to send now."""
+        del span, before, after
+
+    def bytes_by_tier(self) -> TierBytes:
+        """KV the engine holds for this session: the prompt (device) and the archived spans (L2 = host)."""
+        spans = list(self.spans())
+        device = sum(s.n_computed for s in spans if s.tier is Tier.DEVICE) * self.bytes_per_token
+        host = sum(s.n_computed for s in spans if s.tier is Tier.HOST) * self.bytes_per_token
+        shared = min(len(self.shared_prefix), device // self.bytes_per_token) * self.bytes_per_token
+        return TierBytes(device=device, quantized=0, host=host, shared=shared)
+
+    def host_bytes(self) -> int:
+        """Bytes of the archived spans (kept on LMCache's storage tier)."""
+        return self.bytes_by_tier().host
+
+    def span_bytes(self, span: Span) -> int:
+        """Bytes held for one span (0 when dropped)."""
+        return 0 if span.tier is Tier.DROPPED else span.n_computed * self.bytes_per_token
+
+    @contextlib.contextmanager
+    def deferred_removal(self) -> Iterator[None]:
+        """Removals are already deferred to `sync`: nothing to batch."""
+        yield
+
+    def check(self, spans: Sequence[Span]) -> list[str]:
+        """Engine tiers are the spans' own fields; only a quantized tier would be inconsistent."""
+        return [f"span {s.span_id} is on the quantized tier" for s in spans if s.tier is Tier.QUANTIZED]
+
+    # -- what the engine sees -----------------------------------------------------------------
+
+    def prompt(self) -> list[int]:
+        """The token ids the engine sees: the spans whose KV is attended, in logical order."""
+        return [t for s in self.spans() if s.tier is Tier.DEVICE for t in s.token_ids]
+
+    def committed_length(self) -> int:
+        """Prompt tokens up to the end of the last committed (or pinned) span."""
+        length = end = 0
+        for span in self.spans():
+            if span.tier is not Tier.DEVICE:
+                continue
+            length += len(span.token_ids)
+            if span.state in PINNING_STATES or span.pinned:
+                end = length
+        return end
+
+    def sync(self, prompt: list[int]) -> None:
+        """Reconcile the engine with the prompt about to be sent (stale tails, pins, prefetch)."""
+        if self.target is None:
+            self._stale_tier = None
+            self._archived_since_sync = []
+            self._recalled_since_sync = False
+            return
+        stale_tier = self._stale_tier
+        diverged = _common_prefix(self.sent, prompt)
+        if stale_tier is not None or diverged < len(self.sent):
+            self._drop_stale(diverged, stale_tier or "all")
+        self._move_commit_pin(prompt[: self.committed_length()])
+        if self._recalled_since_sync:
+            self._prefetch(prompt)
+        self._stale_tier = None
+        self._archived_since_sync = []
+        self._recalled_since_sync = False
+
+    def completed(self, sequence: list[int]) -> None:
+        """The engine now holds KV for `sequence` (the prompt plus the ids it generated)."""
+        self.sent = list(sequence)
+
+    def select(self) -> None:
+        """This branch won: pin its whole prompt (the parent keeps it after the siblings go)."""
+        if self.target is None:
+            return
+        target = self.target
+        prompt = self.prompt()
+        if self._hint("pin", lambda: target.coordinator.pin(prompt, self.cache_salt)):
+            self.stats.pins += 1
+            self._selected_pins.append(prompt)
+
+    def close(self) -> None:
+        """Unpin everything this session pinned and delete its own tail (never the shared prefix)."""
+        if self.target is None:
+            return
+        for sequence in [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]:
+            if sequence:
+                self._unpin(sequence)
+        self._commit_pin = []
+        self._archive_pins = {}
+        self._selected_pins = []
+        keep = _common_prefix(self.sent, self.shared_prefix)
+        if len(self.sent) > keep:
+            self._delete_tail(self.sent, keep, "all")
+        self.sent = list(self.shared_prefix)
+
+    # -- internals -------------------------------------------------------------------------
+
+    @property
+    def _target(self) -> EngineTarget:
+        if self.target is None:  # the public entry points return early without a coordinator
+            msg = "no LMCache coordinator configured"
+            raise RuntimeError(msg)
+        return self.target
+
+    def _mark_stale(self, tier: TierName) -> None:
+        # "all" wins over "l1": one released span makes the whole old tail garbage.
+        self._stale_tier = "all" if self._stale_tier == "all" or tier == "all" else tier
+
+    def _drop_stale(self, diverged: int, tier: TierName) -> None:
+        old = self.sent
+        archiving = tier == "l1" and self._archived_since_sync and len(old) >= self._target.chunk_size
+        # Archive: L2 keeps the sequence that held the span (a pin protects it from L2
+        # eviction) so that a recall finds it; only its L1 copy goes.
+        if archiving and self._hint("pin", lambda: self._target.coordinator.pin(old, self.cache_salt)):
+            self.stats.pins += 1
+            for span_id in self._archived_since_sync:
+                self._archive_pins.setdefault(span_id, old)
+        keep = max(diverged, _common_prefix(old, self.shared_prefix))
+        self._delete_tail(old, keep, tier)
+        self.sent = old[:diverged]
+
+    def _delete_tail(self, sequence: list[int], keep: int, tier: TierName) -> None:
+        """Delete the chunks of `sequence` that start at or after the chunk holding position `keep`."""
+        size = self._target.chunk_size
+        first = keep // size  # the chunk holding the first changed token is stale too
+        if len(sequence) // size <= first:
+            return
+        coordinator = self._target.coordinator
+        lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
+        if lookup is None:
+            return
+        keys = [key for placement in lookup.placements[first:] if placement.tiers for key in placement.keys]
+        if not keys:
+            return
+        result = self._hint(
+            "delete", lambda: coordinator.delete_chunks(self._target.instance_url, keys, tier=tier)
+        )
+        if result is not None:
+            self.stats.deleted_chunks += result.affected
+
+    def _move_commit_pin(self, prefix: list[int]) -> None:
+        size = self._target.chunk_size
+        whole = prefix[: len(prefix) // size * size]  # pins cover whole chunks only
+        if whole == self._commit_pin:
+            return
+        if not whole:  # the committed prefix shrank below one chunk (a history rewrite)
+            self._unpin(self._commit_pin)
+            self._commit_pin = []
+            return
+        # Pin the new prefix first, then give back the old one: shared chunks never drop to 0.
+        if self._hint("pin", lambda: self._target.coordinator.pin(whole, self.cache_salt)):
+            self.stats.pins += 1
+            if self._commit_pin:
+                self._unpin(self._commit_pin)
+            self._commit_pin = whole
+
+    def _unpin(self, sequence: list[int]) -> None:
+        if self._hint("unpin", lambda: self._target.coordinator.unpin(sequence, self.cache_salt)):
+            self.stats.unpins += 1
+
+    def _prefetch(self, prompt: list[int]) -> None:
+        coordinator = self._target.coordinator
+        instance = self._target.instance_id
+        started = self._hint("prefetch", lambda: coordinator.prefetch(instance, prompt, self.cache_salt))
+        if started is None or not started.request_id:
+            return
+        self.stats.prefetches += 1
+        deadline = time.monotonic() + self._target.prefetch_wait
+        while time.monotonic() < deadline:
+            status = self._hint(
+                "prefetch_status", lambda: coordinator.prefetch_status(instance, started.request_id)
+            )
+            if status is None:
+                return
+            if status == "completed":
+                self.stats.prefetch_completed += 1
+                break
+            time.sleep(0.05)
+        recalled = [sid for sid, seq in self._archive_pins.items() if _common_prefix(seq, prompt) == len(seq)]
+        for span_id in recalled:
+            self._unpin(self._archive_pins.pop(span_id))
+
+    def _hint(self, what: str, send: Callable[[], Any]) -> Any:
+        """Send one hint; an engine error is a logged no-op (None), never the agent's problem."""
+        try:
+            answer = send()
+        except (EngineError, ValueError) as e:
+            self.stats.hint_failures += 1
+            self.stats.last_failure = f"{what}: {e}"
+            logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, e)
+            return None
+        self.stats.log.append((what, {"answer": answer}))
+        return answer if answer is not None else True
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

