@@ -112,3 +112,26 @@ def test_none_returns_the_text_answer_when_the_model_starts_a_call(backend, monk
     session = backend.session("unbanned")
     session.extend([{"role": "user", "content": "hi"}])
     assert session.generate(max_new_tokens=4, logits_processor=boost).startswith("<tool")
+
+
+def test_engine_sessions_keep_tool_choice_without_a_decode_hook(tiny_tokenizer: Any) -> None:
+    """Engine sessions: no logits hook nor name scoring; "none" stops at the tag, "any" calls the first."""
+    from agentkv import EngineBackend
+    from agentkv.engines.http import FakeTransport
+
+    answer = {
+        "choices": [{"text": "plain", "token_ids": [5, 6], "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
+    transport = FakeTransport(routes={"POST /v1/completions": answer})
+    config = AgentKVConfig.from_dict({"engine": {"vllm_url": "http://v:8000", "served_model": "m"}})
+    backend = EngineBackend(tiny_tokenizer, config, bytes_per_token=16, transport=transport)
+    llm = ChatAgentKV(backend=backend, session_id="engine")
+    message = llm.bind_tools([tool("search")], tool_choice="none").invoke(HISTORY)
+    assert message.content == "plain" and not message.tool_calls
+    (body,) = transport.sent("POST", "/v1/completions")
+    assert "<tool_call>" in body["stop"]
+    forced = llm.bind_tools([tool("search"), tool("lookup")], tool_choice="any").invoke(
+        [*HISTORY, HumanMessage("Find it.", id="h2")]
+    )
+    assert [c["name"] for c in [*forced.tool_calls, *forced.invalid_tool_calls]] == ["search"]
