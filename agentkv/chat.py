@@ -245,6 +245,14 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
     if role not in ROLES:
         msg = f"{where}.role: unknown role {role!r}; allowed: {', '.join(ROLES)}"
         raise ValueError(msg)
+    # Only an assistant message that carries tool calls says everything without content.
+    calls_only = role == "assistant" and isinstance(message, Mapping) and bool(message.get("tool_calls"))
+    if isinstance(message, Mapping) and message.get("content") is None and not calls_only:
+        msg = (
+            f"{where}: a {role!r} message needs 'content' (a string or a list of text blocks), "
+            f"got keys {sorted(map(str, message))}; only an assistant message with tool_calls may omit it"
+        )
+        raise ValueError(msg)
     tool_call_id = get("tool_call_id")
     if role == "tool" and not tool_call_id:
         logger.debug("%s: tool message without tool_call_id; events cannot name it", where)
@@ -273,11 +281,47 @@ def _tools_json(tools: Any, where: str) -> str:
 
 
 def normalize_messages(messages: Any) -> list[ChatMessage]:
-    """Normalise a list of messages, with errors that name the bad index."""
+    """Normalise a list of messages, with errors that name the bad index.
+
+    A tool result whose `tool_call_id` answers no call made earlier in the list is
+    kept (the history may have been trimmed), with a warning: events name results
+    by that id, so a typo there silently detaches the result from its lifecycle.
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         msg = f"messages: expected a list of chat messages, got {type(messages).__name__}"
         raise TypeError(msg)
-    return [normalize_message(m, i) for i, m in enumerate(messages)]
+    out = [normalize_message(m, i) for i, m in enumerate(messages)]
+    warn_unmatched_tool_results(out)
+    return out
+
+
+_WARNED_RESULTS: set[str] = set()
+"""Tool call ids already warned about (each unmatched result is reported once, not every call)."""
+_MAX_WARNED = 10_000
+
+
+def warn_unmatched_tool_results(messages: Sequence[ChatMessage]) -> list[int]:
+    """Warn (once per id) about tool results that answer no earlier call; return their indexes."""
+    calls: set[str] = set()
+    unmatched: list[int] = []
+    for i, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id and message.tool_call_id not in calls:
+            unmatched.append(i)
+            if message.tool_call_id in _WARNED_RESULTS:
+                continue  # the same history comes back every call: say it once
+            if len(_WARNED_RESULTS) > _MAX_WARNED:
+                _WARNED_RESULTS.clear()
+            _WARNED_RESULTS.add(message.tool_call_id)
+            known = ", ".join(sorted(calls)[:10]) or "none"
+            logger.warning(
+                "messages[%d]: tool result for tool_call_id %r answers no earlier tool call (calls: %s); "
+                "it is encoded, but lifecycle events for that call will not find it",
+                i,
+                message.tool_call_id,
+                known,
+            )
+    return unmatched
 
 
 class ChatFormat:

@@ -45,7 +45,7 @@ from agentkv.config_text import (
     unknown_value,
 )
 from agentkv.events import ACTIONS, EVENT_NAMES, EVENT_TARGETS
-from agentkv.policies.factory import POLICY_NAMES
+from agentkv.policies.factory import POLICY_NAMES, policy_params
 from agentkv.spans import SpanKind
 
 __all__ = [
@@ -202,6 +202,7 @@ class PolicyConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
+        _check_policy_keys(data)  # on the data as written, so an error names the key's own path
         data = _policy_as_mapping(data)
         if isinstance(data, Mapping) and isinstance(data.get("params"), Mapping):
             params = data["params"]
@@ -729,6 +730,32 @@ def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, 
         else:
             merged[key] = value
     return merged
+
+
+def _check_policy_keys(data: Any) -> None:
+    """Unknown parameters of a known policy, each at the path where it was written.
+
+    `policy: {name: snapkv, windw: 32}` reports `policy.windw`, and the `params:`
+    spelling `policy.params.windw`, each with did-you-mean and the allowed names.
+    An unknown policy name is left to the `name` validator.
+    """
+    if not isinstance(data, Mapping) or not isinstance(data.get("name", "lifecycle"), str):
+        return
+    name = str(data.get("name", "lifecycle")).strip().lower().replace("-", "_")
+    if name not in ALLOWED_POLICIES:
+        return
+    allowed = policy_params(name)
+    written: list[tuple[Loc, object]] = [((k,), k) for k in data if k not in ("name", "params")]
+    params = data.get("params")
+    if isinstance(params, Mapping):
+        written += [(("params", k), k) for k in params]
+    problems = [
+        (loc, unknown_value(f"parameter of policy {name!r}", key, allowed, in_path=True))
+        for loc, key in written
+        if str(key) not in allowed
+    ]
+    if problems:
+        raise ConfigProblems([(tuple(map(str, loc)), msg) for loc, msg in problems])
 
 
 def _policy_as_mapping(data: Any) -> Any:

@@ -21,6 +21,7 @@ class Counters:
     compressed_tokens: int = 0
     events_applied: int = 0
     events_noop: int = 0
+    events_internal: int = 0
     transitions: int = 0
     faults: int = 0
     budget_unmet: int = 0
@@ -58,8 +59,12 @@ class SessionStats:
     spans: int = 0
     turn: int = 0
     events_applied: int = 0
+    """Events sent to the session (by the agent's run, the handler or the user) that changed something."""
     events_noop: int = 0
     """Events that changed nothing: unknown owner or session, duplicate, or span already evicted."""
+    events_internal: int = 0
+    """Turn ends the session applied itself (a new user message closes the previous turn); not in
+    `events_applied`, which counts only what the user's graph caused."""
     transitions: int = 0
     faults: int = 0
     """Failures inside offload / restore / quantization / policy that were survived."""

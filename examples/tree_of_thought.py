@@ -1,15 +1,21 @@
-"""Tree of thought with `Send`: k branches fork one KV prefix, the losers are pruned.
+"""Tree of thought with plain `Send`: k branches fork one KV prefix, the winner is adopted.
 
-The graph frames a problem in the thread's session, then fans out k `Send` tasks;
-each runs its model call in a **branch session** (`branch_config`), a fork that
-shares the thread's KV as a read-only prefix and holds only its own tokens. A judge
-scores the thoughts, prunes the losers (`prune_branch`: each one's session is
-closed, its own KV freed at once, the shared prefix untouched) and selects the
-winner (`select_branch`); the thread's session writes the final answer from it.
+The graph is written as any LangGraph tree of thought is, with **no agentkv call in
+its nodes**: `frame` asks the model to restate the problem, `Send` fans out k
+`think` tasks, `judge` keeps the best thought (its messages join the conversation)
+and `answer` writes the final answer from it. `with_kv_lifecycle` does the rest:
 
-Measured in the judge, while all k branches are alive: `backend.device_bytes()`
-(shared prefix counted once) against what copying the prefix into every branch
-would hold. Run `python examples/tree_of_thought.py`.
+- each `think` task's model call runs on a fork of the thread's session (named by
+  the task id) that shares the thread's KV as a read-only prefix and holds only its
+  own suffix;
+- the thread's next model call (`answer`) continues with the winner's messages, so
+  the winner's session is **adopted** as the thread's (its KV is not re-encoded) and
+  the losers get `BranchPruned` (their own KV is freed at once).
+
+Measured by a callback (not in the nodes): device bytes with all k branches alive
+(the prefix counted once) against the prefix copied into every branch, the bytes
+each branch holds after the run, and prefill tokens with and without adoption.
+Run `python examples/tree_of_thought.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import operator
 import re
 from typing import Annotated, Any
 
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
@@ -26,17 +33,10 @@ from langgraph.graph.message import add_messages
 from langgraph.types import Send
 from typing_extensions import TypedDict
 
-from agentkv import TransformersBackend
-from agentkv.session_ids import branch_session_id
+from agentkv import BranchOpened, TransformersBackend
+from agentkv.session_ids import branch_session_id, is_branch_of
 from agentkv_langchain import ChatAgentKV
-from agentkv_langgraph import (
-    branch_config,
-    current_branch,
-    prune_branch,
-    select_branch,
-    shared_backend,
-    with_kv_lifecycle,
-)
+from agentkv_langgraph import shared_backend, with_kv_lifecycle
 
 SYSTEM = "You are a careful problem solver. Think step by step and keep each answer short."
 PROBLEM = (
@@ -57,22 +57,19 @@ class State(TypedDict):
 
     messages: Annotated[list[AnyMessage], add_messages]
     thoughts: Annotated[list[dict[str, Any]], operator.add]
-    winner: str | None
-    memory: dict[str, Any]
     round: int
 
 
-class Branch(TypedDict):
-    """What a `Send` hands one branch task."""
+class Task(TypedDict):
+    """What a `Send` hands one `think` task."""
 
     messages: list[AnyMessage]
-    branch: str | None
     approach: str
     round: int
 
 
 def score(thought: str, problem: str = PROBLEM) -> float:
-    """A deterministic judge: how many of the problem's numbers and words the thought uses, per length.
+    """A deterministic judge: how many of the problem's words the thought uses, per length.
 
     A real judge would ask the model or check the answer; this one keeps the example
     reproducible on any model and shows only the lifecycle.
@@ -82,58 +79,34 @@ def score(thought: str, problem: str = PROBLEM) -> float:
     return len(words & used) + 0.001 * min(len(thought), 400)
 
 
-def build_graph(
-    llm: ChatAgentKV, backend: TransformersBackend, *, k: int, thread_id: str, named: bool = True
-) -> Any:
-    """frame → k × think (Send, forked sessions) → judge (measure, prune, select) → answer."""
+def build_graph(llm: ChatAgentKV, *, k: int) -> Any:
+    """frame → k × think (plain `Send`) → judge (keeps the best thought) → answer."""
 
-    def frame(state: State, config: RunnableConfig) -> dict[str, Any]:
+    def frame(state: State) -> dict[str, Any]:
         ask = HumanMessage(f"Problem: {PROBLEM} Restate the question in one sentence.")
-        answer = llm.invoke([SystemMessage(SYSTEM), *state.get("messages", []), ask], config)
+        answer = llm.invoke([SystemMessage(SYSTEM), *state["messages"], ask])
         return {"messages": [ask, answer], "round": state.get("round", 0) + 1}
 
     def fan_out(state: State) -> list[Send]:
-        # Branch ids must be new in each fan-out: events are idempotent, so pruning a reused
-        # id would be ignored as a duplicate (LangGraph's task ids are new at every step).
-        names = [f"r{state['round']}-b{i}" if named else None for i in range(k)]
         return [
-            Send(
-                "think",
-                Branch(messages=state["messages"], branch=name, approach=approach, round=state["round"]),
-            )
-            for name, approach in zip(names, APPROACHES[:k], strict=True)
+            Send("think", Task(messages=state["messages"], approach=approach, round=state["round"]))
+            for approach in APPROACHES[:k]
         ]
 
-    def think(task: Branch, config: RunnableConfig) -> dict[str, Any]:
-        branch = task["branch"] or current_branch(config)  # unnamed: the Send task's id
+    def think(task: Task) -> dict[str, Any]:
         idea = HumanMessage(f"Idea: {task['approach']} Then give the answer.")
-        answer = llm.invoke([SystemMessage(SYSTEM), *task["messages"], idea], branch_config(config, branch))
-        thought = {
-            "branch": branch,
-            "text": str(answer.content),
-            "message_id": answer.id,
-            "round": task["round"],
-        }
+        answer = llm.invoke([SystemMessage(SYSTEM), *task["messages"], idea])
+        thought = {"messages": [idea, answer], "text": str(answer.content), "round": task["round"]}
         return {"thoughts": [thought]}
 
-    def judge(state: State, config: RunnableConfig) -> dict[str, Any]:
-        thoughts = sorted(
-            (t for t in state["thoughts"] if t["round"] == state["round"]), key=lambda t: t["branch"]
-        )
-        memory = measure(backend, thread_id, [t["branch"] for t in thoughts])
-        best = max(thoughts, key=lambda t: (score(t["text"]), t["branch"]))
-        for thought in thoughts:
-            if thought["branch"] != best["branch"]:
-                prune_branch(thought["branch"], config)
-        memory["after_prune_bytes"] = backend.device_bytes()
-        select_branch(best["branch"], config)
-        memory["after_select_bytes"] = backend.device_bytes()
-        return {"winner": best["branch"], "memory": memory}
+    def judge(state: State) -> dict[str, Any]:
+        thoughts = [t for t in state["thoughts"] if t["round"] == state["round"]]
+        best = max(thoughts, key=lambda t: (score(t["text"]), t["text"]))
+        return {"messages": best["messages"]}  # the winner's thought joins the conversation
 
-    def answer(state: State, config: RunnableConfig) -> dict[str, Any]:
-        best = next(t for t in state["thoughts"] if t["branch"] == state["winner"])
-        use = HumanMessage(f"The best idea was: {best['text']} Give the final answer in one sentence.")
-        final = llm.invoke([SystemMessage(SYSTEM), *state["messages"], use], config)
+    def answer(state: State) -> dict[str, Any]:
+        use = HumanMessage("Give the final answer in one sentence.")
+        final = llm.invoke([SystemMessage(SYSTEM), *state["messages"], use])
         return {"messages": [use, final]}
 
     builder = StateGraph(State)
@@ -149,7 +122,35 @@ def build_graph(
     return builder.compile(checkpointer=InMemorySaver())
 
 
-def measure(backend: TransformersBackend, thread_id: str, branches: list[str]) -> dict[str, Any]:
+class FanOutProbe(BaseCallbackHandler):
+    """Reads the backend from callbacks, so the nodes stay free of agentkv calls.
+
+    When `judge` starts, every branch is alive: that is when the fan-out's bytes are
+    measured. Every model call's `prefill_tokens` is collected per node.
+    """
+
+    def __init__(self, backend: TransformersBackend, thread_id: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.thread_id = thread_id
+        self.fan_out: dict[str, Any] = {}
+        self.prefill: list[tuple[str, int]] = []
+        self._nodes: dict[Any, str] = {}
+
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: Any, **kwargs: Any) -> None:
+        node = (kwargs.get("metadata") or {}).get("langgraph_node")
+        if node == "judge" and not self.fan_out:
+            self.fan_out = measure(self.backend, self.thread_id)
+
+    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: Any, **kwargs: Any) -> None:
+        self._nodes[run_id] = str((kwargs.get("metadata") or {}).get("langgraph_node"))
+
+    def on_llm_end(self, response: Any, *, run_id: Any, **kwargs: Any) -> None:
+        message = response.generations[0][0].message
+        self.prefill.append((self._nodes.pop(run_id, "?"), int(message.response_metadata["prefill_tokens"])))
+
+
+def measure(backend: TransformersBackend, thread_id: str) -> dict[str, Any]:
     """Device KV bytes with every branch alive: shared (measured) vs the prefix copied per branch.
 
     `stats().device_bytes` of a branch counts the prefix it reads from its parent
@@ -159,10 +160,11 @@ def measure(backend: TransformersBackend, thread_id: str, branches: list[str]) -
     parent = backend.get(thread_id).stats()
     own: dict[str, int] = {}
     copied = parent.device_bytes
-    for branch in branches:
-        stats = backend.get(branch_session_id(thread_id, branch)).stats()
-        own[branch] = stats.device_bytes - stats.shared_device_bytes
-        copied += stats.device_bytes
+    for session in backend.sessions():
+        if is_branch_of(session.session_id, thread_id):
+            stats = session.stats()
+            own[str(session.branch)] = stats.device_bytes - stats.shared_device_bytes
+            copied += stats.device_bytes
     return {
         "alive_bytes": backend.device_bytes(),
         "prefix_bytes": parent.device_bytes,
@@ -178,7 +180,7 @@ def main(
     k: int = 3,
     max_new_tokens: int = 32,
     thread_id: str = "tree-of-thought",
-    named: bool = True,
+    adopt: bool = True,
 ) -> dict[str, Any]:
     """Run the tree of thought `turns` times on one thread; return what happened.
 
@@ -188,56 +190,72 @@ def main(
         k: Branches per problem (at most `len(APPROACHES)`).
         max_new_tokens: Length limit of each answer.
         thread_id: The LangGraph thread (the parent session).
-        named: Name branches r<round>-b<i>; False = use the `Send` tasks' ids.
+        adopt: Adopt the winner's session (False: prune every branch and let the
+            thread re-encode the winner's messages, for comparison).
 
     Returns:
-        `branches`, `winner`, `thoughts`, `memory` (bytes while alive, after pruning,
-        after selecting, and the copy-the-prefix figure), `sessions` (live session ids
-        after the run), `events`, `stats` of the thread's session.
+        `branches` (ids of the last fan-out), `adopted`, `memory` (bytes with all
+        branches alive, the copy-the-prefix figure, bytes each branch holds after the
+        run), `prefill` (per model call `(node, tokens)`), `answer_prefill` (the final
+        call's), `sessions`, `events`, `stats` of the thread's session, `handler_errors`.
     """
     backend = backend or shared_backend()
     llm = ChatAgentKV(backend=backend, max_new_tokens=max_new_tokens)
     k = max(1, min(k, len(APPROACHES)))
-    graph = with_kv_lifecycle(
-        build_graph(llm, backend, k=k, thread_id=thread_id, named=named), backend=backend
-    )
-    run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}}
+    graph = with_kv_lifecycle(build_graph(llm, k=k), backend=backend, adopt_branches=adopt)
+    handler = graph.agentkv.handler
     out: dict[str, Any] = {}
     runs = []
     for _ in range(max(1, turns)):
-        out = graph.invoke({"winner": None, "memory": {}}, run_config)
-        runs.append({"winner": out["winner"], "memory": out["memory"]})
+        probe = FanOutProbe(backend, thread_id)
+        run_config: RunnableConfig = {"configurable": {"thread_id": thread_id}, "callbacks": [probe]}
+        opened_before = len(handler.events)
+        out = graph.invoke({"messages": [], "thoughts": []}, run_config)
+        branches = sorted(e.branch for _, e in handler.events[opened_before:] if isinstance(e, BranchOpened))
+        left = {b: _bytes_of(backend, branch_session_id(thread_id, b)) for b in branches}
+        runs.append(
+            {
+                "branches": branches,
+                "memory": {**probe.fan_out, "branch_bytes_after_run": left},
+                "prefill": probe.prefill,
+                "answer_prefill": probe.prefill[-1][1],
+            }
+        )
     final = out["messages"][-1]
+    last = runs[-1]
     return {
-        "branches": sorted(t["branch"] for t in out["thoughts"][-k:]),
-        "winner": out["winner"],
-        "thoughts": out["thoughts"][-k:],
-        "memory": out["memory"],
+        **last,
         "runs": runs,
+        "adopted": list(handler.adopted),
         "answer": final.content if isinstance(final, AIMessage) else None,
         "sessions": sorted(s.session_id for s in backend.sessions()),
-        "events": [
-            (sid, type(e).__name__, getattr(e, "branch", None)) for sid, e in graph.agentkv.handler.events
-        ],
+        "events": [(sid, type(e).__name__, getattr(e, "branch", None)) for sid, e in handler.events],
         "stats": backend.get(thread_id).stats().to_dict(),
         "device_bytes": backend.device_bytes(),
-        "handler_errors": graph.agentkv.handler.errors,
+        "handler_errors": handler.errors,
     }
 
 
+def _bytes_of(backend: TransformersBackend, session_id: str) -> int:
+    """Device bytes a session still holds of its own (0 once closed)."""
+    if session_id not in backend:
+        return 0
+    stats = backend.get(session_id).stats()
+    return stats.device_bytes - stats.shared_device_bytes
+
+
 if __name__ == "__main__":
-    result = main(k=4)
-    memory = result["memory"]
-    print(f"branches: {result['branches']}; winner: {result['winner']}")
-    for thought in result["thoughts"]:
-        print(f"  {thought['branch']}: score {score(thought['text']):.3f}  {thought['text'][:90]!r}")
+    shared = shared_backend()
+    adopted = main(shared, k=4, thread_id="tot-adopt")
+    plain = main(shared, k=4, thread_id="tot-no-adopt", adopt=False)
+    memory = adopted["memory"]
+    print(f"branches: {adopted['branches']}; adopted: {adopted['adopted']}")
     print(f"shared prefix (the thread's KV): {memory['prefix_bytes']:,} bytes")
-    print(f"branches' own suffixes: { {b: f'{n:,}' for b, n in memory['branch_own_bytes'].items()} }")
+    print(f"branches' own suffixes: { {b[:8]: f'{n:,}' for b, n in memory['branch_own_bytes'].items()} }")
     print(f"device KV with all branches alive, prefix shared:  {memory['alive_bytes']:,} bytes")
     print(f"the same with the prefix copied into every branch: {memory['copied_prefix_bytes']:,} bytes")
-    print(
-        f"after pruning the losers: {memory['after_prune_bytes']:,}; "
-        f"after selecting: {memory['after_select_bytes']:,}"
-    )
-    print(f"live sessions at the end: {result['sessions']}")
-    print("final answer:", (result["answer"] or "")[:200])
+    print(f"branch bytes after the run: {sorted(memory['branch_bytes_after_run'].values())}")
+    for name, result in (("with adoption", adopted), ("without adoption", plain)):
+        total = sum(n for _, n in result["prefill"])
+        print(f"{name}: final answer prefilled {result['answer_prefill']} tokens; run total {total}")
+    print("final answer:", (adopted["answer"] or "")[:200])

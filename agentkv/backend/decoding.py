@@ -63,6 +63,8 @@ def decode_answer(
     emitted = 0
     finished_by_stop_string = False
     for _ in range(params.max_new_tokens):
+        if params.logits_processor is not None:
+            logits = params.logits_processor(answer.tokens, logits)
         token = sample_next(logits.cpu(), params, generator)
         if token in stop_ids:
             break

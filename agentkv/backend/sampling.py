@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
+
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+"""`(ids generated so far, next-token logits [V]) -> logits [V]`: masks tokens before sampling."""
 
 
 class AnswerOptions(TypedDict, total=False):
@@ -19,6 +22,7 @@ class AnswerOptions(TypedDict, total=False):
     prefix: str
     seed: int | None
     message_id: str | None
+    logits_processor: LogitsProcessor | None
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Strings that end the answer; the answer returned excludes them."""
     seed: int | None = None
+    logits_processor: LogitsProcessor | None = None
+    """Called on the logits before each token is picked (e.g. to forbid a tool-call tag)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -28,7 +28,7 @@ from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionH
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import AnswerOptions, SamplingParams
+from agentkv.backend.sampling import AnswerOptions, LogitsProcessor, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, TurnEnded
@@ -355,7 +355,8 @@ class Session:
         """Answer as the assistant; the answer becomes a cached assistant span.
 
         Takes the options of `stream` (temperature, top_p, top_k, stop, prefix, seed,
-        message_id) and returns the whole text, without `prefix` and stop strings.
+        message_id, logits_processor) and returns the whole text, without `prefix` and
+        stop strings.
         """
         return "".join(self.stream(max_new_tokens, **options))
 
@@ -370,6 +371,7 @@ class Session:
         prefix: str = "",
         seed: int | None = None,
         message_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[str]:
         """Answer as the assistant, yielding text pieces as they are decoded.
 
@@ -383,6 +385,8 @@ class Session:
                 the pieces exclude it.
             seed: seeds the sampler.
             message_id: id of the message that will carry this answer (span owner).
+            logits_processor: `(generated ids, logits [V]) -> logits`, applied before each
+                pick (e.g. to forbid a tool-call tag while letting the answer go on).
 
         The session lock is held from the first piece until the stream ends, so other
         calls on this session wait meanwhile. Iterate it to the end, or `close()` it, on
@@ -405,6 +409,7 @@ class Session:
             top_k=top_k,
             stop=stops,
             seed=seed,
+            logits_processor=logits_processor,
         )
         return self._decode(params, prefix, message_id)
 
@@ -570,6 +575,22 @@ class Session:
         `config` = the branch's own settings (None = this session's).
         """
         return self.backend.fork(self.session_id, branch, config=config)
+
+    def detach(self, session_id: str) -> None:
+        """Stand alone as the conversation `session_id` (a branch adopted by its thread).
+
+        The shared prefix stays referenced by this session's cache, so the old parent
+        can close; the branch tags of the spans are cleared, so a late hint naming the
+        branch cannot release what is now the thread's own history.
+        """
+        with self.lock:
+            self.table.record("branch", adopted_as=session_id, was=self.session_id)
+            self.session_id = session_id
+            self.table.session_id = session_id
+            self.parent = None
+            self.branch = None
+            for span in self.spans:
+                span.branch = None
 
     def _fork_from(self, parent: Session) -> None:
         with parent.lock:

@@ -118,6 +118,38 @@ class TransformersBackend:
             self._sessions[child_id] = child
         return child
 
+    def adopt(self, session_id: str, branch: str) -> Session:
+        """Make the branch session `<session_id>/<branch>` the conversation's continuation.
+
+        When a thread goes on with a branch's answer (a tree of thought's winner), the
+        branch already holds that answer's KV on top of the shared prefix: it takes the
+        thread's id instead of the thread re-encoding it. The branch's spans are
+        committed (`BranchSelected`), its siblings closed, and the old thread session
+        closed; the prefix tensors it shared stay alive through the branch.
+
+        Returns:
+            The adopted session, now `session_id`.
+
+        Raises:
+            UnknownSessionError: no such thread or branch session.
+        """
+        from agentkv.events import BranchSelected
+
+        parent = self.get(session_id)
+        child = self.get(branch_session_id(session_id, branch))
+        if child.parent is not parent:
+            msg = f"session {child.session_id!r} is not a branch of {session_id!r}"
+            raise ValueError(msg)
+        parent.apply(BranchSelected(branch=branch))  # closes the siblings
+        child.apply(BranchSelected(branch=branch))  # commits the branch's own spans
+        with parent.lock, child.lock:
+            with self._table_lock:
+                self._sessions.pop(child.session_id, None)
+                self._sessions[session_id] = child
+            child.detach(session_id)
+            parent.close()
+        return child
+
     def close(self, session_id: str) -> None:
         """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
         with self._table_lock:

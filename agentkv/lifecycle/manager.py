@@ -137,8 +137,18 @@ class LifecycleManager:
             return (event.name, self.table.turn)
         return (event.name, event)
 
-    def _noop(self, event: Event, reason: str) -> ApplyResult:
-        self.table.counters.events_noop += 1
+    def _count(self, *, applied: bool, internal: bool) -> None:
+        """Count an event: internal ones (implicit turn ends) apart from what the user's run sent."""
+        counters = self.table.counters
+        if internal:
+            counters.events_internal += 1
+        elif applied:
+            counters.events_applied += 1
+        else:
+            counters.events_noop += 1
+
+    def _noop(self, event: Event, reason: str, internal: bool = False) -> ApplyResult:
+        self._count(applied=False, internal=internal)
         logger.info("session %s: %s ignored: %s", self.table.session_id, event.name, reason)
         self.table.record("event", event=event.name, applied=False, reason=reason)
         return ApplyResult(event.name, applied=False, reason=reason)
@@ -162,7 +172,7 @@ class LifecycleManager:
             return self.rules.actions(f"custom:{event.event}")
         return self.rules.actions(event.name)
 
-    def _apply_targets(self, event: Event, targets: Targets) -> ApplyResult:
+    def _apply_targets(self, event: Event, targets: Targets, *, internal: bool = False) -> ApplyResult:
         table = self.table
         if isinstance(event, BranchOpened):
             self.branches_seen.add(event.branch)
@@ -175,10 +185,12 @@ class LifecycleManager:
             if isinstance(event, (BranchPruned, BranchSelected)) and event.branch in self.branches_seen:
                 table.counters.events_applied += 1
                 return ApplyResult(event.name, applied=True, reason="branch sessions settled")
-            return self._noop(event, "no span matches its target (unknown owner or already removed)")
+            return self._noop(
+                event, "no span matches its target (unknown owner or already removed)", internal
+            )
         live = {t: [s for s in spans if s.state is not SpanState.EVICTED] for t, spans in targets.items()}
         if not any(live.values()):
-            return self._noop(event, "its spans were already evicted")
+            return self._noop(event, "its spans were already evicted", internal)
         transitions: list[Transition] = []
         leases: list[Lease] = []
         for target, action in self._rules_for(event).items():
@@ -205,7 +217,7 @@ class LifecycleManager:
                 moved = self.mover.move(span, state, reason=event.name)
                 if moved is not None:
                     transitions.append(moved)
-        table.counters.events_applied += 1
+        self._count(applied=True, internal=internal)
         table.record(
             "event",
             event=event.name,
@@ -217,8 +229,8 @@ class LifecycleManager:
     def _apply_turn_ended(self, event: TurnEnded, *, implicit: bool = False) -> ApplyResult:
         turn = self.table.turn if event.turn is None else event.turn
         if not self.table.in_turn(turn):
-            return self._noop(event, f"turn {turn} has no spans")
-        result = self._apply_targets(event, turn_targets(self.table, turn))
+            return self._noop(event, f"turn {turn} has no spans", implicit)
+        result = self._apply_targets(event, turn_targets(self.table, turn), internal=implicit)
         if implicit and result.applied:
             self.applied.add(("turn_ended", turn))
         return result

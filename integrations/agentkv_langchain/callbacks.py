@@ -62,6 +62,7 @@ from agentkv import (
     Lease,
     ToolCallCompleted,
     ToolCallFailed,
+    TransformersBackend,
     TurnEnded,
     UserConfirmed,
     UserRejected,
@@ -82,7 +83,8 @@ from agentkv_langchain.decisions import (
     decisions_for,
     resume_decision,
 )
-from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey
+from agentkv_langchain.fanout import BranchSelector, continued_branch
+from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
 if TYPE_CHECKING:
     # LangGraph delivers `on_interrupt` / `on_resume` only to `GraphCallbackHandler`s;
@@ -172,6 +174,17 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         end_turn_on_root: Send `TurnEnded` when a top-level chain ends (a graph
             invocation, or the runnable wrapping one agent turn). Turn it off when a
             top-level chain is smaller than a turn and call `end_turn` yourself.
+        adopt_branches: When the thread's next model call after a fan-out continues
+            with a branch's own messages, adopt that branch's session as the thread's
+            (its KV is not re-encoded); False = prune every branch at that call.
+        branch_selector: `(thread, open branch ids) -> id | None`, asked when a run
+            ends with branches nobody selected: the branch it names is kept for the
+            next run to adopt, the others are pruned. None = prune them all.
+
+    Fan-outs settle by themselves (see `agentkv_langchain.fanout`): at the thread's
+    first model call after the fan-out step, the branch it continues is adopted and
+    the others get `BranchPruned`; when the run ends, branches still open are pruned
+    unless selected (`select_branch`, or `branch_selector`).
     """
 
     run_inline = True
@@ -185,6 +198,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         raise_error: bool | None = None,
         session_id: str | None = None,
         end_turn_on_root: bool = True,
+        adopt_branches: bool = True,
+        branch_selector: BranchSelector | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
@@ -192,6 +207,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self.raise_error = self.config.callbacks.raise_error if raise_error is None else raise_error
         self.session_id = session_id
         self.end_turn_on_root = end_turn_on_root
+        self.adopt_branches = adopt_branches
+        self.branch_selector = branch_selector
+        self.adopted: list[tuple[str, str]] = []
+        """`(thread, branch)` of every branch adopted as its thread's continuation, in order."""
         self.events: list[tuple[str, Event]] = []
         """Every event sent, in order, as `(session_id, event)`, duplicates included (sessions skip them)."""
         self.leases: dict[tuple[str, str], Lease] = {}
@@ -204,9 +223,14 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """Per thread: pending interrupt id → its value (what a resume answers)."""
         self._tool_calls: dict[str, list[ToolCallRecord]] = {}
         """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
-        self._branches: set[tuple[str, str]] = set()
+        self._branches: dict[tuple[str, str], int | None] = {}
+        """Open branches `(thread, branch)` → the graph step that opened them (settled ones leave)."""
+        self._selected: set[tuple[str, str]] = set()
+        """Open branches a `select_branch` (or the selector) kept: adopted or pruned at the next call."""
         self._pending: dict[str, list[Event]] = {}
         """Per session: tool outcomes waiting for the result to be encoded."""
+        self._failed_inputs: set[tuple[str, str]] = set()
+        """`(session, tool_call_id)` of error results already reported (from a tool run or an input)."""
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -283,8 +307,28 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         metadata: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Remember the model call (its end reports the tool calls a HITL decision refers to)."""
-        self._enter(run_id, parent_run_id, metadata)
+        """Remember the model call; an error `ToolMessage` in its input becomes `ToolCallFailed`.
+
+        A tool that ran outside this handler's view (a result written by hand, another
+        agent's tool node) reports its failure only as `ToolMessage(status="error")` in
+        the history; the event waits for the end of this call, when the result is encoded.
+        """
+        context = self._enter(run_id, parent_run_id, metadata, model=True)
+        if context.branch is None and messages:
+            self._settle(context.thread, step=_step(metadata), messages=messages[0])
+        for batch in messages or []:
+            for message in batch or []:
+                if not (isinstance(message, ToolMessage) and message.status == "error"):
+                    continue
+                key = (context.session_id, message.tool_call_id)
+                with self._lock:
+                    if key in self._failed_inputs:
+                        continue
+                    self._failed_inputs.add(key)
+                self.defer(
+                    context.session_id,
+                    ToolCallFailed(tool_call_id=message.tool_call_id, error=_text(message.content)),
+                )
 
     @_guarded
     def on_llm_start(
@@ -298,7 +342,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         **kwargs: Any,
     ) -> None:
         """Remember a completion-model call (same as a chat model's)."""
-        self._enter(run_id, parent_run_id, metadata)
+        self._enter(run_id, parent_run_id, metadata, model=True)
 
     @_guarded
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -353,10 +397,13 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if not call_id or context is None:
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
+        session_id = self._session_of_call(call_id) or context.session_id
         if message is not None and message.status == "error":
-            self.defer(context.session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
+            with self._lock:
+                self._failed_inputs.add((session_id, call_id))
+            self.defer(session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
         else:
-            self.defer(context.session_id, ToolCallCompleted(tool_call_id=call_id))
+            self.defer(session_id, ToolCallCompleted(tool_call_id=call_id))
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -369,7 +416,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         if context.tool_call_id:
             error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            self.defer(context.session_id, error_event)
+            session_id = self._session_of_call(context.tool_call_id) or context.session_id
+            with self._lock:  # the error ToolMessage made of it is the same failure
+                self._failed_inputs.add((session_id, context.tool_call_id))
+            self.defer(session_id, error_event)
 
     @_guarded
     def on_chain_end(
@@ -384,7 +434,10 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
-        elif self.end_turn_on_root:
+            return
+        if context.branch is None:  # a run that is itself a branch settles nothing
+            self._settle(context.thread, at_end=True)
+        if self.end_turn_on_root:
             self._emit(context.session_id, TurnEnded())
 
     @_guarded
@@ -399,6 +452,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._forget_root(run_id)
             if context is not None:
                 self.flush(thread=context.thread)
+                if context.branch is None and not (context.interrupted or _is_bubble_up(error)):
+                    self._settle(context.thread, at_end=True)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------
 
@@ -477,11 +532,12 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             self._emit(context.thread, event)
             pruned = name == PRUNE_BRANCH_EVENT
             with self._lock:  # settled branches need no more BranchOpened bookkeeping
-                self._branches = {
-                    (t, b)
-                    for t, b in self._branches
-                    if t != context.thread or (b != branch if pruned else b == branch)
-                }
+                for t, b in list(self._branches):
+                    if t == context.thread and (b == branch if pruned else b != branch):
+                        del self._branches[(t, b)]
+                        self._selected.discard((t, b))
+                if not pruned:
+                    self._selected.add((context.thread, branch))
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -517,12 +573,25 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return self._runs.get(run_id)
 
     def _context_from(
-        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        model: bool = False,
     ) -> _RunContext:
-        """A run's context: its own metadata where it says something, its parent's otherwise."""
+        """A run's context: its own metadata where it says something, its parent's otherwise.
+
+        Only a model call inside a `Send` task runs on the task's fork (`model=True`); a
+        node or tool run there belongs to the thread, unless `agentkv_branch` names a branch.
+        """
         metadata = metadata or {}
         parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
-        key = SessionKey.from_metadata(metadata, self.session_id)
+        if parent is None and not metadata.get(THREAD_KEY):
+            # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
+            # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
+            metadata = current_metadata(metadata)
+        key = SessionKey.from_metadata(metadata, self.session_id, send_forks=model)
         thread = (
             key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread
         )
@@ -543,17 +612,88 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         )
 
     def _enter(
-        self, run_id: UUID, parent_run_id: UUID | None, metadata: Mapping[str, Any] | None
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        model: bool = False,
     ) -> _RunContext:
         with self._lock:
-            context = self._context_from(run_id, parent_run_id, metadata)
+            context = self._context_from(run_id, parent_run_id, metadata, model=model)
             self._runs[run_id] = context
             opened = context.branch is not None and (context.thread, context.branch) not in self._branches
             if opened and context.branch is not None:
-                self._branches.add((context.thread, context.branch))
+                self._branches[(context.thread, context.branch)] = _step(metadata)
         if opened and context.branch is not None:
             self._emit(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
         return context
+
+    def _settle(
+        self, thread: str, *, step: int | None = None, messages: Any = None, at_end: bool = False
+    ) -> None:
+        """Settle the thread's open branches (see `agentkv_langchain.fanout`).
+
+        Args:
+            thread: The thread whose fan-out is settled.
+            step: The graph step of the thread-level call settling it; branches opened at
+                that step or later are still running and stay open.
+            messages: That call's input: a branch it continues is adopted.
+            at_end: The run ended: selected branches stay for the next run, others go.
+        """
+        with self._lock:
+            settling = [
+                b
+                for (t, b), opened in self._branches.items()
+                if t == thread and (step is None or opened is None or opened < step)
+            ]
+            selected = {b for b in settling if (thread, b) in self._selected}
+        if not settling:
+            return
+        winner = None
+        keep: set[str] = set()
+        backend = self.backend
+        # Adoption moves a local session (`TransformersBackend.adopt`); an engine's branches are pruned.
+        if messages is not None and self.adopt_branches and isinstance(backend, TransformersBackend):
+            winner = continued_branch(backend, thread, settling, messages)
+        if at_end:
+            keep = set(selected)
+            if not keep and self.branch_selector is not None:
+                pick = self.branch_selector(thread, sorted(settling))
+                keep = {pick} if pick in settling else set()
+        for branch in settling:
+            if branch != winner and branch not in keep:
+                self._emit(thread, BranchPruned(branch=branch))
+        with self._lock:
+            for branch in settling:
+                if branch not in keep:
+                    self._branches.pop((thread, branch), None)
+                    self._selected.discard((thread, branch))
+                else:
+                    self._selected.add((thread, branch))
+        if winner is not None and isinstance(backend, TransformersBackend):
+            with self._lock:
+                self.events.append((thread, BranchSelected(branch=winner)))
+            try:
+                backend.adopt(thread, winner)
+            except Exception as e:
+                self.report_failure(f"adopting branch {winner!r} of {thread!r}", e)
+            else:
+                with self._lock:
+                    self.adopted.append((thread, winner))
+                logger.debug("thread %s goes on with branch %s: adopted", thread, winner)
+
+    def _session_of_call(self, call_id: str) -> str | None:
+        """The session whose model made tool call `call_id` (its result is encoded there)."""
+        with self._lock:
+            return next(
+                (
+                    sid
+                    for sid, records in self._tool_calls.items()
+                    if any(r.tool_call_id == call_id for r in records)
+                ),
+                None,
+            )
 
     def _exit(self, run_id: UUID) -> _RunContext | None:
         with self._lock:
@@ -629,6 +769,12 @@ def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:
         if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
             return message
     return None
+
+
+def _step(metadata: Mapping[str, Any] | None) -> int | None:
+    """The LangGraph step a run belongs to (`langgraph_step`), if any."""
+    step = (metadata or {}).get("langgraph_step")
+    return step if isinstance(step, int) else None
 
 
 def _text(content: Any) -> str:

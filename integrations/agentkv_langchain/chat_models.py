@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mappin
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -47,24 +47,28 @@ from langchain_core.messages import (
     ToolCall,
 )
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import ConfigDict, Field, model_validator
 
-from agentkv import AnySession, Backend, EngineBackend
+from agentkv import AnySession, Backend, EngineBackend, Session
 from agentkv.chat import normalize_messages
+from agentkv_langchain.backends import shared_backend
 from agentkv_langchain.messages import to_chat_dicts
-from agentkv_langchain.sessions import session_for
+from agentkv_langchain.sessions import calling, current_metadata, session_for
 from agentkv_langchain.tools import (
+    ANY_TOOL,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     CallEnd,
+    ToolCallBan,
     ToolCallStreamFilter,
+    choose_tool,
     forced_call_prefix,
     parse_tool_calls,
     render_tool_prompt,
@@ -72,6 +76,7 @@ from agentkv_langchain.tools import (
     tool_names,
     tool_parameters,
 )
+from agentkv_langchain.toolset import outside, thread_tools
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
@@ -85,12 +90,15 @@ class ChatAgentKV(BaseChatModel):
 
     Setup:
         ```python
-        from agentkv import TransformersBackend, load_model
         from agentkv_langchain import ChatAgentKV
 
-        model, tokenizer = load_model()  # SmolLM2-135M-Instruct by default
-        llm = ChatAgentKV(backend=TransformersBackend(model, tokenizer), max_new_tokens=128)
+        llm = ChatAgentKV()  # the default model (SmolLM2-135M-Instruct), loaded once per process
+        llm = ChatAgentKV(model="HuggingFaceTB/SmolLM2-360M-Instruct", config="graph.yaml")
         ```
+        Without `backend=`, the model runs on the process-wide backend
+        (`agentkv_langchain.backends.shared_backend`) that `with_kv_lifecycle(graph)`
+        uses too, so the model calls and the lifecycle events meet in one session
+        table. Pass `backend=TransformersBackend(model, tokenizer)` to manage it yourself.
 
     Sessions: inside a LangGraph graph each `thread_id` gets its own session (KV
     cache); outside one, pass `config={"metadata": {"thread_id": "..."}}`, or fix one
@@ -111,9 +119,18 @@ class ChatAgentKV(BaseChatModel):
     """
 
     backend: Backend
-    """The in-process model (or a served engine) and its sessions (one KV cache per conversation)."""
+    """The in-process model (or a served engine) and its sessions (one KV cache per conversation);
+    default: `shared_backend(config, model=model)`."""
+    model: str | None = Field(default=None, exclude=True)
+    """Model id / directory / .gguf path to load when no `backend` is given (None = `config.model`)."""
+    config: Any = Field(default=None, exclude=True)
+    """agentkv settings when no `backend` is given: `AgentKVConfig`, YAML-shaped mapping or YAML path."""
     session_id: str | None = None
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
+    tool_use: Literal["auto", "call_then_answer"] = "auto"
+    """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
+    forces a call (to the tool the model prefers) on a turn's first step and a text answer
+    after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
     """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
     temperature: float = 0.0
@@ -130,6 +147,22 @@ class ChatAgentKV(BaseChatModel):
     """Name reported in traces and `response_metadata`; default: the model's id, or its GGUF's name."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_backend(cls, data: Any) -> Any:
+        """No `backend`: the process-wide one for `model` / `config` (the one `with_kv_lifecycle` uses)."""
+        if not isinstance(data, Mapping) or data.get("backend") is not None:
+            if isinstance(data, Mapping) and (
+                data.get("model") is not None or data.get("config") is not None
+            ):
+                msg = (
+                    "ChatAgentKV: give either backend= (a loaded model) or model= / config= "
+                    "(to load one on the shared backend), not both"
+                )
+                raise ValueError(msg)
+            return data
+        return {**data, "backend": shared_backend(data.get("config"), model=data.get("model"))}
 
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
@@ -221,10 +254,11 @@ class ChatAgentKV(BaseChatModel):
 
         Args:
             tools: the tools, in the order they are described to the model.
-            tool_choice: None / "auto": the model decides; "none": no call (generation
-                stops at a `<tool_call>` tag); "any" / "required" / True: a call is
-                forced, to the **first** listed tool when there are several (a prefilled
-                call must name one); a tool name, or a dict naming a function: a call
+            tool_choice: None / "auto": the model decides; "none": no call (the
+                `<tool_call>` tag cannot be written, so the model answers in text);
+                "any" / "required" / True: a call is forced, and the model picks the
+                tool among the bound ones (each name scored by the model, see
+                `tools.choose_tool`); a tool name, or a dict naming a function: a call
                 to that tool is forced.
             **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
 
@@ -244,6 +278,71 @@ class ChatAgentKV(BaseChatModel):
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
+
+    # -- entry points: the call's config picks its session (see `agentkv_langchain.sessions`) -----
+
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """`BaseChatModel.invoke`, with the config's thread kept for the session choice."""
+        with calling(config):
+            return super().invoke(input, config, stop=stop, **kwargs)
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """`BaseChatModel.ainvoke`, with the config's thread kept for the session choice."""
+        with calling(config):
+            return await super().ainvoke(input, config, stop=stop, **kwargs)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        """`BaseChatModel.stream`, with the config's thread kept while the session is picked.
+
+        langchain-core calls `_stream` without a run manager, and the session is picked
+        while the first chunk is made, so the config is held for that step.
+        """
+        chunks = super().stream(input, config, stop=stop, **kwargs)
+        with calling(config):
+            first = next(chunks, None)
+        if first is None:
+            return
+        yield first
+        yield from chunks
+
+    async def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        """`BaseChatModel.astream`, with the session picked as in `stream`."""
+        chunks = super().astream(input, config, stop=stop, **kwargs)
+        with calling(config):
+            first = await anext(chunks, None)
+        if first is None:
+            return
+        yield first
+        async for chunk in chunks:
+            yield chunk
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -381,19 +480,33 @@ class ChatAgentKV(BaseChatModel):
     ) -> Generator[str | _Answer, None, None]:
         """Extend the session, decode, bind the answer; yield content text, then the `_Answer`."""
         started = time.perf_counter()
-        plan = self._plan(messages, stop, kwargs)
         session = self._session(metadata)
-        visible = ToolCallStreamFilter() if plan.tools else None
-        if visible is not None:
-            visible.feed(plan.prefix)
-        call_end = CallEnd(plan.prefix) if plan.prefix else None
+        plan = self._plan(messages, stop, kwargs, session)
         raw: list[str] = []
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
-            # One forward per call: the new messages are encoded with the generation prompt.
+            # One forward per call: the new messages are encoded with the generation prompt
+            # (scoring tool names first encodes whatever is pending).
             extended = session.extend(plan.messages, prefill=False)
-            pieces = session.stream(**plan.sampling, prefix=plan.prefix, message_id=message_id)
+            prefix = plan.prefix
+            local = isinstance(session, Session)
+            if plan.choice == ANY_TOOL:  # "any" / "required": the model picks among the bound tools
+                names = tool_names(plan.tools)
+                name = names[0]  # an engine session cannot score the names: the first bound tool
+                if isinstance(session, Session):
+                    name = choose_tool(session.answer_logprob, names)
+                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name))
+            visible = ToolCallStreamFilter() if plan.tools else None
+            if visible is not None:
+                visible.feed(prefix)
+            call_end = CallEnd(prefix) if prefix else None
+            options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
+            if plan.ban_calls and local:
+                options["logits_processor"] = _tool_call_ban(self.backend)
+            elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
+                options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
+            pieces = session.stream(**options)
             try:
                 for piece in pieces:
                     if first_token_s is None:
@@ -408,8 +521,20 @@ class ChatAgentKV(BaseChatModel):
                 _close(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
             if visible is not None:
-                content, calls, invalid = parse_tool_calls(plan.prefix + "".join(raw))
+                content, calls, invalid = parse_tool_calls(prefix + "".join(raw))
                 rest = visible.rest(content)
+                for i in reversed(outside(calls, plan.tools)):  # listed in the prompt, not bound now
+                    call = calls.pop(i)
+                    invalid.insert(
+                        0,
+                        invalid_tool_call(
+                            name=call["name"],
+                            args=json.dumps(call["args"]),
+                            id=call["id"],
+                            error=f"tool {call['name']!r} is not bound to this call; "
+                            f"bound: {', '.join(tool_names(plan.tools))}",
+                        ),
+                    )
             else:
                 content, calls, invalid, rest = "".join(raw), [], [], ""
             # The caller gets exactly this message back; binding it lets the next call
@@ -466,9 +591,17 @@ class ChatAgentKV(BaseChatModel):
     # -- one call's plan ----------------------------------------------------------------------
 
     def _plan(
-        self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
+        self,
+        messages: Sequence[BaseMessage],
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
+        session: AnySession | None = None,
     ) -> _Plan:
-        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs."""
+        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs.
+
+        With a session, the thread keeps the tools block it started with and a changed
+        tool set becomes a note (see `agentkv_langchain.toolset`).
+        """
         options = dict(kwargs)
         tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
         choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))
@@ -494,15 +627,25 @@ class ChatAgentKV(BaseChatModel):
             msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
+        if tools and choice is None and self.tool_use == "call_then_answer" and chat:
+            last = chat[-1]["role"]
+            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
+            choice = "none" if last == "tool" else choice
+        block = tools
+        if session is not None:
+            chat, block = thread_tools(session).plan(chat, tools)
+        if block:
+            chat = self._with_tools(chat, block)
         prefix = ""
-        if tools:
-            chat = self._with_tools(chat, tools)
-            if choice == "none":
-                sampling["stop"].append(TOOL_CALL_OPEN)
-            elif choice is not None:
+        if tools and choice not in (None, "none"):
+            if choice != ANY_TOOL:
                 prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
-                sampling["stop"].append(TOOL_CALL_CLOSE)
-        return _Plan(messages=chat, tools=tools, prefix=prefix, sampling=sampling)
+            sampling["stop"].append(TOOL_CALL_CLOSE)
+        # No call when none is wanted, or when the prompt lists tools but none are bound now.
+        ban = (bool(tools) and choice == "none") or (not tools and bool(block))
+        return _Plan(
+            messages=chat, tools=tools, prefix=prefix, sampling=sampling, choice=choice, ban_calls=ban
+        )
 
     def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Describe the tools: through the chat template when it can, else in the system prompt.
@@ -548,6 +691,10 @@ class _Plan:
     prefix: str
     """Text the answer starts with (a forced call's opening), prefilled, not generated."""
     sampling: dict[str, Any] = field(default_factory=dict)
+    choice: str | None = None
+    """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
+    ban_calls: bool = False
+    """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -556,7 +703,8 @@ class _Plan:
 def _metadata(
     run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
 ) -> Mapping[str, Any]:
-    return run_manager.metadata if run_manager is not None else {}
+    """The call's metadata: the run manager's, completed with the call's config (`current_metadata`)."""
+    return current_metadata(run_manager.metadata if run_manager is not None else None)
 
 
 def _model_name(model: Any) -> str:
@@ -596,6 +744,20 @@ def _history_before_answer(session: AnySession, output_tokens: int) -> int:
     """
     span = next(s for s in reversed(session.spans) if s.generated)
     return span.end - output_tokens - len(session.format.assistant_suffix_ids())
+
+
+_BANS: dict[int, ToolCallBan] = {}
+_BANS_LOCK = threading.Lock()
+
+
+def _tool_call_ban(backend: Backend) -> ToolCallBan:
+    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
+    key = id(backend.tokenizer)
+    with _BANS_LOCK:
+        ban = _BANS.get(key)
+        if ban is None or ban.tokenizer is not backend.tokenizer:
+            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
+        return ban
 
 
 def _close(iterator: Iterator[Any]) -> None:

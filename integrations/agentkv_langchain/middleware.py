@@ -163,7 +163,9 @@ class AgentKVMiddleware(AgentMiddleware):
         thread = (config.get("configurable") or {}).get(THREAD_KEY)
         if THREAD_KEY not in metadata and thread is not None:
             metadata[THREAD_KEY] = thread
-        key = SessionKey.from_metadata(metadata, self.session_id)
+        # These hooks run in nodes and tool tasks, not in model calls: a tool's `Send` task is
+        # not a branch (its result is read by the thread's next model call).
+        key = SessionKey.from_metadata(metadata, self.session_id, send_forks=False)
         return key.session_id
 
     def _outcome(

@@ -20,13 +20,17 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
 from agentkv.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 __all__ = [
+    "ANY_TOOL",
+    "CALL_NAME_OPENING",
     "CallEnd",
+    "ToolCallBan",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ToolCallStreamFilter",
@@ -35,6 +39,7 @@ __all__ = [
     "parse_tool_calls",
     "render_tool_prompt",
     "resolve_tool_choice",
+    "choose_tool",
     "tool_names",
     "tool_parameters",
 ]
@@ -52,7 +57,11 @@ TOOL_PROMPT_FOOTER = (
 )
 
 FORCING_CHOICES = ("any", "required")
-"""`tool_choice` values that force some call; with several tools the first listed is called."""
+"""`tool_choice` values that force some call; the model chooses which of the bound tools."""
+ANY_TOOL = "<any bound tool>"
+"""What `resolve_tool_choice` returns for a forced call among several tools (not a valid tool name)."""
+CALL_NAME_OPENING = f'{TOOL_CALL_OPEN}{{"name": "'
+"""A call's text up to its tool name: the context in which the model's choice of tool is scored."""
 FREE_CHOICES = ("auto", "none")
 """`tool_choice` values that do not force a call ("none" forbids one)."""
 
@@ -126,8 +135,8 @@ def resolve_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
     """Normalise a LangChain `tool_choice` to a tool name to force, "none", or None (model decides).
 
     Accepted: None / "auto" (model decides), "none" (no call), "any" / "required" / True
-    (a call is forced; with several tools, the first listed is called, because a
-    prefilled call must name one tool), a tool name, or a dict naming a function
+    (a call is forced and the model picks the tool: `ANY_TOOL` with several tools, see
+    `choose_tool`), a tool name, or a dict naming a function
     (`{"type": "function", "function": {"name": ...}}` or `{"name": ...}`).
 
     Raises:
@@ -141,7 +150,7 @@ def resolve_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
         msg = f"tool_choice={tool_choice!r} needs at least one bound tool; bind_tools got none"
         raise ValueError(msg)
     if tool_choice is True or tool_choice in FORCING_CHOICES:
-        return names[0]
+        return names[0] if len(set(names)) == 1 else ANY_TOOL
     name: Any = tool_choice
     if isinstance(tool_choice, Mapping):
         function = tool_choice.get("function")
@@ -334,3 +343,63 @@ def _partial_tag(text: str) -> int:
         if TOOL_CALL_OPEN.startswith(text[-keep:]):
             return keep
     return 0
+
+
+# ---------------------------------------------------------------------------- constrained choices
+
+
+def choose_tool(score: Any, names: Sequence[str]) -> str:
+    """The bound tool the model itself would call, constrained to the bound ones.
+
+    OpenAI's `tool_choice="required"` means "some tool, the model's pick". A prefilled
+    call must name one, so the names are scored instead: the teacher-forced
+    log-probability of each name (and its closing quote) after `CALL_NAME_OPENING`,
+    the model's own preference restricted to what is bound.
+
+    Args:
+        score: `(answer, prefix) -> log-probability`, e.g. `Session.answer_logprob`.
+        names: The bound tools' names.
+    """
+    scores = {name: float(score(f'{name}"', prefix=CALL_NAME_OPENING)) for name in dict.fromkeys(names)}
+    return max(scores, key=lambda name: (scores[name], -names.index(name)))
+
+
+_BANNED = "<tool"
+"""What a text-only answer must not write: the start of a `<tool_call>` tag."""
+
+
+class ToolCallBan:
+    """A logits processor that keeps a `<tool_call>` tag from being written, and nothing else.
+
+    `tool_choice="none"` (or an answer with no tools bound in a thread whose prompt
+    describes tools) must return the text answer: stopping at the tag would return
+    whatever came before it (often nothing). Forbidding only the tokens that would
+    complete `<tool` lets the model write its answer instead.
+
+    Args:
+        tokenizer: The model's tokenizer (each token's text is read once, at construction).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        size = len(tokenizer)
+        texts = [tokenizer.decode([i]) for i in range(size)]
+        # contains[i]: token i writes the whole tag start; starts[k][i]: it completes a tag of
+        # which the text already ends with the first k characters.
+        self.contains = torch.tensor([_BANNED in t for t in texts], dtype=torch.bool)
+        self.starts = {
+            k: torch.tensor([bool(t) and t.startswith(_BANNED[k:]) for t in texts], dtype=torch.bool)
+            for k in range(1, len(_BANNED))
+        }
+
+    def __call__(self, produced: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """Logits `[V]` with the tag-completing tokens at -inf."""
+        tail = self.tokenizer.decode(list(produced[-len(_BANNED) :])) if produced else ""
+        banned = self.contains.clone()
+        for k, mask in self.starts.items():
+            if tail.endswith(_BANNED[:k]):
+                banned |= mask
+        vocab = logits.shape[-1]
+        if banned.numel() < vocab:  # the model's head may be padded past the tokenizer's size
+            banned = torch.cat([banned, torch.zeros(vocab - banned.numel(), dtype=torch.bool)])
+        return logits.masked_fill(banned[:vocab].to(logits.device), float("-inf"))

@@ -3,8 +3,10 @@
 A `Send` fan-out runs one task per branch, in parallel. If they all used the
 thread's session they would overwrite each other's history; instead each gets a
 branch session, `backend.fork(thread, branch)`, that shares the thread's KV as a
-read-only prefix (no copy) and holds only its own suffix. `ChatAgentKV` forks when
-its run metadata carries `agentkv_branch`; this module puts it there.
+read-only prefix (no copy) and holds only its own suffix. `ChatAgentKV` forks by
+itself for a model call made inside a `Send` task (no agentkv call needed in the
+node), and when the run metadata carries `agentkv_branch`, which `branch_config`
+puts there to name a branch yourself.
 
 The branch id is the one you give (`branch_config(config, "b1")`), or else the
 task's id: LangGraph runs a `Send` task with `langgraph_triggers == ("__pregel_push",)`
@@ -19,20 +21,9 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig, ensure_config
 
-from agentkv_langchain.sessions import BRANCH_KEY
+from agentkv_langchain.sessions import BRANCH_KEY, PUSH_TRIGGER, is_send_task, send_task_id
 
 __all__ = ["BRANCH_KEY", "PUSH_TRIGGER", "branch_config", "branch_id", "current_branch", "is_send_task"]
-
-PUSH_TRIGGER = "__pregel_push"
-"""The trigger LangGraph gives a `Send` task (`langgraph.pregel._algo.PUSH_TRIGGER`)."""
-_NS_SEP = "|"
-"""Separator of nested checkpoint namespaces (a subgraph's tasks: `outer:<id>|inner:<id>`)."""
-
-
-def is_send_task(metadata: Mapping[str, Any] | None) -> bool:
-    """Whether run metadata belongs to a LangGraph `Send` task."""
-    triggers = (metadata or {}).get("langgraph_triggers") or ()
-    return PUSH_TRIGGER in tuple(triggers)
 
 
 def branch_id(metadata: Mapping[str, Any] | None) -> str | None:
@@ -45,11 +36,7 @@ def branch_id(metadata: Mapping[str, Any] | None) -> str | None:
     explicit = metadata.get(BRANCH_KEY)
     if explicit:
         return str(explicit)
-    if not is_send_task(metadata):
-        return None
-    namespace = str(metadata.get("langgraph_checkpoint_ns") or "")
-    _, _, task_id = namespace.rsplit(_NS_SEP, 1)[-1].partition(":")
-    return task_id or None
+    return send_task_id(metadata)
 
 
 def current_branch(config: RunnableConfig | None = None) -> str | None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -32,10 +30,11 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langgraph.pregel import Pregel
 
-from agentkv import AgentKVConfig, AnySession, Backend, TransformersBackend, load_model
+from agentkv import AgentKVConfig, AnySession, Backend
+from agentkv_langchain.backends import ConfigLike, resolve_config, shared_backend
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langchain.fanout import BranchSelector
 from agentkv_langchain.sessions import DEFAULT_THREAD
-from agentkv_langgraph.config import load_config
 
 __all__ = ["KVLifecycle", "shared_backend", "with_kv_lifecycle"]
 
@@ -45,30 +44,6 @@ G = TypeVar("G", bound=Pregel)
 
 _BACKEND_WIDE = ("model", "device", "dtype", "callbacks")
 """Config keys a run cannot change: they belong to the backend (model, device, dtype) or the handler."""
-
-_backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
-_backends_lock = threading.Lock()
-
-
-def shared_backend(config: AgentKVConfig | None = None) -> TransformersBackend:
-    """The process-wide backend for `config.model` on `config.device` / `config.dtype` (loaded once).
-
-    `with_kv_lifecycle(graph)` without a backend uses it; build the graph's models on
-    the same one, `ChatAgentKV(backend=shared_backend(config))`, so that the model
-    calls and the lifecycle events meet in one session table.
-
-    Args:
-        config: Which model to load, and the default settings of its sessions (the
-            first caller's config wins for a given model). None = the default model.
-    """
-    config = config or AgentKVConfig()
-    key = (config.model, config.device, config.dtype)
-    with _backends_lock:
-        backend = _backends.get(key)
-        if backend is None:
-            model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
-            backend = _backends[key] = TransformersBackend(model, tokenizer, config)
-        return backend
 
 
 @dataclass
@@ -162,33 +137,49 @@ def with_kv_lifecycle(
     graph: G,
     *,
     backend: Backend | None = None,
-    config: AgentKVConfig | str | os.PathLike[str] | None = None,
+    config: ConfigLike = None,
     raise_error: bool | None = None,
+    adopt_branches: bool = True,
+    branch_selector: BranchSelector | None = None,
 ) -> G:
     """Attach the KV lifecycle to a compiled graph.
 
     One session per `thread_id` (the chat model's choice, see
-    `agentkv_langchain.sessions`); `Send` branches fork it when their model calls use
-    `agentkv_langgraph.branch_config`. Tool results, turn ends, interrupts and resumes
-    and the `agentkv_langchain.helpers` events reach the sessions through the handler.
+    `agentkv_langchain.sessions`); a model call inside a `Send` task runs on a fork of
+    it (or `agentkv_langgraph.branch_config` names the branch). Fan-outs settle by
+    themselves: the thread's next model call adopts the branch it continues with and
+    prunes the others; branches still open when the run ends are pruned unless
+    selected (`select_branch`, `branch_selector`). Tool results, turn ends, interrupts
+    and resumes and the `agentkv_langchain.helpers` events reach the sessions through
+    the handler.
 
     Args:
         graph: A compiled graph (`StateGraph(...).compile(...)`, `create_agent(...)`).
         backend: The backend the graph's `ChatAgentKV` models use; None = `shared_backend(config)`.
-        config: Session settings: an `AgentKVConfig`, or a graph YAML path whose
-            `agentkv:` section is read; None = the backend's config.
+        config: Session settings, in any form `shared_backend` accepts: an
+            `AgentKVConfig`, a mapping shaped like the YAML `agentkv:` section, or a
+            graph YAML path whose `agentkv:` section is read; None = the backend's config.
         raise_error: Let handler errors stop runs (default: `config.callbacks.raise_error`).
+        adopt_branches: Adopt the branch the thread continues with (False: prune it too,
+            and re-encode its messages in the thread's session).
+        branch_selector: `(thread, open branch ids) -> id | None`, asked when a run ends
+            with branches nobody selected; the one it names is kept for the next run.
 
     Returns:
         The same graph (a copy, of a subclass of its class) with the handler attached;
         `graph.agentkv` holds the backend, the handler and the config.
     """
-    if config is not None and not isinstance(config, AgentKVConfig):
-        config = load_config(config)
+    settings = resolve_config(config)
     if backend is None:
-        backend = shared_backend(config)
-    base = config or backend.config
-    handler = KVLifecycleCallbackHandler(backend, config=base, raise_error=raise_error)
+        backend = shared_backend(settings)
+    base = settings or backend.config
+    handler = KVLifecycleCallbackHandler(
+        backend,
+        config=base,
+        raise_error=raise_error,
+        adopt_branches=adopt_branches,
+        branch_selector=branch_selector,
+    )
     binding = KVLifecycle(backend=backend, handler=handler, config=base)
     bound = graph.with_config(callbacks=[handler])
     attrs = {k: v for k, v in bound.__dict__.items() if k not in ("__orig_class__", "agentkv")}

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import pytest
-
-from agentkv import SpanState
+from agentkv import AgentKVConfig, SpanState, TransformersBackend
 
 RELEASED = {"evictable", "evicted"}
 
@@ -108,22 +106,23 @@ def test_confirmed_plan_survives_budget_pressure(example, tiny_backend):
 # -- tree of thought --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("named", [True, False], ids=["named", "task-ids"])
-def test_tree_of_thought_shares_the_prefix_and_frees_pruned_branches(example, tiny_backend, named):
+def test_tree_of_thought_plain_send_forks_prunes_and_adopts(example, tiny_backend):
+    """Plain `Send`, no agentkv call in the nodes: forks share the prefix, losers freed, winner adopted."""
     k = 3
-    result = example("tree_of_thought").main(tiny_backend, k=k, max_new_tokens=8, named=named)
+    thread = "tree-of-thought"
+    result = example("tree_of_thought").main(tiny_backend, k=k, max_new_tokens=8, thread_id=thread)
     memory = result["memory"]
     own = memory["branch_own_bytes"]
-    assert len(own) == k and all(n > 0 for n in own.values())
+    assert sorted(own) == result["branches"] and len(own) == k and all(n > 0 for n in own.values())
+    assert all(len(b) == 36 for b in result["branches"])  # the Send tasks' ids
     # With k branches alive the prefix is held once: shared prefix + the branches' own suffixes.
-    assert memory["alive_bytes"] <= memory["prefix_bytes"] + sum(own.values())
+    assert memory["alive_bytes"] == memory["prefix_bytes"] + sum(own.values())
     assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
-    # Pruning k-1 branches gives their bytes back, and only theirs.
-    losers = [b for b in own if b != result["winner"]]
-    assert memory["after_prune_bytes"] == memory["alive_bytes"] - sum(own[b] for b in losers)
-    assert memory["after_select_bytes"] == memory["after_prune_bytes"]
-    thread = "tree-of-thought"
-    assert result["sessions"] == sorted([thread, f"{thread}/{result['winner']}"])
+    # After the run no branch holds anything: losers pruned, the winner is the thread's session.
+    assert memory["branch_bytes_after_run"] == {b: 0 for b in result["branches"]}
+    assert result["sessions"] == [thread]
+    ((adopted_thread, winner),) = result["adopted"]
+    assert adopted_thread == thread and winner in result["branches"]
     events = Counter((sid, name) for sid, name, _ in result["events"])
     assert events == {
         (thread, "BranchOpened"): k,
@@ -131,22 +130,37 @@ def test_tree_of_thought_shares_the_prefix_and_frees_pruned_branches(example, ti
         (thread, "BranchSelected"): 1,
         (thread, "TurnEnded"): 1,
     }
-    if named:
-        assert result["branches"] == ["r1-b0", "r1-b1", "r1-b2"]
-    else:  # the Send tasks' ids
-        assert all(len(b) == 36 for b in result["branches"])
+    # The final call re-encodes nothing of the winner's thought: only its own new message.
+    nodes = [node for node, _ in result["prefill"]]
+    assert nodes == ["frame", *["think"] * k, "answer"]
+    assert result["stats"]["tokens_by_state"]["active"] == 0
     assert result["handler_errors"] == 0  # the branches called the handler from worker threads
+
+
+def test_tree_of_thought_adoption_saves_the_winners_prefill(example, long_tiny_model, tiny_tokenizer):
+    module = example("tree_of_thought")
+    figures = {}
+    for adopt in (True, False):
+        backend = TransformersBackend(long_tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+        result = module.main(backend, k=2, max_new_tokens=8, adopt=adopt)
+        figures[adopt] = result
+        assert result["sessions"] == ["tree-of-thought"]
+        assert result["memory"]["branch_bytes_after_run"] == {b: 0 for b in result["branches"]}
+    with_adoption, without = figures[True], figures[False]
+    assert with_adoption["answer"] == without["answer"]  # same conversation, same greedy answer
+    assert with_adoption["adopted"] and not without["adopted"]
+    # Without adoption the thread re-encodes the winner's idea and answer before the new message.
+    assert with_adoption["answer_prefill"] < without["answer_prefill"]
 
 
 def test_tree_of_thought_again_on_the_same_thread(example, tiny_backend):
     result = example("tree_of_thought").main(tiny_backend, k=2, max_new_tokens=6, turns=2)
     first, second = result["runs"]
-    # The second fan-out forks a longer prefix; its pruned branch is freed all the same.
+    # The second fan-out forks a longer prefix; its branches are settled all the same.
     assert second["memory"]["prefix_bytes"] > first["memory"]["prefix_bytes"]
-    # Each fan-out used new branch ids; selecting the last winner closed every other branch,
-    # the previous round's winner included (it is a sibling too).
-    assert first["winner"].startswith("r1-") and second["winner"].startswith("r2-")
-    assert result["sessions"] == ["tree-of-thought", f"tree-of-thought/{second['winner']}"]
+    assert set(first["branches"]).isdisjoint(second["branches"])
+    assert len(result["adopted"]) == 2
+    assert result["sessions"] == ["tree-of-thought"]
     assert result["handler_errors"] == 0
 
 
@@ -166,3 +180,25 @@ def test_plain_langchain_handler_without_langgraph(example, tiny_backend):
     assert result["handler_errors"] == 0
     span_states = {s["state"] for s in result["spans"] if s["kind"] == "tool_call"}
     assert span_states == {SpanState.EVICTABLE.value}
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+
+def test_streaming_example_keeps_each_thread_on_its_session(example, tiny_backend):
+    module = example("streaming")
+    result = module.main(tiny_backend, max_new_tokens=4)
+    expected_sessions = sorted(f"{mode}-{thread}" for mode in module.MODES for thread in module.TURNS)
+    assert result["sessions"] == expected_sessions  # no "default" session
+    for mode, threads in result["modes"].items():
+        for thread, turns in threads.items():
+            assert [t["session"] for t in turns] == [f"{mode}-{thread}"] * 2
+            assert turns[1]["cache_read"] > 0  # the second turn reads the first from the cache
+    # Greedy decoding: every mode answers what the invoke-driven "updates" mode answers.
+    reference = {t: [x["text"] for x in turns] for t, turns in result["modes"]["updates"].items()}
+    for threads in result["modes"].values():
+        assert {t: [x["text"] for x in turns] for t, turns in threads.items()} == reference
+    graph_sessions = [s for s in expected_sessions if not s.startswith("model_stream")]
+    turn_ends = [sid for sid, name in result["events"] if name == "TurnEnded"]
+    assert sorted(turn_ends) == sorted(graph_sessions * 2)
+    assert result["handler_errors"] == 0

@@ -27,7 +27,11 @@ def backend(default_model) -> TransformersBackend:
 
 def test_tool_assistant_on_the_default_model(example, backend):
     result = example("tool_assistant").main(backend, turns=10, max_new_tokens=24)
-    assert result["repaired"] == 0  # forced tool choice: the 135M model writes parseable calls
+    # Forced tool choice: the 135M model writes parseable calls, but one in the ten turns. Since
+    # tool_choice="none" lets it write its text answer after a tool result (it used to be cut at a
+    # started <tool_call>, leaving content=''), later forced calls read a different history, and in
+    # one of them it fills the arguments unparseably; the demo repairs that call with the defaults.
+    assert result["repaired"] <= 1
     assert result["handler_errors"] == 0
     by_owner = {s["owner"]: s for s in result["spans"]}
     completed = [t for _, name, t in result["events"] if name == "ToolCallCompleted"]
@@ -52,16 +56,20 @@ def test_plan_confirm_on_the_default_model(example, backend):
 
 
 def test_tree_of_thought_on_the_default_model(example, backend):
-    result = example("tree_of_thought").main(backend, k=3, max_new_tokens=16)
-    memory = result["memory"]
-    assert memory["alive_bytes"] <= memory["prefix_bytes"] + sum(memory["branch_own_bytes"].values())
+    """Plain `Send` on SmolLM2: prefix shared, losers freed, adoption saves the winner's prefill."""
+    module = example("tree_of_thought")
+    adopted = module.main(backend, k=3, max_new_tokens=16, thread_id="tot-adopt")
+    plain = module.main(backend, k=3, max_new_tokens=16, thread_id="tot-plain", adopt=False)
+    memory = adopted["memory"]
+    assert memory["alive_bytes"] == memory["prefix_bytes"] + sum(memory["branch_own_bytes"].values())
     assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
-    losers = [b for b in memory["branch_own_bytes"] if b != result["winner"]]
-    assert memory["after_prune_bytes"] == memory["alive_bytes"] - sum(
-        memory["branch_own_bytes"][b] for b in losers
-    )
-    assert all(t["text"].strip() for t in result["thoughts"])
-    assert result["handler_errors"] == 0
+    for result in (adopted, plain):
+        assert result["memory"]["branch_bytes_after_run"] == {b: 0 for b in result["branches"]}
+        assert result["handler_errors"] == 0
+    assert len(adopted["adopted"]) == 1 and not plain["adopted"]
+    assert adopted["answer"] == plain["answer"]  # adopted KV answers as re-encoded KV does
+    assert adopted["answer_prefill"] < plain["answer_prefill"]
+    assert (adopted["answer"] or "").strip()
 
 
 def test_plain_langchain_on_the_default_model(example, backend):

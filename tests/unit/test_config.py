@@ -167,9 +167,13 @@ def test_byte_budget_errors_name_the_path() -> None:
         ("streaming-llm", "streaming_llm", {}),
         ({"name": "snapkv"}, "snapkv", {}),
         ({"name": "snapkv", "window": 32}, "snapkv", {"window": 32}),
-        ({"name": "h2o", "params": {"heavy": 0.1}, "recent": 16}, "h2o", {"heavy": 0.1, "recent": 16}),
+        (
+            {"name": "snapkv", "params": {"kernel_size": 5}, "window": 16},
+            "snapkv",
+            {"kernel_size": 5, "window": 16},
+        ),
         ({"name": "tova", "params": {"window": 8}}, "tova", {"window": 8}),
-        ({"window": 64}, "lifecycle", {"window": 64}),
+        ({"recency_weight": 0.5}, "lifecycle", {"recency_weight": 0.5}),
     ],
 )
 def test_policy_shorthands(policy: Any, name: str, params: dict[str, Any]) -> None:
@@ -473,15 +477,15 @@ def test_with_overrides_can_unset() -> None:
 
 
 def test_with_overrides_policy() -> None:
-    base = AgentKVConfig.from_dict({"policy": {"name": "snapkv", "window": 32, "kernel": 5}})
-    assert base.with_overrides({"policy": {"window": 64}}).policy.params == {"window": 64, "kernel": 5}
+    base = AgentKVConfig.from_dict({"policy": {"name": "snapkv", "window": 32, "kernel_size": 5}})
+    assert base.with_overrides({"policy": {"window": 64}}).policy.params == {"window": 64, "kernel_size": 5}
     assert base.with_overrides({"policy": {"params": {"window": 8}}}).policy.params == {
         "window": 8,
-        "kernel": 5,
+        "kernel_size": 5,
     }
     assert base.with_overrides({"policy": {"name": "SnapKV", "window": 8}}).policy.params == {
         "window": 8,
-        "kernel": 5,
+        "kernel_size": 5,
     }
     # A different policy does not inherit the old one's parameters.
     assert base.with_overrides({"policy": "h2o"}).policy == PolicyConfig(name="h2o")
@@ -642,3 +646,18 @@ def test_example_graph_yaml_builds_its_policy():
 
     config = AgentKVConfig.from_yaml(EXAMPLE)
     assert make_policy(config.policy.name, config.policy.params) is not None
+
+
+def test_policy_parameter_typo_fails_at_load_with_path_line_and_hint(tmp_path: Any) -> None:
+    """A misspelt policy parameter is a load-time error, not a crash when the first session opens."""
+    path = tmp_path / "graph.yaml"
+    path.write_text("graph: {}\nagentkv:\n  policy:\n    name: snapkv\n    windw: 32\n", encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(path)
+    message = str(info.value)
+    assert "agentkv.policy.windw: unknown parameter of policy 'snapkv'" in message
+    assert "(did you mean 'window'?)" in message and "(line 5)" in message
+    assert "allowed: window, kernel_size, pooling" in message
+    nested = error_of({"policy": {"name": "h2o", "params": {"recent": 8}}})
+    assert nested.startswith("agentkv.policy.params.recent: unknown parameter of policy 'h2o'")
+    assert "did you mean 'recent_tokens'?" in nested

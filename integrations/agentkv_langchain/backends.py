@@ -1,0 +1,83 @@
+"""The process-wide backend: one loaded model shared by the chat models and the lifecycle.
+
+`ChatAgentKV()` and `with_kv_lifecycle(graph)` must meet in one session table (the
+chat model creates the spans, the handler's events name them), so without an
+explicit `backend=` both take `shared_backend(config)`: one `TransformersBackend`
+per (model, device, dtype), loaded on first use. Everything that accepts agentkv
+settings accepts the same three forms (`resolve_config`): an `AgentKVConfig`, a
+mapping shaped like the YAML section, or the path of a graph YAML whose `agentkv:`
+section is read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from agentkv import AgentKVConfig, TransformersBackend, load_model
+
+__all__ = ["ConfigLike", "resolve_config", "shared_backend"]
+
+ConfigLike = AgentKVConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+"""What `config=` accepts everywhere: a config, a YAML-shaped mapping, a graph YAML path, or None."""
+
+_backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def resolve_config(config: ConfigLike, *, model: str | None = None) -> AgentKVConfig | None:
+    """Read any accepted form of agentkv settings as an `AgentKVConfig`.
+
+    Args:
+        config: An `AgentKVConfig`; a mapping (the `agentkv:` section's contents); a
+            path to a graph YAML (its `agentkv:` section); or None (the defaults).
+        model: A model id / path that overrides `config.model` (`ChatAgentKV(model=...)`).
+
+    Returns:
+        The config; None when neither `config` nor `model` says anything.
+
+    Raises:
+        TypeError: `config` is none of the accepted forms.
+        ValueError / FileNotFoundError: the mapping or file is invalid (with YAML path and line).
+    """
+    if config is None:
+        resolved = None
+    elif isinstance(config, AgentKVConfig):
+        resolved = config
+    elif isinstance(config, Mapping):
+        resolved = AgentKVConfig.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        resolved = AgentKVConfig.from_yaml(config)
+    else:
+        msg = (
+            "config: expected an AgentKVConfig, a mapping like the `agentkv:` YAML section, "
+            f"or the path of a graph YAML, got {type(config).__name__}"
+        )
+        raise TypeError(msg)
+    if model is not None:
+        resolved = (resolved or AgentKVConfig()).with_overrides({"model": model})
+    return resolved
+
+
+def shared_backend(config: ConfigLike = None, *, model: str | None = None) -> TransformersBackend:
+    """The process-wide backend for `config.model` on `config.device` / `config.dtype` (loaded once).
+
+    `ChatAgentKV()` and `with_kv_lifecycle(graph)` without a backend use it, so the
+    model calls and the lifecycle events meet in one session table.
+
+    Args:
+        config: Which model to load, and the default settings of its sessions (the
+            first caller's settings win for a given model); any form `resolve_config`
+            reads. None = the default model.
+        model: A model id / path, overriding `config.model`.
+    """
+    resolved = resolve_config(config, model=model) or AgentKVConfig()
+    key = (resolved.model, resolved.device, resolved.dtype)
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            loaded, tokenizer = load_model(resolved.model, device=resolved.device, dtype=resolved.dtype)
+            backend = _backends[key] = TransformersBackend(loaded, tokenizer, resolved)
+        return backend
