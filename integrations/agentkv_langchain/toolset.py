@@ -78,7 +78,9 @@ class ThreadTools:
         with self.lock:
             system = chat[0]["content"] if chat and chat[0].get("role") == "system" else ""
             body = [_fingerprint(m) for m in (chat[1:] if system else chat)]
-            continues = body[: len(self.seen)] == self.seen
+            # A continuation carries every message of the previous call plus at least its answer;
+            # the same messages again (a retry, or another caller asking the same) start over.
+            continues = len(body) > len(self.seen) and body[: len(self.seen)] == self.seen
             self.seen = body
             if self.started is None or system != self.system or not continues or not self._anchored(chat):
                 # The first call, or a new conversation on this session: tools as given.

@@ -122,3 +122,19 @@ def test_a_different_tool_set_per_node(tiny_model, tiny_tokenizer):
     assert [c["name"] for c in [*answers[1].tool_calls, *answers[1].invalid_tool_calls]] == ["get_code"]
     notes = [m.content for m in backend.get("t").messages[1:] if m.role == "system"]
     assert len(notes) == 1 and "get_code" in notes[0] and "get_weather" not in notes[0]
+
+
+def test_the_same_question_again_with_other_tools_starts_over(tiny_model, tiny_tokenizer):
+    # The standard suites ask one question on the shared "default" session with one tool set, then
+    # the same question with another: the second call does not continue the first (its answer is
+    # missing), so it starts over with the new tools in the system prompt, not a note after it.
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+    llm = ChatAgentKV(backend=backend, max_new_tokens=6)
+    question = [HumanMessage("Tell me a joke about cats.")]
+    llm.bind_tools([get_weather], tool_choice="get_weather").invoke(question)
+    second = llm.bind_tools([get_code], tool_choice="get_code").invoke(question)
+    messages = backend.get("default").messages
+    assert messages[0].role == "system" and "get_code" in messages[0].content
+    assert "get_weather" not in messages[0].content
+    assert [m.role for m in messages] == ["system", "user", "assistant"]
+    assert [c["name"] for c in [*second.tool_calls, *second.invalid_tool_calls]] == ["get_code"]
