@@ -8,6 +8,10 @@ or on a CPU to check the script itself::
 
     python scripts/device_check.py --cpu --context 1024 --decode 32
 
+Where the default model cannot travel (its GGUF is 94 MiB), `--random-weights 135m` builds the
+same architecture with random weights (speed does not depend on the values), and
+`--random-weights 1b` a Llama-3.2-1B-like shape.
+
 It loads the default model (SmolLM2-135M-Instruct) and, over the same token history,
 measures:
 
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentkv import load_model
 from agentkv.backend.runner import Feed, ModelRunner
@@ -66,6 +71,42 @@ def history_ids(tokenizer: Any, tokens: int) -> list[int]:
         msg = f"history too short: {len(ids)} tokens, wanted {tokens}"
         raise ValueError(msg)
     return ids[:tokens]
+
+
+SHAPES: dict[str, dict[str, int]] = {
+    # SmolLM2-135M-Instruct's architecture (the default model).
+    "135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+    },
+    # A Llama-3.2-1B-like shape, to see how the tiers scale with the model.
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 49152,
+    },
+}
+"""Architectures for `--random-weights`: speed does not depend on the weights' values."""
+
+
+def random_model(shape: str, device: str) -> Any:
+    """A Llama of `shape` with random weights, for machines the default GGUF cannot travel to."""
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=16384, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
 
 
 def sync(device: torch.device) -> None:
@@ -162,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None, help="history tokens (CUDA 4096, CPU 1024)")
     parser.add_argument("--decode", type=int, default=None, help="decode steps (CUDA 128, CPU 32)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (median reported)")
+    parser.add_argument(
+        "--random-weights",
+        choices=sorted(SHAPES),
+        help="random weights of this architecture instead of the default model (speed only; no tokenizer)",
+    )
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print(
@@ -173,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     context = args.context or (1024 if args.cpu else 4096)
     steps = args.decode or (32 if args.cpu else 128)
     started = time.perf_counter()
-    model, tokenizer = load_model(device=device)
+    if args.random_weights:
+        model = random_model(args.random_weights, device)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(model.config.vocab_size, (context,), generator=generator).tolist()
+    else:
+        model, tokenizer = load_model(device=device)
+        ids = history_ids(tokenizer, context)
     runner = ModelRunner(model)
-    ids = history_ids(tokenizer, context)
     measure: dict[str, Callable[[], dict[str, float]]] = {
         name: partial(measure_attended, runner, factory, ids, steps) for name, factory in MODES.items()
     }
