@@ -658,6 +658,6 @@ def test_policy_parameter_typo_fails_at_load_with_path_line_and_hint(tmp_path: A
     assert "agentkv.policy.windw: unknown parameter of policy 'snapkv'" in message
     assert "(did you mean 'window'?)" in message and "(line 5)" in message
     assert "allowed: window, kernel_size, pooling" in message
-    nested = error_of({"policy": {"name": "h2o", "params": {"recent": 8}}})
-    assert nested.startswith("agentkv.policy.params.recent: unknown parameter of policy 'h2o'")
+    nested = error_of({"policy": {"name": "h2o", "params": {"recent_tokns": 8}}})
+    assert nested.startswith("agentkv.policy.params.recent_tokns: unknown parameter of policy 'h2o'")
     assert "did you mean 'recent_tokens'?" in nested
