@@ -21,11 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    ValidationError,
-    field_validator,
-)
+from pydantic import Field, ValidationError, field_validator
 
 from agentkv.config_sections import (
     ALLOWED_POLICIES,

@@ -23,13 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from agentkv.config_text import (
-    ConfigProblems,
-    Loc,
-    parse_bytes,
-    show_value,
-    unknown_value,
-)
+from agentkv.config_text import ConfigProblems, Loc, parse_bytes, show_value, unknown_value
 from agentkv.policies.factory import POLICY_NAMES, policy_params
 from agentkv.spans import SpanKind
 

@@ -25,9 +25,7 @@ from agentkv import (
     TransformersBackend,
 )
 from agentkv.session_ids import branch_session_id
-from agentkv_langchain.decisions import (
-    ToolCallRecord,
-)
+from agentkv_langchain.decisions import ToolCallRecord
 from agentkv_langchain.fanout import BranchSelector, continued_branch
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
