@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from agentkv.config import CUSTOM_EVENT_PREFIX, CUSTOM_EVENT_TARGETS, AgentKVConfig
+from agentkv.config import AgentKVConfig
+from agentkv.config_sections import CUSTOM_EVENT_PREFIX, CUSTOM_EVENT_TARGETS
 from agentkv.events import ACTIONS, EVENT_TARGETS, EVENT_TYPES
 from agentkv.lifecycle import DEFAULT_RULES
 

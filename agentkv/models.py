@@ -18,7 +18,6 @@ not load cleanly is deleted and rebuilt.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import logging
@@ -36,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from agentkv.model_hashing import memo_get, memo_put, sha256_of
 from agentkv.progress import ProgressCallback, report
 
 __all__ = [
@@ -85,7 +85,6 @@ _CACHE_FORMAT = 1
 _MANIFEST_NAME = "agentkv-cache.json"
 _HASH_MEMO_NAME = "gguf-sha256.json"
 _WEIGHTS_NAME = "model.safetensors"
-_HASH_CHUNK_BYTES = 8 << 20
 _STALE_TMP_SECONDS = 24 * 3600
 
 _Dtype = torch.dtype | Literal["auto"]
@@ -177,10 +176,10 @@ def converted_model_dir(source: str | os.PathLike[str] | None = None) -> Path:
         raise ValueError(msg)
     path = path.expanduser().resolve()
     models_dir = cache_root() / "models"
-    digest = _memo_get(models_dir / _HASH_MEMO_NAME, path)
+    digest = memo_get(models_dir / _HASH_MEMO_NAME, path)
     if digest is None or not (models_dir / digest[:16] / "config.json").is_file():
         load_model(str(path), device="cpu")  # converts and fills the cache (and the hash memo)
-        digest = _memo_get(models_dir / _HASH_MEMO_NAME, path)
+        digest = memo_get(models_dir / _HASH_MEMO_NAME, path)
     if digest is None:
         msg = f"the model cache under {models_dir} has no entry for {path} after converting it"
         raise ModelLoadError(msg)
@@ -360,7 +359,7 @@ def _load_gguf(
     models_dir = cache_root() / "models"
     memo_file = models_dir / _HASH_MEMO_NAME
 
-    digest = _memo_get(memo_file, path)
+    digest = memo_get(memo_file, path)
     if digest is not None:
         loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
         if loaded is not None:
@@ -372,8 +371,8 @@ def _load_gguf(
     steps = _Steps(progress, f"preparing {path.name} (first load only)", 3 if digest is not None else 4)
     if digest is None:
         with steps.step("hashing"):
-            digest = _sha256(path)
-        _memo_put(memo_file, path, digest)
+            digest = sha256_of(path)
+        memo_put(memo_file, path, digest)
         loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
         if loaded is not None:
             steps.finish()
@@ -580,59 +579,3 @@ def _transformers_version() -> str:
     import transformers
 
     return str(transformers.__version__)
-
-
-# ---------------------------------------------------------------------------- hashing
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _memo_get(memo_file: Path, path: Path) -> str | None:
-    """The remembered sha256 of `path`, if its size and mtime are unchanged since it was hashed.
-
-    Hashing a multi-GB GGUF on every load would cost seconds; the cache key only
-    has to change when the file does.
-    """
-    try:
-        stat = path.stat()
-        record = json.loads(memo_file.read_text()).get(str(path))
-    except (OSError, ValueError, AttributeError):
-        return None
-    if (
-        isinstance(record, dict)
-        and record.get("size") == stat.st_size
-        and record.get("mtime_ns") == stat.st_mtime_ns
-        and isinstance(record.get("sha256"), str)
-    ):
-        return str(record["sha256"])
-    return None
-
-
-def _memo_put(memo_file: Path, path: Path, digest: str) -> None:
-    """Remember a hash; best effort (a failure only costs a rehash next time)."""
-    try:
-        stat = path.stat()
-        try:
-            records = json.loads(memo_file.read_text())
-            if not isinstance(records, dict):
-                records = {}
-        except (OSError, ValueError):
-            records = {}
-        records[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=memo_file.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(records, f, indent=2)
-            os.replace(tmp, memo_file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as e:
-        logger.debug("could not record the hash of %s in %s: %s", path, memo_file, e)

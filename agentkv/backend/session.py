@@ -14,11 +14,9 @@ lifecycle a few services (`SessionPort`: recompute a span, encode text, ...).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Unpack
 
@@ -27,6 +25,7 @@ import torch
 from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
+from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, LogitsProcessor, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
@@ -38,14 +37,13 @@ from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
-from agentkv.metrics import Counters, LogRecord, SessionStats
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
 
 
-class Session:
+class Session(SessionReadout):
     """One conversation's KV cache. Thread-safe: a per-session lock serialises every call."""
 
     def __init__(
@@ -91,38 +89,6 @@ class Session:
         else:
             self.manager = LifecycleManager(SessionServices(self), self.limits)
 
-    # -- the span table's fields, for reading ----------------------------------------------------
-
-    @property
-    def spans(self) -> list[Span]:
-        """The logical sequence's spans (the table's list)."""
-        return self.table.spans
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        """The conversation's messages (the table's list)."""
-        return self.table.messages
-
-    @property
-    def leases(self) -> dict[int, Lease]:
-        """Live pin receipts by id."""
-        return self.table.leases
-
-    @property
-    def turn(self) -> int:
-        """The current user turn."""
-        return self.table.turn
-
-    @property
-    def counters(self) -> Counters:
-        """Running totals."""
-        return self.table.counters
-
-    @property
-    def log(self) -> deque[LogRecord]:
-        """The event log."""
-        return self.table.log
-
     def budget_limits(self) -> BudgetLimits:
         """This session's budget in bytes (device, host, global) with its watermarks."""
         return self.limits
@@ -143,11 +109,6 @@ class Session:
     def spans_owned_by(self, owner: str) -> list[Span]:
         """Spans whose owner (message id, tool_call_id, branch) is `owner`."""
         return self.table.owned_by(owner)
-
-    @property
-    def logical_length(self) -> int:
-        """Tokens in the logical sequence (held or not)."""
-        return self.table.logical_length
 
     def token_ids(self) -> list[int]:
         """The whole logical sequence's token ids (nothing is ever lost)."""
@@ -608,59 +569,6 @@ class Session:
             self.last_logits = parent.last_logits
             self.manager = LifecycleManager(SessionServices(self), self.limits)
             self.manager.inherit(parent.manager)
-
-    # -- reporting -------------------------------------------------------------------------------
-
-    def stats(self) -> SessionStats:
-        """Counters and per-tier bytes, now."""
-        with self.lock:
-            tiers = self.store.bytes_by_tier()
-            by_state = {state.value: 0 for state in SpanState}
-            for span in self.spans:
-                by_state[span.state.value] += span.length
-            c = self.counters
-            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
-            return SessionStats.from_counters(
-                c,
-                session_id=self.session_id,
-                device_bytes=tiers.device,
-                quantized_bytes=tiers.quantized,
-                host_bytes=tiers.host,
-                shared_device_bytes=tiers.shared,
-                tokens_by_state=by_state,
-                attended_tokens=self.store.physical.length,
-                logical_tokens=self.logical_length,
-                spans=len(self.spans),
-                turn=self.turn,
-                budget_satisfied=self.manager.budget_satisfied,
-            )
-
-    def snapshot(self) -> dict[str, Any]:
-        """The span map and stats as a JSON-friendly dict (what `agentkv inspect` renders)."""
-        with self.lock:
-            tokenizer = self.backend.tokenizer
-            spans = []
-            for span in self.spans:
-                entry = span.describe()
-                entry["bytes"] = self.store.span_bytes(span)
-                entry["preview"] = tokenizer.decode(span.token_ids[:48], skip_special_tokens=False)
-                spans.append(entry)
-            return {"session_id": self.session_id, "stats": self.stats().to_dict(), "spans": spans}
-
-    def export_log(self) -> str:
-        """The event log as JSON lines."""
-        with self.lock:
-            return "\n".join(record.to_json() for record in self.log)
-
-    def save_snapshot(self, path: str) -> None:
-        """Write `snapshot()` as JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.snapshot(), f, indent=2)
-
-    def check(self) -> None:
-        """Verify the invariants; raise `AssertionError`-free `RuntimeError` naming the first broken one."""
-        with self.lock:
-            self.manager.check()
 
     def close(self) -> None:
         """Free the session's KV (tokens are dropped with it)."""

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.chat import ChatFormat
-from agentkv.config import AgentKVConfig, EngineConfig
+from agentkv.config import AgentKVConfig
+from agentkv.config_sections import EngineConfig
 from agentkv.engines.http import EngineError, Transport
 from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.session import EngineSession

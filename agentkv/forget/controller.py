@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentkv.chat import ChatMessage
-from agentkv.config import FORGET_PROMPT_FIELD, AgentKVConfig, ForgetConfig
+from agentkv.config import AgentKVConfig, ForgetConfig
+from agentkv.config_sections import FORGET_PROMPT_FIELD
 from agentkv.events import Event, TurnEnded
 from agentkv.forget.protocol import (
     SIDE_THREAD_BRANCH,

@@ -43,8 +43,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from uuid import UUID
 
@@ -54,7 +53,6 @@ from langchain_core.messages import AIMessage, ToolMessage
 from agentkv import (
     AgentKVConfig,
     Backend,
-    BranchOpened,
     BranchPruned,
     BranchSelected,
     Custom,
@@ -62,12 +60,11 @@ from agentkv import (
     Lease,
     ToolCallCompleted,
     ToolCallFailed,
-    TransformersBackend,
     TurnEnded,
     UserConfirmed,
     UserRejected,
 )
-from agentkv.session_ids import branch_session_id, is_branch_of
+from agentkv.session_ids import is_branch_of
 from agentkv_langchain.decisions import (
     CONFIRM_EVENT,
     CUSTOM_EVENTS,
@@ -77,14 +74,21 @@ from agentkv_langchain.decisions import (
     PRUNE_BRANCH_EVENT,
     REJECT_EVENT,
     SELECT_BRANCH_EVENT,
-    Decision,
     ToolCallRecord,
+    answered_interrupts,
     custom_event_from,
-    decisions_for,
+    decision_events,
     resume_decision,
 )
-from agentkv_langchain.fanout import BranchSelector, continued_branch
-from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
+from agentkv_langchain.fanout import BranchSelector
+from agentkv_langchain.runs import (
+    RunContext,
+    RunTracking,
+    graph_step,
+    is_bubble_up,
+    is_resume_command,
+)
+from agentkv_langchain.sessions import THREAD_KEY, SessionKey
 
 if TYPE_CHECKING:
     # LangGraph delivers `on_interrupt` / `on_resume` only to `GraphCallbackHandler`s;
@@ -111,35 +115,12 @@ __all__ = [
 
 logger = logging.getLogger("agentkv.callbacks")
 
-_BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
-"""LangGraph's control-flow exceptions: an interrupt is a pause, not a failure."""
-
 _REPORTED = "_agentkv_reported"
 """Marks an exception already counted, so an outer guard does not count it again."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
 H = TypeVar("H", bound="KVLifecycleCallbackHandler")
-
-
-@dataclass
-class _RunContext:
-    """What a run's start told us, for the end/error callbacks that carry no metadata."""
-
-    thread: str
-    branch: str | None
-    root: UUID
-    node: str | None = None
-    checkpoint_ns: str | None = None
-    triggers: tuple[str, ...] = ()
-    tool_call_id: str | None = None
-    interrupted: bool = False
-    resume: list[Any] = field(default_factory=list)
-    """A top-level run's pending `Command(resume=...)` value (at most one), applied at `on_resume`."""
-
-    @property
-    def session_id(self) -> str:
-        return branch_session_id(self.thread, self.branch)
 
 
 def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P], R | None]:
@@ -158,7 +139,7 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
     return wrapper
 
 
-class KVLifecycleCallbackHandler(_HandlerBase):
+class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
     """Turns agent runs into lifecycle events on a `TransformersBackend`'s sessions.
 
     Register it like any LangChain callback (`config={"callbacks": [handler]}`), or
@@ -218,7 +199,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self.errors = 0
         """Exceptions caught inside callbacks (each one logged)."""
         self._lock = threading.RLock()
-        self._runs: dict[UUID, _RunContext] = {}
+        self._runs: dict[UUID, RunContext] = {}
         self._interrupts: dict[str, dict[str, Any]] = {}
         """Per thread: pending interrupt id → its value (what a resume answers)."""
         self._tool_calls: dict[str, list[ToolCallRecord]] = {}
@@ -292,7 +273,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
     ) -> None:
         """Remember the run; a top-level `Command(resume=...)` is held until LangGraph confirms the resume."""
         context = self._enter(run_id, parent_run_id, metadata)
-        if parent_run_id is None and _is_resume_command(inputs):
+        if parent_run_id is None and is_resume_command(inputs):
             with self._lock:
                 context.resume[:] = [inputs.resume]
 
@@ -315,7 +296,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """
         context = self._enter(run_id, parent_run_id, metadata, model=True)
         if context.branch is None and messages:
-            self._settle(context.thread, step=_step(metadata), messages=messages[0])
+            self._settle(context.thread, step=graph_step(metadata), messages=messages[0])
         for batch in messages or []:
             for message in batch or []:
                 if not (isinstance(message, ToolMessage) and message.status == "error"):
@@ -411,7 +392,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         context = self._exit(run_id)
         if context is None:
             return
-        if _is_bubble_up(error):
+        if is_bubble_up(error):
             self._mark_interrupted(context.root)
             return
         if context.tool_call_id:
@@ -446,13 +427,13 @@ class KVLifecycleCallbackHandler(_HandlerBase):
     ) -> None:
         """A failed run changes nothing (the next user turn ends it); an interrupt marks the turn paused."""
         context = self._exit(run_id)
-        if context is not None and _is_bubble_up(error):
+        if context is not None and is_bubble_up(error):
             self._mark_interrupted(context.root)
         if parent_run_id is None:
             self._forget_root(run_id)
             if context is not None:
                 self.flush(thread=context.thread)
-                if context.branch is None and not (context.interrupted or _is_bubble_up(error)):
+                if context.branch is None and not (context.interrupted or is_bubble_up(error)):
                     self._settle(context.thread, at_end=True)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------
@@ -481,12 +462,12 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                 return
             resume = root.resume.pop()
             pending = self._interrupts.get(context.thread, {})
-            answered = self._answers(resume, pending)
+            answered = answered_interrupts(resume, pending)
             for interrupt_id, _, _ in answered:
                 pending.pop(interrupt_id, None)
             session_id = root.session_id
             records = list(self._tool_calls.get(session_id, ()))
-        for event_ in self._decision_events(answered, records):
+        for event_ in decision_events(answered, records):
             self._emit(session_id, event_)
 
     # -- custom events ---------------------------------------------------------------------------
@@ -566,151 +547,6 @@ class KVLifecycleCallbackHandler(_HandlerBase):
     def _thread(self, thread_id: str | None) -> str:
         return SessionKey.from_metadata({THREAD_KEY: thread_id} if thread_id else {}, self.session_id).thread
 
-    def _context(self, run_id: UUID | None) -> _RunContext | None:
-        if run_id is None:
-            return None
-        with self._lock:
-            return self._runs.get(run_id)
-
-    def _context_from(
-        self,
-        run_id: UUID,
-        parent_run_id: UUID | None,
-        metadata: Mapping[str, Any] | None,
-        *,
-        model: bool = False,
-    ) -> _RunContext:
-        """A run's context: its own metadata where it says something, its parent's otherwise.
-
-        Only a model call inside a `Send` task runs on the task's fork (`model=True`); a
-        node or tool run there belongs to the thread, unless `agentkv_branch` names a branch.
-        """
-        metadata = metadata or {}
-        parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
-        if parent is None and not metadata.get(THREAD_KEY):
-            # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
-            # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
-            metadata = current_metadata(metadata)
-        key = SessionKey.from_metadata(metadata, self.session_id, send_forks=model)
-        thread = (
-            key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread
-        )
-        branch = key.branch
-        if branch is None and BRANCH_KEY not in metadata and parent is not None and parent.thread == thread:
-            branch = parent.branch
-        triggers = metadata.get("langgraph_triggers") or (parent.triggers if parent else ())
-        return _RunContext(
-            thread=thread,
-            branch=branch,
-            root=parent.root if parent is not None else run_id,
-            node=metadata.get("langgraph_node") or (parent.node if parent else None),
-            checkpoint_ns=metadata.get("langgraph_checkpoint_ns")
-            or (parent.checkpoint_ns if parent else None),
-            triggers=tuple(triggers)
-            if isinstance(triggers, Sequence) and not isinstance(triggers, str)
-            else (),
-        )
-
-    def _enter(
-        self,
-        run_id: UUID,
-        parent_run_id: UUID | None,
-        metadata: Mapping[str, Any] | None,
-        *,
-        model: bool = False,
-    ) -> _RunContext:
-        with self._lock:
-            context = self._context_from(run_id, parent_run_id, metadata, model=model)
-            self._runs[run_id] = context
-            opened = context.branch is not None and (context.thread, context.branch) not in self._branches
-            if opened and context.branch is not None:
-                self._branches[(context.thread, context.branch)] = _step(metadata)
-        if opened and context.branch is not None:
-            self._emit(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
-        return context
-
-    def _settle(
-        self, thread: str, *, step: int | None = None, messages: Any = None, at_end: bool = False
-    ) -> None:
-        """Settle the thread's open branches (see `agentkv_langchain.fanout`).
-
-        Args:
-            thread: The thread whose fan-out is settled.
-            step: The graph step of the thread-level call settling it; branches opened at
-                that step or later are still running and stay open.
-            messages: That call's input: a branch it continues is adopted.
-            at_end: The run ended: selected branches stay for the next run, others go.
-        """
-        with self._lock:
-            settling = [
-                b
-                for (t, b), opened in self._branches.items()
-                if t == thread and (step is None or opened is None or opened < step)
-            ]
-            selected = {b for b in settling if (thread, b) in self._selected}
-        if not settling:
-            return
-        winner = None
-        keep: set[str] = set()
-        backend = self.backend
-        # Adoption moves a local session (`TransformersBackend.adopt`); an engine's branches are pruned.
-        if messages is not None and self.adopt_branches and isinstance(backend, TransformersBackend):
-            winner = continued_branch(backend, thread, settling, messages)
-        if at_end:
-            keep = set(selected)
-            if not keep and self.branch_selector is not None:
-                pick = self.branch_selector(thread, sorted(settling))
-                keep = {pick} if pick in settling else set()
-        for branch in settling:
-            if branch != winner and branch not in keep:
-                self._emit(thread, BranchPruned(branch=branch))
-        with self._lock:
-            for branch in settling:
-                if branch not in keep:
-                    self._branches.pop((thread, branch), None)
-                    self._selected.discard((thread, branch))
-                else:
-                    self._selected.add((thread, branch))
-        if winner is not None and isinstance(backend, TransformersBackend):
-            with self._lock:
-                self.events.append((thread, BranchSelected(branch=winner)))
-            try:
-                backend.adopt(thread, winner)
-            except Exception as e:
-                self.report_failure(f"adopting branch {winner!r} of {thread!r}", e)
-            else:
-                with self._lock:
-                    self.adopted.append((thread, winner))
-                logger.debug("thread %s goes on with branch %s: adopted", thread, winner)
-
-    def _session_of_call(self, call_id: str) -> str | None:
-        """The session whose model made tool call `call_id` (its result is encoded there)."""
-        with self._lock:
-            return next(
-                (
-                    sid
-                    for sid, records in self._tool_calls.items()
-                    if any(r.tool_call_id == call_id for r in records)
-                ),
-                None,
-            )
-
-    def _exit(self, run_id: UUID) -> _RunContext | None:
-        with self._lock:
-            return self._runs.pop(run_id, None)
-
-    def _forget_root(self, root: UUID) -> None:
-        """Drop what is left of a finished top-level run (children that never reported an end)."""
-        with self._lock:
-            for run_id in [r for r, c in self._runs.items() if c.root == root]:
-                del self._runs[run_id]
-
-    def _mark_interrupted(self, root: UUID) -> None:
-        with self._lock:
-            context = self._runs.get(root)
-            if context is not None:
-                context.interrupted = True
-
     def _pin(self, session_id: str, owner: str | None) -> None:
         if owner is None:
             msg = f"{PIN_EVENT}: data['owner'] is required (the span owner to pin)"
@@ -720,40 +556,6 @@ class KVLifecycleCallbackHandler(_HandlerBase):
                 return  # already pinned (a re-run node pins again), or no such session: a no-op hint
             self.events.append((session_id, Custom(event="pin", owner=owner)))
             self.leases[(session_id, owner)] = self.backend.get(session_id).pin(owner, reason=PIN_EVENT)
-
-    @staticmethod
-    def _answers(resume: Any, pending: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-        """Pair a resume value with the interrupts it answers: `(interrupt id, interrupt value, answer)`."""
-        if isinstance(resume, Mapping) and resume and pending and all(str(k) in pending for k in resume):
-            return [(str(k), pending[str(k)], v) for k, v in resume.items()]
-        if pending:  # one value answers the oldest pending interrupt, as LangGraph resumes it
-            interrupt_id = next(iter(pending))
-            return [(interrupt_id, pending[interrupt_id], resume)]
-        return [("", None, resume)]
-
-    @staticmethod
-    def _decision_events(
-        answered: Sequence[tuple[str, Any, Any]], records: Sequence[ToolCallRecord]
-    ) -> list[Event]:
-        """Confirm/reject events for answered interrupts.
-
-        A `HumanInTheLoopMiddleware` request reviews tool calls; its decisions are
-        grouped by the message that made the calls: the message is confirmed when any
-        of its calls was approved, edited or answered, rejected when all were rejected.
-        Any other interrupt is about `value["agentkv_owner"]` (None = the latest
-        assistant message).
-        """
-        by_owner: dict[str | None, list[Decision]] = {}
-        for _, value, answer in answered:
-            for owner, decision in decisions_for(value, answer, records):
-                by_owner.setdefault(owner, []).append(decision)
-        events: list[Event] = []
-        for owner, decisions in by_owner.items():
-            if "confirm" in decisions:
-                events.append(UserConfirmed(owner=owner))
-            else:
-                events.append(UserRejected(owner=owner))
-        return events
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -771,22 +573,7 @@ def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:
     return None
 
 
-def _step(metadata: Mapping[str, Any] | None) -> int | None:
-    """The LangGraph step a run belongs to (`langgraph_step`), if any."""
-    step = (metadata or {}).get("langgraph_step")
-    return step if isinstance(step, int) else None
-
-
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return str(content)
-
-
-def _is_bubble_up(error: BaseException) -> bool:
-    return any(cls.__name__ in _BUBBLE_UPS for cls in type(error).__mro__)
-
-
-def _is_resume_command(inputs: Any) -> bool:
-    """A LangGraph `Command` carrying a resume value (checked by shape: LangGraph is optional)."""
-    return type(inputs).__name__ == "Command" and getattr(inputs, "resume", None) is not None

@@ -31,8 +31,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Self
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -43,8 +41,6 @@ from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
-    InvalidToolCall,
-    ToolCall,
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
@@ -52,40 +48,43 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from langchain_core.utils.json import parse_partial_json
-from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import ConfigDict, Field, model_validator
 
 from agentkv import AnySession, Backend, EngineBackend, Session
 from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import shared_backend
+from agentkv_langchain.calls import (
+    CallAnswer,
+    answer_message_id,
+    call_metadata,
+    close_iterator,
+    history_before_answer,
+    loaded_model_name,
+    run_id_of,
+    tool_call_ban,
+    unparseable,
+)
 from agentkv_langchain.messages import to_chat_dicts
-from agentkv_langchain.sessions import calling, current_metadata, session_for
+from agentkv_langchain.planning import CallPlanning
+from agentkv_langchain.sessions import calling, session_for
 from agentkv_langchain.tools import (
     ANY_TOOL,
-    TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     CallEnd,
-    ToolCallBan,
     ToolCallStreamFilter,
     choose_tool,
     forced_call_prefix,
     parse_tool_calls,
-    render_tool_prompt,
     resolve_tool_choice,
     tool_names,
     tool_parameters,
 )
-from agentkv_langchain.toolset import outside, thread_tools
+from agentkv_langchain.toolset import outside
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
-_SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
-_IGNORED_KWARGS = ("strict", "parallel_tool_calls")
-"""Accepted and ignored: the `<tool_call>` protocol has no strict mode; parallel calls are always allowed."""
 
-
-class ChatAgentKV(BaseChatModel):
+class ChatAgentKV(CallPlanning, BaseChatModel):
     """A local Transformers model whose KV cache lives across an agent's calls.
 
     Setup:
@@ -171,7 +170,7 @@ class ChatAgentKV(BaseChatModel):
             if isinstance(backend, EngineBackend):
                 self.model_name = backend.engine.served_model
             else:
-                self.model_name = _model_name(backend.model)
+                self.model_name = loaded_model_name(backend.model)
         return self
 
     # -- LangChain plumbing ------------------------------------------------------------------
@@ -353,9 +352,9 @@ class ChatAgentKV(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        message_id = _message_id(_run_id(run_manager))
-        with closing(self._answer(messages, stop, _metadata(run_manager), message_id, kwargs)) as answer:
-            final = next(item for item in answer if isinstance(item, _Answer))
+        message_id = answer_message_id(run_id_of(run_manager))
+        with closing(self._answer(messages, stop, call_metadata(run_manager), message_id, kwargs)) as answer:
+            final = next(item for item in answer if isinstance(item, CallAnswer))
         message = AIMessage(
             content=final.content,
             id=final.message_id,
@@ -376,7 +375,7 @@ class ChatAgentKV(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         with closing(
-            self._chunks(messages, stop, _metadata(run_manager), _run_id(run_manager), kwargs)
+            self._chunks(messages, stop, call_metadata(run_manager), run_id_of(run_manager), kwargs)
         ) as chunks:
             for chunk in chunks:
                 if run_manager:
@@ -407,7 +406,7 @@ class ChatAgentKV(BaseChatModel):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[ChatGenerationChunk | BaseException | None] = asyncio.Queue()
         stopped = threading.Event()
-        chunks = self._chunks(messages, stop, _metadata(run_manager), _run_id(run_manager), kwargs)
+        chunks = self._chunks(messages, stop, call_metadata(run_manager), run_id_of(run_manager), kwargs)
 
         def produce() -> None:
             try:
@@ -442,7 +441,7 @@ class ChatAgentKV(BaseChatModel):
         kwargs: Mapping[str, Any],
     ) -> Generator[ChatGenerationChunk, None, None]:
         """The answer as stream chunks: content as it is decoded; the last carries calls and usage."""
-        message_id = _message_id(run_id)
+        message_id = answer_message_id(run_id)
         with closing(self._answer(messages, stop, metadata, message_id, kwargs)) as answer:
             for item in answer:
                 if isinstance(item, str):
@@ -454,7 +453,7 @@ class ChatAgentKV(BaseChatModel):
                 ]
                 calls += [
                     tool_call_chunk(
-                        name=c["name"], args=_unparseable(c["args"]), id=c["id"], index=len(calls) + i
+                        name=c["name"], args=unparseable(c["args"]), id=c["id"], index=len(calls) + i
                     )
                     for i, c in enumerate(item.invalid_tool_calls)
                 ]
@@ -477,8 +476,8 @@ class ChatAgentKV(BaseChatModel):
         metadata: Mapping[str, Any],
         message_id: str,
         kwargs: Mapping[str, Any],
-    ) -> Generator[str | _Answer, None, None]:
-        """Extend the session, decode, bind the answer; yield content text, then the `_Answer`."""
+    ) -> Generator[str | CallAnswer, None, None]:
+        """Extend the session, decode, bind the answer; yield content text, then the `CallAnswer`."""
         started = time.perf_counter()
         session = self._session(metadata)
         plan = self._plan(messages, stop, kwargs, session)
@@ -503,7 +502,7 @@ class ChatAgentKV(BaseChatModel):
             call_end = CallEnd(prefix) if prefix else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.ban_calls and local:
-                options["logits_processor"] = _tool_call_ban(self.backend)
+                options["logits_processor"] = tool_call_ban(self.backend)
             elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
                 options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
             pieces = session.stream(**options)
@@ -518,7 +517,7 @@ class ChatAgentKV(BaseChatModel):
                     if call_end is not None and call_end.feed(piece):
                         break  # the forced call is complete; what follows would be noise
             finally:
-                _close(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
+                close_iterator(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
             if visible is not None:
                 content, calls, invalid = parse_tool_calls(prefix + "".join(raw))
@@ -548,7 +547,7 @@ class ChatAgentKV(BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens = _history_before_answer(session, output_tokens)
+            input_tokens = history_before_answer(session, output_tokens)
         finish = (
             "tool_calls"
             if calls
@@ -556,7 +555,7 @@ class ChatAgentKV(BaseChatModel):
             if output_tokens >= plan.sampling["max_new_tokens"]
             else "stop"
         )
-        yield _Answer(
+        yield CallAnswer(
             message_id=message_id,
             content=content,
             rest=rest,
@@ -587,194 +586,3 @@ class ChatAgentKV(BaseChatModel):
         call (a stateless baseline that re-encodes everything) overrides only this.
         """
         return session_for(self.backend, metadata, self.session_id)
-
-    # -- one call's plan ----------------------------------------------------------------------
-
-    def _plan(
-        self,
-        messages: Sequence[BaseMessage],
-        stop: list[str] | None,
-        kwargs: Mapping[str, Any],
-        session: AnySession | None = None,
-    ) -> _Plan:
-        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs.
-
-        With a session, the thread keeps the tools block it started with and a changed
-        tool set becomes a note (see `agentkv_langchain.toolset`).
-        """
-        options = dict(kwargs)
-        tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
-        choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))
-        requested = options.pop("model", None)
-        if requested is not None and requested != self.model_name:
-            msg = (
-                f"model={requested!r}: ChatAgentKV serves the in-process model {self.model_name!r}; "
-                "build another ChatAgentKV (with its own backend) for another model"
-            )
-            raise ValueError(msg)
-        for key in _IGNORED_KWARGS:
-            options.pop(key, None)
-        sampling: dict[str, Any] = {
-            "max_new_tokens": options.pop("max_tokens", options.pop("max_new_tokens", self.max_new_tokens)),
-            "temperature": options.pop("temperature", self.temperature),
-            "top_p": options.pop("top_p", self.top_p),
-            "top_k": options.pop("top_k", self.top_k),
-            "seed": options.pop("seed", self.seed),
-            "stop": list(stop if stop is not None else self.stop or []),
-        }
-        if options:
-            allowed = ", ".join(("tools", "tool_choice", "model", *_SAMPLING_KWARGS, *_IGNORED_KWARGS))
-            msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
-            raise ValueError(msg)
-        chat = to_chat_dicts(messages)
-        if tools and choice is None and self.tool_use == "call_then_answer" and chat:
-            last = chat[-1]["role"]
-            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
-            choice = "none" if last == "tool" else choice
-        block = tools
-        if session is not None:
-            chat, block = thread_tools(session).plan(chat, tools)
-        if block:
-            chat = self._with_tools(chat, block)
-        prefix = ""
-        if tools and choice not in (None, "none"):
-            if choice != ANY_TOOL:
-                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
-            sampling["stop"].append(TOOL_CALL_CLOSE)
-        # No call when none is wanted, or when the prompt lists tools but none are bound now.
-        ban = (bool(tools) and choice == "none") or (not tools and bool(block))
-        return _Plan(
-            messages=chat, tools=tools, prefix=prefix, sampling=sampling, choice=choice, ban_calls=ban
-        )
-
-    def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Describe the tools: through the chat template when it can, else in the system prompt.
-
-        The tool prompt goes *after* the system prompt's own text, so a conversation that
-        starts without tools and gains them later keeps its system prompt's tokens cached.
-        """
-        chat = list(chat)
-        if self.backend.chat_format.tools_in_template:
-            chat[0] = {**chat[0], "tools": tools}
-            return chat
-        prompt = render_tool_prompt(tools)
-        index = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
-        if index is None:
-            chat.insert(0, {"role": "system", "content": prompt})
-        else:
-            own = chat[index]["content"]
-            chat[index] = {**chat[index], "content": f"{own}\n\n{prompt}" if own else prompt}
-        return chat
-
-
-@dataclass
-class _Answer:
-    """One finished answer, already bound to its session."""
-
-    message_id: str
-    content: str
-    rest: str
-    """The part of `content` a stream had not shown yet (held back around tool calls)."""
-    tool_calls: list[ToolCall]
-    invalid_tool_calls: list[InvalidToolCall]
-    usage: UsageMetadata
-    response_metadata: dict[str, Any]
-    generation_info: dict[str, Any]
-
-
-@dataclass
-class _Plan:
-    """What one call hands the session."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    prefix: str
-    """Text the answer starts with (a forced call's opening), prefilled, not generated."""
-    sampling: dict[str, Any] = field(default_factory=dict)
-    choice: str | None = None
-    """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
-    ban_calls: bool = False
-    """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
-
-
-# ---------------------------------------------------------------------------- small helpers
-
-
-def _metadata(
-    run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
-) -> Mapping[str, Any]:
-    """The call's metadata: the run manager's, completed with the call's config (`current_metadata`)."""
-    return current_metadata(run_manager.metadata if run_manager is not None else None)
-
-
-def _model_name(model: Any) -> str:
-    """A readable name for a loaded model: its hub id or directory name.
-
-    `load_model()` serves a GGUF from a converted copy named by the file's hash; the
-    copy's manifest (written by `agentkv.models`) names the GGUF, whose stem is used.
-    """
-    path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
-    manifest = Path(path, "agentkv-cache.json") if path else None
-    if manifest is not None and manifest.is_file():
-        try:
-            source = json.loads(manifest.read_text()).get("source")
-        except (OSError, ValueError):
-            source = None
-        if isinstance(source, str) and source:
-            return Path(source).name.removesuffix(".gguf")
-    if path:
-        return path if not Path(path).is_dir() else Path(path).name
-    return type(model).__name__
-
-
-def _message_id(run_id: uuid.UUID | None) -> str:
-    """The answer's id: LangChain's own `lc_run--<run_id>`, so the callback handler can name the span."""
-    return f"{LC_ID_PREFIX}-{run_id or uuid.uuid4()}"
-
-
-def _run_id(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> uuid.UUID | None:
-    return run_manager.run_id if run_manager is not None else None
-
-
-def _history_before_answer(session: AnySession, output_tokens: int) -> int:
-    """Tokens in the session's logical history before the answer's first generated token.
-
-    The answer's span holds the generation prompt (and any prefilled call opening),
-    the generated tokens and the template's end-of-turn suffix.
-    """
-    span = next(s for s in reversed(session.spans) if s.generated)
-    return span.end - output_tokens - len(session.format.assistant_suffix_ids())
-
-
-_BANS: dict[int, ToolCallBan] = {}
-_BANS_LOCK = threading.Lock()
-
-
-def _tool_call_ban(backend: Backend) -> ToolCallBan:
-    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
-    key = id(backend.tokenizer)
-    with _BANS_LOCK:
-        ban = _BANS.get(key)
-        if ban is None or ban.tokenizer is not backend.tokenizer:
-            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
-        return ban
-
-
-def _close(iterator: Iterator[Any]) -> None:
-    close = getattr(iterator, "close", None)
-    if close is not None:
-        close()
-
-
-def _unparseable(args: str | None) -> str:
-    """An invalid call's raw text, in a form that chunk merging will not "repair" into a valid call.
-
-    Merged stream chunks re-parse their `args` leniently (`parse_partial_json`); raw text
-    that happens to parse that way is sent as a JSON string literal instead.
-    """
-    raw = args or ""
-    try:
-        repaired = parse_partial_json(raw)
-    except (ValueError, TypeError):
-        return raw
-    return json.dumps(raw) if isinstance(repaired, dict) else raw

@@ -12,9 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentkv import Custom, Event
+from agentkv import Custom, Event, UserConfirmed, UserRejected
 
 __all__ = [
+    "answered_interrupts",
+    "decision_events",
     "CONFIRM_EVENT",
     "CUSTOM_EVENTS",
     "GENERIC_EVENT",
@@ -189,3 +191,37 @@ def custom_event_from(data: Any) -> Event:
         msg = f"{GENERIC_EVENT}: data['payload'] must be a mapping, got {type(payload).__name__}"
         raise TypeError(msg)
     return Custom(event=name, owner=str(owner) if owner is not None else None, payload=dict(payload))
+
+
+def answered_interrupts(resume: Any, pending: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Pair a resume value with the interrupts it answers: `(interrupt id, interrupt value, answer)`."""
+    if isinstance(resume, Mapping) and resume and pending and all(str(k) in pending for k in resume):
+        return [(str(k), pending[str(k)], v) for k, v in resume.items()]
+    if pending:  # one value answers the oldest pending interrupt, as LangGraph resumes it
+        interrupt_id = next(iter(pending))
+        return [(interrupt_id, pending[interrupt_id], resume)]
+    return [("", None, resume)]
+
+
+def decision_events(
+    answered: Sequence[tuple[str, Any, Any]], records: Sequence[ToolCallRecord]
+) -> list[Event]:
+    """Confirm/reject events for answered interrupts.
+
+    A `HumanInTheLoopMiddleware` request reviews tool calls; its decisions are
+    grouped by the message that made the calls: the message is confirmed when any
+    of its calls was approved, edited or answered, rejected when all were rejected.
+    Any other interrupt is about `value["agentkv_owner"]` (None = the latest
+    assistant message).
+    """
+    by_owner: dict[str | None, list[Decision]] = {}
+    for _, value, answer in answered:
+        for owner, decision in decisions_for(value, answer, records):
+            by_owner.setdefault(owner, []).append(decision)
+    events: list[Event] = []
+    for owner, decisions in by_owner.items():
+        if "confirm" in decisions:
+            events.append(UserConfirmed(owner=owner))
+        else:
+            events.append(UserRejected(owner=owner))
+    return events

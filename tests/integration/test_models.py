@@ -229,7 +229,7 @@ def test_second_load_hits_the_cache_with_identical_logits(
     def no_rehash(path: Path) -> str:
         raise AssertionError("the GGUF was hashed again although its size and mtime did not change")
 
-    monkeypatch.setattr(models, "_sha256", no_rehash)
+    monkeypatch.setattr(models, "sha256_of", no_rehash)
     with caplog.at_level(logging.INFO, logger="agentkv.models"):
         model, tokenizer = load_model()
     assert any("from cache" in r.getMessage() for r in caplog.records)

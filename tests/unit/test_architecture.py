@@ -158,3 +158,13 @@ def test_lifecycle_modules_stay_small() -> None:
         for path in ROOT.joinpath("agentkv", "lifecycle").glob("*.py")
     }
     assert max(sizes.values()) <= 350, sizes
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """A module that outgrows one reader's sitting is split (issue 12: no module over ~600 lines)."""
+    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
+    offenders = {name: n for name, n in sorted(sizes.items()) if n > MAX_MODULE_LINES}
+    assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split them): {offenders}"

@@ -102,7 +102,7 @@ def test_none_returns_the_text_answer_when_the_model_starts_a_call(backend, monk
     boost = boost_tool_call(backend.tokenizer)
     ban = ToolCallBan(backend.tokenizer)
     monkeypatch.setattr(
-        chat_models_module, "_tool_call_ban", lambda _backend: lambda p, logits: ban(p, boost(p, logits))
+        chat_models_module, "tool_call_ban", lambda _backend: lambda p, logits: ban(p, boost(p, logits))
     )
     llm = ChatAgentKV(backend=backend, max_new_tokens=8)
     result = llm.bind_tools([tool("search")], tool_choice="none").invoke(HISTORY)

@@ -1,0 +1,125 @@
+"""What a session tells without changing anything: its table's fields, stats, snapshots, the log.
+
+`Session` inherits these from `SessionReadout`, so the encoding and decoding in
+`agentkv.backend.session` stay on one screen. Every method reads; none writes the
+cache or the span table (`stats` only raises the peak-bytes counter).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from typing import Any
+
+from agentkv.backend.contracts import SessionHost
+from agentkv.chat import ChatMessage
+from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.manager import LifecycleManager
+from agentkv.lifecycle.table import SpanTable
+from agentkv.metrics import Counters, LogRecord, SessionStats
+from agentkv.spans import Span, SpanState
+from agentkv.store.kvstore import KVStore
+
+__all__ = ["SessionReadout"]
+
+
+class SessionReadout:
+    """The reading half of `Session`: properties over its `SpanTable`, stats and snapshots."""
+
+    backend: SessionHost
+    session_id: str
+    lock: threading.RLock
+    store: KVStore
+    table: SpanTable
+    manager: LifecycleManager
+
+    # -- the span table's fields, for reading ----------------------------------------------------
+
+    @property
+    def spans(self) -> list[Span]:
+        """The logical sequence's spans (the table's list)."""
+        return self.table.spans
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation's messages (the table's list)."""
+        return self.table.messages
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """Live pin receipts by id."""
+        return self.table.leases
+
+    @property
+    def turn(self) -> int:
+        """The current user turn."""
+        return self.table.turn
+
+    @property
+    def counters(self) -> Counters:
+        """Running totals."""
+        return self.table.counters
+
+    @property
+    def log(self) -> deque[LogRecord]:
+        """The event log."""
+        return self.table.log
+
+    @property
+    def logical_length(self) -> int:
+        """Tokens in the logical sequence (held or not)."""
+        return self.table.logical_length
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def stats(self) -> SessionStats:
+        """Counters and per-tier bytes, now."""
+        with self.lock:
+            tiers = self.store.bytes_by_tier()
+            by_state = {state.value: 0 for state in SpanState}
+            for span in self.spans:
+                by_state[span.state.value] += span.length
+            c = self.counters
+            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
+            return SessionStats.from_counters(
+                c,
+                session_id=self.session_id,
+                device_bytes=tiers.device,
+                quantized_bytes=tiers.quantized,
+                host_bytes=tiers.host,
+                shared_device_bytes=tiers.shared,
+                tokens_by_state=by_state,
+                attended_tokens=self.store.physical.length,
+                logical_tokens=self.logical_length,
+                spans=len(self.spans),
+                turn=self.turn,
+                budget_satisfied=self.manager.budget_satisfied,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The span map and stats as a JSON-friendly dict (what `agentkv inspect` renders)."""
+        with self.lock:
+            tokenizer = self.backend.tokenizer
+            spans = []
+            for span in self.spans:
+                entry = span.describe()
+                entry["bytes"] = self.store.span_bytes(span)
+                entry["preview"] = tokenizer.decode(span.token_ids[:48], skip_special_tokens=False)
+                spans.append(entry)
+            return {"session_id": self.session_id, "stats": self.stats().to_dict(), "spans": spans}
+
+    def export_log(self) -> str:
+        """The event log as JSON lines."""
+        with self.lock:
+            return "\n".join(record.to_json() for record in self.log)
+
+    def save_snapshot(self, path: str) -> None:
+        """Write `snapshot()` as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.snapshot(), f, indent=2)
+
+    def check(self) -> None:
+        """Verify the invariants; raise `AssertionError`-free `RuntimeError` naming the first broken one."""
+        with self.lock:
+            self.manager.check()

@@ -1,0 +1,156 @@
+"""What one `ChatAgentKV` call carries and the small helpers around it.
+
+`CallPlan` (what a call hands the session) and `CallAnswer` (one finished answer),
+the call's metadata, run and message ids, the model's display name, and the
+per-tokenizer `ToolCallBan`. Nothing here holds a session or a model.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.messages import InvalidToolCall, ToolCall
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.utils.json import parse_partial_json
+from langchain_core.utils.utils import LC_ID_PREFIX
+
+from agentkv import AnySession, Backend
+from agentkv_langchain.sessions import current_metadata
+from agentkv_langchain.tools import ToolCallBan
+
+__all__ = [
+    "CallAnswer",
+    "CallPlan",
+    "answer_message_id",
+    "call_metadata",
+    "close_iterator",
+    "history_before_answer",
+    "loaded_model_name",
+    "run_id_of",
+    "tool_call_ban",
+    "unparseable",
+]
+
+
+@dataclass
+class CallAnswer:
+    """One finished answer, already bound to its session."""
+
+    message_id: str
+    content: str
+    rest: str
+    """The part of `content` a stream had not shown yet (held back around tool calls)."""
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    usage: UsageMetadata
+    response_metadata: dict[str, Any]
+    generation_info: dict[str, Any]
+
+
+@dataclass
+class CallPlan:
+    """What one call hands the session."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    prefix: str
+    """Text the answer starts with (a forced call's opening), prefilled, not generated."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    choice: str | None = None
+    """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
+    ban_calls: bool = False
+    """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def call_metadata(
+    run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+) -> Mapping[str, Any]:
+    """The call's metadata: the run manager's, completed with the call's config (`current_metadata`)."""
+    return current_metadata(run_manager.metadata if run_manager is not None else None)
+
+
+def loaded_model_name(model: Any) -> str:
+    """A readable name for a loaded model: its hub id or directory name.
+
+    `load_model()` serves a GGUF from a converted copy named by the file's hash; the
+    copy's manifest (written by `agentkv.models`) names the GGUF, whose stem is used.
+    """
+    path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    manifest = Path(path, "agentkv-cache.json") if path else None
+    if manifest is not None and manifest.is_file():
+        try:
+            source = json.loads(manifest.read_text()).get("source")
+        except (OSError, ValueError):
+            source = None
+        if isinstance(source, str) and source:
+            return Path(source).name.removesuffix(".gguf")
+    if path:
+        return path if not Path(path).is_dir() else Path(path).name
+    return type(model).__name__
+
+
+def answer_message_id(run_id: uuid.UUID | None) -> str:
+    """The answer's id: LangChain's own `lc_run--<run_id>`, so the callback handler can name the span."""
+    return f"{LC_ID_PREFIX}-{run_id or uuid.uuid4()}"
+
+
+def run_id_of(
+    run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+) -> uuid.UUID | None:
+    """The call's run id, if LangChain gave it a run manager."""
+    return run_manager.run_id if run_manager is not None else None
+
+
+def history_before_answer(session: AnySession, output_tokens: int) -> int:
+    """Tokens in the session's logical history before the answer's first generated token.
+
+    The answer's span holds the generation prompt (and any prefilled call opening),
+    the generated tokens and the template's end-of-turn suffix.
+    """
+    span = next(s for s in reversed(session.spans) if s.generated)
+    return span.end - output_tokens - len(session.format.assistant_suffix_ids())
+
+
+_BANS: dict[int, ToolCallBan] = {}
+_BANS_LOCK = threading.Lock()
+
+
+def tool_call_ban(backend: Backend) -> ToolCallBan:
+    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
+    key = id(backend.tokenizer)
+    with _BANS_LOCK:
+        ban = _BANS.get(key)
+        if ban is None or ban.tokenizer is not backend.tokenizer:
+            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
+        return ban
+
+
+def close_iterator(iterator: Iterator[Any]) -> None:
+    """Close a generator (or anything with `close`); other iterators are left as they are."""
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+
+
+def unparseable(args: str | None) -> str:
+    """An invalid call's raw text, in a form that chunk merging will not "repair" into a valid call.
+
+    Merged stream chunks re-parse their `args` leniently (`parse_partial_json`); raw text
+    that happens to parse that way is sent as a JSON string literal instead.
+    """
+    raw = args or ""
+    try:
+        repaired = parse_partial_json(raw)
+    except (ValueError, TypeError):
+        return raw
+    return json.dumps(raw) if isinstance(repaired, dict) else raw

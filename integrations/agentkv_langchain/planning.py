@@ -1,0 +1,126 @@
+"""One call's plan: LangChain's call arguments (messages, stop, bound kwargs) → a `CallPlan`.
+
+`ChatAgentKV` inherits `CallPlanning`: sampling options, tool choice, and the tools
+block (through the chat template or the system prompt) are decided here, before
+the session is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from langchain_core.messages import BaseMessage
+
+from agentkv import AnySession, Backend
+from agentkv_langchain.calls import CallPlan
+from agentkv_langchain.messages import to_chat_dicts
+from agentkv_langchain.tools import (
+    ANY_TOOL,
+    TOOL_CALL_CLOSE,
+    forced_call_prefix,
+    render_tool_prompt,
+    resolve_tool_choice,
+    tool_names,
+    tool_parameters,
+)
+from agentkv_langchain.toolset import thread_tools
+
+__all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning"]
+
+SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
+IGNORED_KWARGS = ("strict", "parallel_tool_calls")
+"""Accepted and ignored: the `<tool_call>` protocol has no strict mode; parallel calls are always allowed."""
+
+
+class CallPlanning:
+    """The planning half of `ChatAgentKV` (its fields are read from the model)."""
+
+    if TYPE_CHECKING:
+        backend: Backend
+        model_name: str | None
+        max_new_tokens: int
+        temperature: float
+        top_p: float
+        top_k: int
+        seed: int | None
+        stop: list[str] | None
+        tool_use: Literal["auto", "call_then_answer"]
+
+    # -- one call's plan ----------------------------------------------------------------------
+
+    def _plan(
+        self,
+        messages: Sequence[BaseMessage],
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
+        session: AnySession | None = None,
+    ) -> CallPlan:
+        """Turn LangChain's call (messages, stop, bound kwargs) into what the session needs.
+
+        With a session, the thread keeps the tools block it started with and a changed
+        tool set becomes a note (see `agentkv_langchain.toolset`).
+        """
+        options = dict(kwargs)
+        tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
+        choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))
+        requested = options.pop("model", None)
+        if requested is not None and requested != self.model_name:
+            msg = (
+                f"model={requested!r}: ChatAgentKV serves the in-process model {self.model_name!r}; "
+                "build another ChatAgentKV (with its own backend) for another model"
+            )
+            raise ValueError(msg)
+        for key in IGNORED_KWARGS:
+            options.pop(key, None)
+        sampling: dict[str, Any] = {
+            "max_new_tokens": options.pop("max_tokens", options.pop("max_new_tokens", self.max_new_tokens)),
+            "temperature": options.pop("temperature", self.temperature),
+            "top_p": options.pop("top_p", self.top_p),
+            "top_k": options.pop("top_k", self.top_k),
+            "seed": options.pop("seed", self.seed),
+            "stop": list(stop if stop is not None else self.stop or []),
+        }
+        if options:
+            allowed = ", ".join(("tools", "tool_choice", "model", *SAMPLING_KWARGS, *IGNORED_KWARGS))
+            msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
+            raise ValueError(msg)
+        chat = to_chat_dicts(messages)
+        if tools and choice is None and self.tool_use == "call_then_answer" and chat:
+            last = chat[-1]["role"]
+            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
+            choice = "none" if last == "tool" else choice
+        block = tools
+        if session is not None:
+            chat, block = thread_tools(session).plan(chat, tools)
+        if block:
+            chat = self._with_tools(chat, block)
+        prefix = ""
+        if tools and choice not in (None, "none"):
+            if choice != ANY_TOOL:
+                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
+            sampling["stop"].append(TOOL_CALL_CLOSE)
+        # No call when none is wanted, or when the prompt lists tools but none are bound now.
+        ban = (bool(tools) and choice == "none") or (not tools and bool(block))
+        return CallPlan(
+            messages=chat, tools=tools, prefix=prefix, sampling=sampling, choice=choice, ban_calls=ban
+        )
+
+    def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Describe the tools: through the chat template when it can, else in the system prompt.
+
+        The tool prompt goes *after* the system prompt's own text, so a conversation that
+        starts without tools and gains them later keeps its system prompt's tokens cached.
+        """
+        chat = list(chat)
+        if self.backend.chat_format.tools_in_template:
+            chat[0] = {**chat[0], "tools": tools}
+            return chat
+        prompt = render_tool_prompt(tools)
+        index = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
+        if index is None:
+            chat.insert(0, {"role": "system", "content": prompt})
+        else:
+            own = chat[index]["content"]
+            chat[index] = {**chat[index], "content": f"{own}\n\n{prompt}" if own else prompt}
+        return chat
