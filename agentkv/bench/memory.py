@@ -74,6 +74,7 @@ from agentkv.bench.memory_report import (
     memory_table,
     plot_accuracy,
     plot_device_bytes,
+    stats_fields,
     summarise,
 )
 from agentkv.bench.methods import BASELINES, METHODS, NOHOST_TIER, SUITES, Method, suite_of
@@ -369,10 +370,7 @@ def run_one(
         exact_match=sum(r.exact_match for r in rows) / max(1, len(rows)),
         mean_logprob=_mean(r.logprob for r in rows),
         mean_kl=_mean(r.kl for r in rows),
-        peak_device_bytes=stats.peak_device_bytes,
         final_device_bytes=stats.device_bytes,
-        host_bytes=stats.host_bytes,
-        quantized_bytes=stats.quantized_bytes,
         peak_host_bytes=peaks.host,
         peak_quantized_bytes=peaks.quantized,
         peak_total_bytes=max(peaks.total, stats.peak_device_bytes),
@@ -381,19 +379,11 @@ def run_one(
         answer_host_bytes=_mean(float(a.host_bytes) for a in at_answer),
         answer_total_bytes=_mean(float(a.device_bytes + a.quantized_bytes + a.host_bytes) for a in at_answer),
         answer_attended_tokens=_mean(float(a.attended_tokens) for a in at_answer),
-        lifecycle_seconds=stats.lifecycle_seconds,
-        policy_seconds=stats.policy_seconds,
-        store_seconds=stats.store_seconds,
-        forward_seconds=stats.forward_seconds,
         overhead_seconds=overhead,
         overhead_pct=100.0 * overhead / stats.forward_seconds if stats.forward_seconds > 0 else 0.0,
-        prefill_tokens=stats.prefill_tokens,
-        restored_tokens=stats.restored_tokens,
-        rehydrated_tokens=stats.rehydrated_tokens,
-        budget_unmet=stats.budget_unmet,
-        events_applied=stats.events_applied,
         wall_seconds=time.perf_counter() - started,
         steps=peaks.samples,
+        **stats_fields(stats),
     )
     backend.close(session_id)
     return run, rows, first_logprobs, attended_at_last

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from agentkv.bench.methods import BASELINES, METHODS, SUITES
 from agentkv.bench.workloads import QUESTION_SOURCES
+from agentkv.metrics import SessionStats
 
 ACCEPTANCE_BUDGET = 0.25
 """The budget the acceptance figures are read at."""
@@ -116,6 +117,12 @@ class RunRow:
     events_applied: int
     wall_seconds: float
     steps: list[StepSample] = field(default_factory=list)
+
+
+def stats_fields(stats: SessionStats) -> dict[str, Any]:
+    """The `SessionStats` fields a `RunRow` carries under the same names (one place, not a copy per field)."""
+    names = {f.name for f in fields(SessionStats)}
+    return {f.name: getattr(stats, f.name) for f in fields(RunRow) if f.name in names}
 
 
 @dataclass(frozen=True)
