@@ -41,6 +41,38 @@ class SamplingParams:
     logits_processor: LogitsProcessor | None = None
     """Called on the logits before each token is picked (e.g. to forbid a tool-call tag)."""
 
+    @classmethod
+    def from_options(
+        cls, max_new_tokens: int, options: AnswerOptions
+    ) -> tuple[SamplingParams, str, str | None]:
+        """`(params, prefix, message_id)` from `Session.stream`'s options, checked with clear errors.
+
+        The one place the answer options become sampling parameters, for every session kind.
+        """
+        unknown = sorted(set(options) - set(AnswerOptions.__annotations__))
+        if unknown:
+            msg = f"unknown answer option(s) {unknown}; allowed: {', '.join(AnswerOptions.__annotations__)}"
+            raise TypeError(msg)
+        stop = options.get("stop")
+        if stop is not None and not isinstance(stop, str | Sequence):
+            msg = f"stop: expected a string or a list of strings, got {type(stop).__name__}"
+            raise TypeError(msg)
+        prefix, message_id = options.get("prefix"), options.get("message_id")
+        for name, value in (("prefix", prefix), ("message_id", message_id)):
+            if value is not None and not isinstance(value, str):
+                msg = f"{name}: expected a string, got {type(value).__name__} {value!r:.40}"
+                raise TypeError(msg)
+        params = cls(
+            max_new_tokens=max_new_tokens,
+            temperature=options.get("temperature", 0.0),
+            top_p=options.get("top_p", 1.0),
+            top_k=options.get("top_k", 0),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            seed=options.get("seed"),
+            logits_processor=options.get("logits_processor"),
+        )
+        return params, prefix or "", message_id
+
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             msg = f"max_new_tokens: must be an int >= 1, got {self.max_new_tokens!r}"

@@ -27,7 +27,7 @@ from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
-from agentkv.backend.sampling import AnswerOptions, LogitsProcessor, SamplingParams
+from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, TurnEnded
@@ -321,19 +321,7 @@ class Session(SessionReadout):
         """
         return "".join(self.stream(max_new_tokens, **options))
 
-    def stream(
-        self,
-        max_new_tokens: int = 256,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = None,
-        prefix: str = "",
-        seed: int | None = None,
-        message_id: str | None = None,
-        logits_processor: LogitsProcessor | None = None,
-    ) -> Iterator[str]:
+    def stream(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> Iterator[str]:
         """Answer as the assistant, yielding text pieces as they are decoded.
 
         Args:
@@ -354,24 +342,7 @@ class Session(SessionReadout):
         the thread that started it: an `RLock` can only be released by its owner, so
         stepping one stream from several pool threads fails when it ends.
         """
-        if stop is not None and not isinstance(stop, str | Sequence):
-            msg = f"stop: expected a string or a list of strings, got {type(stop).__name__}"
-            raise TypeError(msg)
-        for name, value in (("prefix", prefix), ("message_id", message_id)):
-            if value is not None and not isinstance(value, str):
-                msg = f"{name}: expected a string, got {type(value).__name__} {value!r:.40}"
-                raise TypeError(msg)
-        prefix = prefix or ""
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stops,
-            seed=seed,
-            logits_processor=logits_processor,
-        )
+        params, prefix, message_id = SamplingParams.from_options(max_new_tokens, options)
         return self._decode(params, prefix, message_id)
 
     def _decode(self, params: SamplingParams, prefix: str, message_id: str | None) -> Iterator[str]:

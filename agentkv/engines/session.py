@@ -14,9 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.engines.store import EngineStore, EngineTarget
@@ -270,18 +271,7 @@ class EngineSession:
 
     # -- decoding on the engine ------------------------------------------------------------------
 
-    def generate(
-        self,
-        max_new_tokens: int = 256,
-        *,
-        temperature: float = 0.0,
-        stop: Sequence[str] | str | None = None,
-        prefix: str = "",
-        message_id: str | None = None,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-    ) -> str:
+    def generate(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> str:
         """Answer as the assistant on the engine (greedy); the answer becomes an assistant span.
 
         Raises:
@@ -289,11 +279,12 @@ class EngineSession:
                 path decodes greedily: answers must match across runs).
             EngineUnavailableError / EngineRequestError: vLLM did not answer (the agent needs it).
         """
-        del top_p, top_k, seed  # sampling knobs: greedy decoding ignores them, as a local session does
-        if temperature != 0.0:
-            msg = f"temperature: engine sessions decode greedily (0.0), got {temperature}"
+        # top_p / top_k / seed are ignored: greedy decoding does not read them, as a local session.
+        params, prefix, message_id = SamplingParams.from_options(max_new_tokens, options)
+        if params.temperature != 0.0:
+            msg = f"temperature: engine sessions decode greedily (0.0), got {params.temperature}"
             raise ValueError(msg)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = list(params.stop)
         with self.lock:
             self._check_open()
             if not self.messages:
@@ -325,7 +316,7 @@ class EngineSession:
             self._finish_answer(span, prefix, done.text)
             return done.text
 
-    def stream(self, max_new_tokens: int = 256, **options: Any) -> Iterator[str]:
+    def stream(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> Iterator[str]:
         """`generate` as one piece (the engine path does not stream token by token)."""
         yield self.generate(max_new_tokens, **options)
 
