@@ -210,16 +210,32 @@ class QuantizationConfig(Section):
     """Most recent tokens of a span kept in full precision."""
     attended_bits: Literal[4, 2] | None = Field(
         default=None,
-        description="Attended cache held at 4 or 2 bits (KIVI), dequantized on read; null = full precision.",
+        description=(
+            "Under device-budget pressure, spans are first held at 4 or 2 bits (KIVI) and still attended, "
+            "before any is archived; null = no attended quantized tier."
+        ),
     )
-    """Attended cache held at 4 or 2 bits (KIVI), dequantized on read; null = full precision."""
+    """Under device-budget pressure, spans are first held at 4 or 2 bits (KIVI) and still attended,
+    before any is archived; null = no attended quantized tier."""
+    attended_key_bits: Literal[4, 2] | None = Field(
+        default=None,
+        description="Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits.",
+    )
+    """Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits."""
     attended_residual_tokens: int = Field(
         default=64,
         ge=0,
         strict=True,
-        description="Most recent attended tokens kept in full precision when attended_bits is set.",
+        description="Most recent attended tokens never quantized (KIVI's residual window).",
     )
-    """Most recent attended tokens kept in full precision when attended_bits is set."""
+    """Most recent attended tokens never quantized (KIVI's residual window)."""
+    attended_sink_tokens: int = Field(
+        default=4,
+        ge=0,
+        strict=True,
+        description="First positions never quantized (attention sinks, kept by StreamingLLM and KVQuant).",
+    )
+    """First positions never quantized (attention sinks, kept by StreamingLLM and KVQuant)."""
 
     @field_validator("group_size")
     @classmethod

@@ -71,6 +71,8 @@ class Session(SessionReadout):
             residual_tokens=self.config.quantization.residual_tokens,
             attended_bits=self.config.quantization.attended_bits,
             attended_residual_tokens=self.config.quantization.attended_residual_tokens,
+            attended_key_bits=self.config.quantization.attended_key_bits,
+            attended_sink_tokens=self.config.quantization.attended_sink_tokens,
         )
         self.table = SpanTable(session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""

@@ -6,8 +6,12 @@ the store's host limit and the manager's checks both read that one result.
 
 Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
 - *span mode* (agentkv's `lifecycle` policy, and `full`): pressure demotes whole
-  spans — evictable first, then the lowest-scored committed ones are archived,
-  then quantized archives are evicted. Spans were compressed once, at commit.
+  spans — evictable first; then, with an attended quantized tier, spans are held
+  quantized and still attended (lowest priority first: committed by score, then
+  recalled, then the current turn, then pinned); then the lowest-scored committed
+  ones are archived, then quantized archives are evicted. Demotion order: full
+  precision -> attended quantized -> archived -> evicted. Spans were compressed
+  once, at commit.
 - *token mode* (generic baselines: window, StreamingLLM, H2O, SnapKV, …): pressure
   re-scores every attended token and keeps the top ones, as those methods do.
 """
@@ -23,6 +27,7 @@ from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.port import SessionPort
 from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.protocol import AttendedQuantizer
 
 logger = logging.getLogger(__name__)
 
@@ -203,19 +208,55 @@ class BudgetKeeper:
         evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
         if demote(evictable, SpanState.EVICTED):
             return
-        # 2. Committed spans on the device, lowest score first (whole spans: never re-scored).
+        # 2. With an attended quantized tier: hold spans quantized, still attended, before archiving any.
+        if self._quantize_attended(target):
+            return
+        usage = self.usage_bytes()
+        # 3. Committed spans on the device, lowest score first (whole spans: never re-scored).
         if demote(by_score(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
             return
-        # 3. Quantized archives still count on the device: the lowest-scored go.
+        # 4. Quantized archives still count on the device: the lowest-scored go.
         if demote(by_score(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
             return
-        # 4. Last resort: what recall brought in for this turn, least relevant first.
+        # 5. Last resort: what recall brought in for this turn, least relevant first.
         relevance = marks.relevance
         recalled = sorted(
             (s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE),
             key=lambda s: (relevance.get(s.span_id, 0.0), s.start),
         )
         demote(recalled, SpanState.ARCHIVED, recalled=True)
+
+    def _quantize_attended(self, target: int) -> bool:
+        """Quantize device spans in attention, lowest priority first, until usage <= `target`.
+
+        Priority, lowest first (the lifecycle's own order): committed spans by score,
+        spans recalled for this turn by relevance, the current turn's active spans
+        oldest first, pinned spans last. The store keeps the attention sinks and the
+        residual window in full precision. Returns whether usage is at `target`.
+        """
+        store = self.port.store
+        if not isinstance(store, AttendedQuantizer):
+            return False
+        marks = self.marks
+        device = [s for s in self.table.spans if s.tier is Tier.DEVICE and s.state is not SpanState.EVICTABLE]
+
+        def rank(span: Span) -> tuple[int, float, int]:
+            if span.pinned:
+                return (3, 0.0, span.start)
+            if span.state is SpanState.ACTIVE:
+                return (2, 0.0, span.start)
+            if span.span_id in marks.recalled:
+                return (1, marks.relevance.get(span.span_id, 0.0), span.start)
+            return (0, span.score, span.start)
+
+        usage = self.usage_bytes()
+        with self.mover.timer.timed("store_seconds"):
+            for span in sorted(device, key=rank):
+                if usage <= target:
+                    return True
+                if store.quantize_attended(span):
+                    usage = self.usage_bytes()
+        return usage <= target
 
     def _enforce_host_budget(self) -> None:
         limit = self.limits.host_bytes

@@ -1,35 +1,38 @@
-"""The attended quantized tier: a cache layer that keeps its history at int4/int2 and still attends it.
+"""The attended quantized tier: a cache layer that holds some tokens at int4/int2 and still attends them.
 
 The archive tiers (`agentkv.store.quantized`, host, drop) take a span out of the
-model's view; this layer keeps every token in view at a fraction of the bytes,
-as KIVI does (Liu et al. 2024, https://arxiv.org/abs/2402.02750):
+model's view; this layer keeps a span in view at a fraction of its bytes, with
+KIVI's layout (Liu et al. 2024, https://arxiv.org/abs/2402.02750):
 
-- keys are quantized **per channel** over groups of `group_size` consecutive
-  tokens (key caches have outlier channels: a channel is large for every token,
-  so its own scale keeps the other channels precise);
+- keys are quantized **per channel** over groups of up to `group_size` tokens
+  (key caches have outlier channels: a channel is large for every token, so its
+  own scale keeps the other channels precise);
 - values are quantized **per token** over groups of channels (attention mixes
-  whole value rows, so the error of a row stays in that row);
-- the most recent `residual_tokens` tokens (at least) stay in full precision: the
-  tokens a new token attends most sharply, and the ones whose key group is not
-  complete yet. Once `residual_tokens + group_size` tokens are in the window, the
-  oldest `group_size` are quantized (streaming, as in KIVI's decode).
+  whole value rows, so the error of a row stays in that row).
 
-Attention reads the layer through `update()`, which returns the history
-dequantized (one layer at a time, a transient tensor freed after the layer's
-attention) followed by the residual window: "dequantize on read per layer", as
-transformers' `QuantizedCache` does. Only codes, statistics and the residual
-window are held.
+Which tokens are quantized is not decided here. Every token arrives in full
+precision (the *exact* segment); the budget (`agentkv.lifecycle.budget`) asks
+the store to quantize whole spans, lowest lifecycle priority first, only when
+the device budget requires it (demotion order: full precision -> attended
+quantized -> archived -> evicted). With nothing quantized the layer returns its
+exact tensors unchanged, so the logits are those of the full-precision cache.
 
-Statistics (scale and zero point per group) are stored in float16 with the zero
-rounded down and the scale rounded up, so the grid still covers each group's
-[min, max] and the error stays within half a step, as in `agentkv.store.quantized`.
+Layout, N slots in physical order, each either exact or quantized:
 
-Everything the physical cache does to a layer goes through `full()` and
-`set_all()`; for this layer `set_all` re-quantizes what it is given. A compaction
-that removes tokens (a demotion, commit-time compression) therefore re-quantizes
-the layer's history: values (per-token groups) come back on their own grid, keys
-of a token group that lost members get a new, never wider, grid, so the error
-stays within half a step of the new grid plus the error already there.
+- `keys`, `values` `[B, H, E, D]`: the exact slots, at `exact_index` (sorted);
+- the quantized slots, at `quant_index` (sorted): packed codes, and statistics
+  (scale and zero point, float16, zero rounded down and scale rounded up so the
+  grid still covers each group's [min, max]);
+- each quantized key belongs to a key group (`key_group[i]`); groups are formed
+  when a span is quantized and are never re-formed: removing tokens (a demotion,
+  commit-time compression, a rollback) drops their codes and keeps every other
+  code and statistic bit for bit; a group that loses all its tokens is dropped.
+  Nothing is ever re-quantized, so the error of a kept token never grows.
+
+Attention reads the layer through `update()`, which dequantizes the quantized slots
+(one layer at a time, a transient tensor freed after the layer's attention) and
+places them with the exact ones, as transformers' `QuantizedCache` dequantizes on
+read. The slot indices are bookkeeping on the CPU, like `PhysicalCache`'s.
 """
 
 from __future__ import annotations
@@ -45,47 +48,61 @@ ATTENDED_BITS: tuple[int, ...] = (4, 2)
 """Bit widths the attended quantized tier supports."""
 
 _STAT_DTYPE = torch.float16
+_LONG = torch.long
 
 
 def check_attended_spec(
-    bits: int, group_size: int, residual_tokens: int, head_dim: int | None = None
+    bits: int, group_size: int, residual_tokens: int, head_dim: int | None = None, key_bits: int | None = None
 ) -> None:
     """Validate the attended tier's settings; raise `ValueError` naming expected, actual and allowed."""
-    if isinstance(bits, bool) or bits not in ATTENDED_BITS:
-        msg = f"attended quantization bits: expected one of {list(ATTENDED_BITS)}, got {bits!r}"
-        raise ValueError(msg)
+    for name, value in (("bits", bits), ("key_bits", bits if key_bits is None else key_bits)):
+        if isinstance(value, bool) or value not in ATTENDED_BITS:
+            msg = f"attended quantization {name}: expected one of {list(ATTENDED_BITS)}, got {value!r}"
+            raise ValueError(msg)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         msg = f"attended quantization group_size: expected an int >= 1, got {group_size!r}"
         raise ValueError(msg)
     if isinstance(residual_tokens, bool) or not isinstance(residual_tokens, int) or residual_tokens < 0:
         msg = f"attended quantization residual_tokens: expected an int >= 0, got {residual_tokens!r}"
         raise ValueError(msg)
-    if head_dim is not None and head_dim % (8 // bits):
-        msg = (
-            f"attended quantization: head_dim must be a multiple of {8 // bits} "
-            f"for {bits}-bit codes, got {head_dim}"
-        )
-        raise ValueError(msg)
+    if head_dim is not None:
+        for b in {bits, bits if key_bits is None else key_bits}:
+            if head_dim % (8 // b):
+                msg = (
+                    f"attended quantization: head_dim must be a multiple of {8 // b} "
+                    f"for {b}-bit codes, got {head_dim}"
+                )
+                raise ValueError(msg)
 
 
 class QuantizedAttendedLayer(SharedPrefixLayer):
-    """A cache layer whose history is held at `bits` (KIVI layout) and attended dequantized.
+    """A cache layer whose slots are exact or quantized (KIVI layout), all attended.
 
-    Layout of what is held (B batch, H kv heads, Q quantized tokens, a multiple of
-    `group_size`, r residual tokens, D head dim, p = 8 // bits codes per byte):
+    Shapes (B batch, H kv heads, E exact and Q quantized slots, Gk key groups, D head
+    dim, pk / pv = 8 // bits codes per byte for keys / values, Gv channels per value group):
 
-    - `key_codes`, `value_codes`: `uint8 [B, H, Q, D / p]`, codes packed along the channels;
-    - `key_scales`, `key_zeros`: `[B, H, Q / group_size, D]` (per channel, per token group);
-    - `value_scales`, `value_zeros`: `[B, H, Q, D / value_group]` (per token, per channel group);
-    - `keys`, `values`: the residual window, full precision, `[B, H, r, D]`.
+    - `keys`, `values`: exact slots, `[B, H, E, D]`; `exact_index`: `long [E]`, sorted;
+    - `key_codes`: `uint8 [B, H, Q, D / pk]`; `key_scales`, `key_zeros`: `[B, H, Gk, D]`;
+      `key_group`: `long [Q]`, the key group of each quantized slot;
+    - `value_codes`: `uint8 [B, H, Q, D / pv]`; `value_scales`, `value_zeros`: `[B, H, Q, D / Gv]`;
+    - `quant_index`: `long [Q]`, sorted: the physical slot of each quantized token.
     """
 
-    def __init__(self, bits: int, group_size: int, residual_tokens: int) -> None:
-        check_attended_spec(bits, group_size, residual_tokens)
+    def __init__(
+        self, bits: int, group_size: int, residual_tokens: int = 0, key_bits: int | None = None
+    ) -> None:
+        check_attended_spec(bits, group_size, residual_tokens, key_bits=key_bits)
         super().__init__()
         self.bits = bits
+        """Value bits."""
+        self.key_bits = bits if key_bits is None else key_bits
+        """Key bits (keys are the sensitive side, KIVI / KVQuant: int4 keys with int2 values is an option)."""
         self.group_size = group_size
         self.residual_tokens = residual_tokens
+        """The store keeps this many most recent tokens exact (KIVI's residual window); kept for reference."""
+        self.exact_index = torch.empty(0, dtype=_LONG)
+        self.quant_index = torch.empty(0, dtype=_LONG)
+        self.key_group = torch.empty(0, dtype=_LONG)
         self.key_codes: torch.Tensor | None = None
         self.key_scales: torch.Tensor | None = None
         self.key_zeros: torch.Tensor | None = None
@@ -98,28 +115,26 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
 
     @property
     def quantized_length(self) -> int:
-        """Tokens held quantized."""
-        return 0 if self.key_codes is None else int(self.key_codes.shape[-2])
+        """Slots held quantized."""
+        return int(self.quant_index.numel())
 
     @property
-    def residual_length(self) -> int:
-        """Tokens held in the full-precision window."""
-        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
-            return 0
-        return int(self.keys.shape[-2])
+    def exact_length(self) -> int:
+        """Slots held in full precision."""
+        return int(self.exact_index.numel())
 
     @property
     def own_length(self) -> int:
-        """All tokens held (this layer shares no prefix)."""
-        return self.quantized_length + self.residual_length
+        """All slots held (this layer shares no prefix)."""
+        return self.quantized_length + self.exact_length
 
     @property
     def prefix_length(self) -> int:
-        """Always 0: a quantized layer never shares a prefix (a fork copies, see `PhysicalCache.fork`)."""
+        """Always 0: a quantized layer never shares a prefix (a fork copies, see `copy_from`)."""
         return 0
 
     def get_seq_length(self) -> int:
-        """Tokens the mask must cover."""
+        """Slots the mask must cover."""
         return self.own_length
 
     # -- reads and writes ------------------------------------------------------------------------
@@ -127,59 +142,152 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new states to the residual window, quantize what left it; return all, dequantized."""
+        """Append new states as exact slots; return all slots, the quantized ones dequantized."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.out_dtype = key_states.dtype
         assert self.keys is not None and self.values is not None
+        start, n = self.own_length, int(key_states.shape[-2])
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self._flush()
+        self.exact_index = torch.cat([self.exact_index, torch.arange(start, start + n, dtype=_LONG)])
         full = self.full()
         assert full is not None
         return full
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """History dequantized, then the residual window: `[B, H, Q + r, D]` each; None when empty."""
+        """Every slot in physical order, `[B, H, E + Q, D]` each; None when empty."""
         if self.own_length == 0:
             return None
-        residual_k = self.keys if self.residual_length else None
-        residual_v = self.values if self.residual_length else None
         if not self.quantized_length:
-            assert residual_k is not None and residual_v is not None
-            return residual_k, residual_v
+            assert self.keys is not None and self.values is not None
+            return self.keys, self.values  # exact_index is 0..E-1: the tensors as they are
         k = self._dequantize_keys()  # [B, H, Q, D]
         v = self._dequantize_values()  # [B, H, Q, D]
-        if residual_k is None or residual_v is None:
+        if not self.exact_length:
             return k, v
-        return torch.cat([k, residual_k], dim=-2), torch.cat([v, residual_v], dim=-2)
+        assert self.keys is not None and self.values is not None
+        q = self.quantized_length
+        if int(self.quant_index[-1]) == q - 1:  # quantized slots are 0..Q-1, exact ones follow
+            return torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
+        b, h, _, d = k.shape
+        out_k = k.new_empty(b, h, self.own_length, d)
+        out_v = v.new_empty(b, h, self.own_length, d)
+        q_at, e_at = self.quant_index.to(k.device), self.exact_index.to(k.device)
+        out_k.index_copy_(-2, q_at, k).index_copy_(-2, e_at, self.keys)
+        out_v.index_copy_(-2, q_at, v).index_copy_(-2, e_at, self.values)
+        return out_k, out_v
 
     def set_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace everything: keep the last tokens in the window, quantize the rest."""
+        """Replace everything with exact slots."""
         self.out_dtype = keys.dtype
         self.device = keys.device
         self.is_initialized = True
-        self.key_codes = self.key_scales = self.key_zeros = None
-        self.value_codes = self.value_scales = self.value_zeros = None
+        self._clear_quantized()
         self.keys, self.values = keys, values
-        self._flush()
-        # Own the window's storage: it may be a view of a larger tensor the caller frees.
-        self.keys = self.keys.clone(memory_format=torch.contiguous_format)
-        self.values = self.values.clone(memory_format=torch.contiguous_format)
+        self.exact_index = torch.arange(int(keys.shape[-2]), dtype=_LONG)
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep the slots `keep` (`long [n]`, old slot indices) in that order, without re-quantizing.
+
+        Each segment keeps its surviving slots (sorted by their new index); a key group
+        that loses all its tokens is dropped, every other statistic is kept as it is.
+        """
+        new_of_old = torch.full((self.own_length,), -1, dtype=_LONG)
+        new_of_old[keep] = torch.arange(int(keep.numel()), dtype=_LONG)
+        e_take, self.exact_index = _surviving(new_of_old, self.exact_index)
+        if self.keys is not None and self.values is not None and self.keys.dim() == 4:
+            index = e_take.to(self.keys.device)
+            self.keys = self.keys.index_select(-2, index)
+            self.values = self.values.index_select(-2, index)
+        if not self.quantized_length:
+            return
+        q_take, self.quant_index = _surviving(new_of_old, self.quant_index)
+        if not self.quantized_length:
+            self._clear_quantized()
+            return
+        self._take_quantized(q_take)
+
+    def quantize(self, slots: torch.Tensor) -> int:
+        """Quantize the exact slots among `slots` (`long`, physical indices), in their order.
+
+        Key groups are formed over runs of `group_size` of these slots (a span's tokens
+        in order: neighbours share a group, KIVI); a last partial group gets its own
+        statistics. Returns the number of slots quantized.
+        """
+        if self.keys is None or self.values is None or not self.exact_length:
+            return 0
+        slots = torch.unique(slots.to("cpu", _LONG))  # sorted: the slots' physical order
+        pos = torch.searchsorted(self.exact_index, slots)
+        inside = pos < self.exact_length
+        pos, slots = pos[inside], slots[inside]
+        pos = pos[self.exact_index[pos] == slots]  # the slots that are exact now
+        if not pos.numel():
+            return 0
+        dev = pos.to(self.keys.device)
+        k, v = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)  # [B, H, n, D]
+        kc, ks, kz, groups = _quantize_keys(k, self.key_bits, self.group_size)
+        vc, vs, vz = _quantize_values(v, self.bits, self.group_size)
+        new_index = self.exact_index[pos]
+        keep = torch.ones(self.exact_length, dtype=torch.bool)
+        keep[pos] = False
+        rest = keep.nonzero().flatten().to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(-2, rest), self.values.index_select(-2, rest)
+        self.exact_index = self.exact_index[keep]
+        offset = 0 if self.key_scales is None else int(self.key_scales.shape[2])
+        self.key_codes = _cat(self.key_codes, kc)
+        self.key_scales = _cat(self.key_scales, ks)
+        self.key_zeros = _cat(self.key_zeros, kz)
+        self.value_codes = _cat(self.value_codes, vc)
+        self.value_scales = _cat(self.value_scales, vs)
+        self.value_zeros = _cat(self.value_zeros, vz)
+        self.key_group = torch.cat([self.key_group, groups + offset])
+        index = torch.cat([self.quant_index, new_index])
+        order = torch.argsort(index)
+        self.quant_index = index[order]
+        if not torch.equal(order, torch.arange(int(order.numel()))):
+            self._take_quantized(order)
+        return int(pos.numel())
+
+    def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
+        """`bool [n]`: which of `slots` are held quantized."""
+        return torch.isin(slots, self.quant_index)
+
+    def copy_from(self, other: SharedPrefixLayer) -> None:
+        """Hold a copy of another layer's slots (a fork: quantized layers are not shared)."""
+        if not isinstance(other, QuantizedAttendedLayer):
+            super().copy_from(other)
+            return
+        self.is_initialized = other.is_initialized
+        if other.is_initialized:
+            self.device = other.device
+        self.out_dtype = other.out_dtype
+        for name in (
+            "keys",
+            "values",
+            "key_codes",
+            "key_scales",
+            "key_zeros",
+            "value_codes",
+            "value_scales",
+            "value_zeros",
+        ):
+            t = getattr(other, name, None)
+            setattr(self, name, t.clone() if isinstance(t, torch.Tensor) else t)
+        self.exact_index = other.exact_index.clone()
+        self.quant_index = other.quant_index.clone()
+        self.key_group = other.key_group.clone()
 
     def freeze_as_prefix(self) -> None:
         """No-op: quantized layers are not shared (a fork copies them)."""
 
     def cut_to(self, length: int) -> None:
-        """Keep only the first `length` tokens (undo a partly applied append)."""
-        if length >= self.own_length:
-            return
-        full = self.full()
-        assert full is not None
-        self.set_all(full[0][..., :length, :].clone(), full[1][..., :length, :].clone())
+        """Keep only the first `length` slots (undo a partly applied append)."""
+        if length < self.own_length:
+            self.select(torch.arange(length, dtype=_LONG))
 
     def own_tensors(self) -> Iterator[torch.Tensor]:
-        """Codes, statistics and the residual window: everything this layer holds."""
+        """Codes, statistics and the exact slots: every device tensor this layer holds."""
         for t in (
             self.key_codes,
             self.key_scales,
@@ -190,7 +298,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         ):
             if t is not None:
                 yield t
-        if self.residual_length:
+        if self.exact_length:
             assert self.keys is not None and self.values is not None
             yield self.keys
             yield self.values
@@ -199,37 +307,40 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         """None: nothing is shared."""
         yield from ()
 
-    # -- quantization ------------------------------------------------------------------------------
+    # -- internals ---------------------------------------------------------------------------------
 
-    def _flush(self) -> None:
-        """Quantize the oldest whole key groups once the window is over `residual_tokens + group_size`."""
-        assert self.keys is not None and self.values is not None
-        r = int(self.keys.shape[-2])
-        over = r - self.residual_tokens
-        n = (over // self.group_size) * self.group_size if over >= self.group_size else 0
-        if n <= 0:
-            return
-        k_old, v_old = self.keys[..., :n, :], self.values[..., :n, :]
-        kc, ks, kz = _quantize_keys(k_old, self.bits, self.group_size)
-        vc, vs, vz = _quantize_values(v_old, self.bits, self.group_size)
-        self.key_codes = _cat(self.key_codes, kc)
-        self.key_scales = _cat(self.key_scales, ks)
-        self.key_zeros = _cat(self.key_zeros, kz)
-        self.value_codes = _cat(self.value_codes, vc)
-        self.value_scales = _cat(self.value_scales, vs)
-        self.value_zeros = _cat(self.value_zeros, vz)
-        self.keys = self.keys[..., n:, :].clone(memory_format=torch.contiguous_format)
-        self.values = self.values[..., n:, :].clone(memory_format=torch.contiguous_format)
+    def _clear_quantized(self) -> None:
+        self.key_codes = self.key_scales = self.key_zeros = None
+        self.value_codes = self.value_scales = self.value_zeros = None
+        self.quant_index = torch.empty(0, dtype=_LONG)
+        self.key_group = torch.empty(0, dtype=_LONG)
+
+    def _take_quantized(self, take: torch.Tensor) -> None:
+        """Keep the quantized slots at positions `take` (in that order); drop key groups left empty."""
+        assert self.key_codes is not None and self.value_codes is not None
+        assert self.key_scales is not None and self.key_zeros is not None
+        assert self.value_scales is not None and self.value_zeros is not None
+        dev = take.to(self.key_codes.device)
+        self.key_codes = self.key_codes.index_select(2, dev)
+        self.value_codes = self.value_codes.index_select(2, dev)
+        self.value_scales = self.value_scales.index_select(2, dev)
+        self.value_zeros = self.value_zeros.index_select(2, dev)
+        groups = self.key_group[take]
+        used, remapped = torch.unique(groups, sorted=True, return_inverse=True)
+        self.key_group = remapped
+        if int(used.numel()) != int(self.key_scales.shape[2]):
+            used_dev = used.to(self.key_scales.device)
+            self.key_scales = self.key_scales.index_select(2, used_dev)
+            self.key_zeros = self.key_zeros.index_select(2, used_dev)
 
     def _dequantize_keys(self) -> torch.Tensor:
         assert self.key_codes is not None and self.key_scales is not None and self.key_zeros is not None
-        codes = _unpack(self.key_codes, self.bits)  # [B, H, Q, D]
-        b, h, q, d = codes.shape
-        grouped = codes.view(b, h, q // self.group_size, self.group_size, d)  # [B, H, Q/G, G, D]
         dtype = self.out_dtype or torch.float32
-        scales = self.key_scales.to(dtype).unsqueeze(-2)  # [B, H, Q/G, 1, D]
-        zeros = self.key_zeros.to(dtype).unsqueeze(-2)
-        return torch.addcmul(zeros, grouped.to(dtype), scales).view(b, h, q, d)
+        codes = _unpack(self.key_codes, self.key_bits)  # [B, H, Q, D]
+        group = self.key_group.to(codes.device)
+        scales = self.key_scales.index_select(2, group).to(dtype)  # [B, H, Q, D]
+        zeros = self.key_zeros.index_select(2, group).to(dtype)
+        return torch.addcmul(zeros, codes.to(dtype), scales)
 
     def _dequantize_values(self) -> torch.Tensor:
         assert self.value_codes is not None and self.value_scales is not None and self.value_zeros is not None
@@ -251,12 +362,33 @@ def value_group(head_dim: int, group_size: int) -> int:
     return g
 
 
+def _surviving(new_of_old: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions within a segment of the slots that survive a selection, and their new slots (sorted)."""
+    new = new_of_old[index]
+    alive = (new >= 0).nonzero().flatten()
+    order = torch.argsort(new[alive])
+    take = alive[order]
+    return take, new[take]
+
+
 def _quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-channel key quantization of `[B, H, n, D]`, n a multiple of `group_size`."""
+    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens.
+
+    Returns codes `[B, H, n, D / p]`, scales and zeros `[B, H, ceil(n / G), D]` and the
+    group of each token (`long [n]`). A last partial group is padded with a copy of its
+    last token, which leaves its min and max unchanged.
+    """
     b, h, n, d = k.shape
-    grouped = k.float().reshape(b, h, n // group_size, group_size, d)  # [B, H, n/G, G, D]
+    num_groups = -(-n // group_size)
+    pad = num_groups * group_size - n
+    x = k.float()
+    if pad:
+        x = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], dim=2)
+    grouped = x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
     codes, scales, zeros = _quantize(grouped, bits, dim=-2)
-    return _pack(codes.reshape(b, h, n, d), bits), scales, zeros
+    codes = codes.reshape(b, h, num_groups * group_size, d)[:, :, :n]
+    groups = torch.arange(n, dtype=_LONG) // group_size
+    return _pack(codes, bits), scales, zeros, groups
 
 
 def _quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
@@ -308,5 +440,5 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _cat(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """Append along the token axis (dim 2)."""
+    """Append along the token / group axis (dim 2)."""
     return new if held is None else torch.cat([held, new], dim=2)

@@ -90,6 +90,12 @@ class SharedPrefixLayer(DynamicLayer):
         self.keys = full[0][..., :0, :]
         self.values = full[1][..., :0, :]
 
+    def copy_from(self, other: SharedPrefixLayer) -> None:
+        """Hold a copy of everything another layer holds (own tensors, prefix materialised)."""
+        full = other.full()
+        if full is not None:
+            self.set_all(full[0].clone(), full[1].clone())
+
     def cut_to(self, own: int) -> None:
         """Keep only the first `own` tokens of the own tensors (undo a partly applied append).
 
@@ -100,6 +106,38 @@ class SharedPrefixLayer(DynamicLayer):
             tensor = getattr(self, name, None)
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[-2] > own:
                 setattr(self, name, tensor[..., :own, :].clone())
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep the slots `keep` (old slot indices, `long [n]`) in that order.
+
+        A selection that keeps the shared prefix untouched and in place only touches
+        the own tensors; any other one materialises a copy of everything.
+        """
+        full = self.full()
+        if full is None:
+            return
+        prefix_len = self.prefix_length
+        if (
+            prefix_len
+            and keep.numel() >= prefix_len
+            and torch.equal(keep[:prefix_len], torch.arange(prefix_len))
+        ):
+            own_index = (keep[prefix_len:] - prefix_len).to(full[0].device)
+            if self.keys is not None and self.values is not None:
+                self.keys = self.keys.index_select(-2, own_index)
+                self.values = self.values.index_select(-2, own_index)
+            return
+        index = keep.to(full[0].device)
+        self.set_all(full[0].index_select(-2, index), full[1].index_select(-2, index))
+
+    def quantize(self, slots: torch.Tensor) -> int:
+        """Full-precision layers hold no quantized slots: nothing to do (0 quantized)."""
+        del slots
+        return 0
+
+    def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
+        """`bool [n]`: all False (every slot is full precision)."""
+        return torch.zeros(int(slots.numel()), dtype=torch.bool)
 
     def own_tensors(self) -> Iterator[torch.Tensor]:
         """The tensors this layer owns (not the shared prefix)."""
@@ -353,30 +391,34 @@ class PhysicalCache:
 
     def _select(self, keep: torch.Tensor) -> None:
         for layer in self.cache.managed_layers:
-            full = layer.full()
-            if full is None:
-                continue
-            index = keep.to(full[0].device)
-            prefix_len = layer.prefix_length
-            # A selection that keeps the shared prefix untouched and in place only touches own tensors.
-            if (
-                prefix_len
-                and keep.numel() >= prefix_len
-                and torch.equal(keep[:prefix_len], torch.arange(prefix_len))
-            ):
-                own_index = (keep[prefix_len:] - prefix_len).to(full[0].device)
-                own_keys, own_values = layer.keys, layer.values
-                if own_keys is not None and own_values is not None:
-                    layer.keys = own_keys.index_select(-2, own_index)
-                    layer.values = own_values.index_select(-2, own_index)
-                continue
-            layer.set_all(full[0].index_select(-2, index), full[1].index_select(-2, index))
+            layer.select(keep)
         self.slot_span = self.slot_span[keep]
         self.slot_offset = self.slot_offset[keep]
         self.slot_position = self.slot_position[keep]
         self.slot_attention = self.slot_attention[keep]
         self.slot_window_attention = self.slot_window_attention[keep]
         self.slot_heavy_attention = self.slot_heavy_attention[keep]
+
+    # -- the attended quantized tier ----------------------------------------------------------
+
+    def quantize_slots(self, slots: torch.Tensor) -> int:
+        """Hold some slots quantized in every layer (they stay attended). Returns slots quantized.
+
+        Layers without an attended quantized tier hold every slot in full precision and
+        quantize nothing (0).
+        """
+        self.compact_pending()
+        if slots.numel() == 0:
+            return 0
+        counts = {layer.quantize(slots) for layer in self.cache.managed_layers}
+        return max(counts) if counts else 0
+
+    def quantized_mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """`bool [n]`: which of `slots` are held quantized (the first layer answers for all)."""
+        layers = self.cache.managed_layers
+        if not layers:
+            return torch.zeros(int(slots.numel()), dtype=torch.bool)
+        return layers[0].is_quantized(slots)
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
         """Append a block's KV at the end of the physical cache (restore / recall)."""
@@ -431,18 +473,18 @@ class PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""
         child = PhysicalCache(self.num_layers, self.layer_factory)
         if self.variable_slot_bytes:
-            # Attended quantized layers are not shared: the branch re-quantizes its own copy.
+            # Attended quantized layers are not shared: the branch holds its own copy (codes as they are).
             self.compact_pending()
             for parent_layer, child_layer in zip(
                 self.cache.managed_layers, child.cache.managed_layers, strict=True
             ):
-                full = parent_layer.full()
-                if full is not None:
-                    child_layer.set_all(full[0], full[1])
+                child_layer.copy_from(parent_layer)
             child.slot_span = self.slot_span.clone()
             child.slot_offset = self.slot_offset.clone()
             child.slot_position = self.slot_position.clone()
             child.slot_attention = self.slot_attention.clone()
+            child.slot_window_attention = self.slot_window_attention.clone()
+            child.slot_heavy_attention = self.slot_heavy_attention.clone()
             return child
         for parent_layer, child_layer in zip(
             self.cache.managed_layers, child.cache.managed_layers, strict=True

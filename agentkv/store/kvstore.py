@@ -45,15 +45,26 @@ class KVStore:
         host_limit_bytes: int | None = None,
         attended_bits: int | None = None,
         attended_residual_tokens: int = 64,
+        attended_key_bits: int | None = None,
+        attended_sink_tokens: int = 4,
     ) -> None:
         factory: LayerFactory = SharedPrefixLayer
         if attended_bits is not None:
-            check_attended_spec(attended_bits, group_size, attended_residual_tokens)
-            factory = partial(QuantizedAttendedLayer, attended_bits, group_size, attended_residual_tokens)
+            check_attended_spec(
+                attended_bits, group_size, attended_residual_tokens, key_bits=attended_key_bits
+            )
+            factory = partial(
+                QuantizedAttendedLayer, attended_bits, group_size, attended_residual_tokens, attended_key_bits
+            )
         self.physical = PhysicalCache(num_layers, factory)
         self.attended_bits = attended_bits
         """Bits of the attended quantized tier (None: the attended cache is full precision)."""
         self.attended_residual_tokens = attended_residual_tokens
+        """The most recent tokens (by position) are never quantized in attention (KIVI's residual window)."""
+        self.attended_key_bits = attended_key_bits
+        """Bits of the attended tier's keys (None: `attended_bits`)."""
+        self.attended_sink_tokens = attended_sink_tokens
+        """The first positions are never quantized in attention (attention sinks: StreamingLLM, KVQuant)."""
         self.device = device
         self.group_size = group_size
         self.residual_tokens = residual_tokens
@@ -101,6 +112,8 @@ class KVStore:
             host_limit_bytes=self.host_limit_bytes,
             attended_bits=self.attended_bits,
             attended_residual_tokens=self.attended_residual_tokens,
+            attended_key_bits=self.attended_key_bits,
+            attended_sink_tokens=self.attended_sink_tokens,
         )
         child.physical = self.physical.fork()
         return child
@@ -120,6 +133,39 @@ class KVStore:
         """The in-process cache needs no notice of state changes: attention follows the tier."""
 
     # -- moves -----------------------------------------------------------------------------
+
+    def quantize_attended(self, span: Span) -> int:
+        """Hold a device span's tokens quantized, still attended (the first demotion). Returns bytes freed.
+
+        The attention sinks (the first `attended_sink_tokens` positions) and the residual
+        window (the last `attended_residual_tokens` positions held) stay in full precision,
+        as KIVI and KVQuant keep them; so do tokens already quantized. 0 when the store has
+        no attended quantized tier or nothing of the span can be quantized.
+        """
+        if self.attended_bits is None or span.tier is not Tier.DEVICE:
+            return 0
+        physical = self.physical
+        physical.compact_pending()
+        slots = physical.slots_of(span.span_id)
+        if not slots.numel():
+            return 0
+        positions = physical.slot_position[slots]
+        newest = int(physical.slot_position.max())
+        exact = (positions >= self.attended_sink_tokens) & (
+            positions <= newest - self.attended_residual_tokens
+        )
+        slots = slots[exact & ~physical.quantized_mask(slots)]
+        if not slots.numel():
+            return 0
+        before = physical.nbytes()
+        physical.quantize_slots(slots)
+        return before - physical.nbytes()
+
+    def attended_quantized_tokens(self, span: Span | None = None) -> int:
+        """Slots held quantized in attention (of one span, or all)."""
+        physical = self.physical
+        slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
+        return int(physical.quantized_mask(slots).sum())
 
     def compress(self, span: Span, keep_offsets: list[int]) -> int:
         """Keep only some of a device span's tokens (commit-time compression). Returns tokens dropped."""

@@ -104,3 +104,12 @@ class KVStoreProtocol(Protocol):
     def check(self, spans: Sequence[Span]) -> list[str]:
         """Inconsistencies between the spans' tiers and what the store holds (empty = none)."""
         ...
+
+
+@runtime_checkable
+class AttendedQuantizer(Protocol):
+    """A store with an attended quantized tier: a span can be held quantized and still be attended."""
+
+    def quantize_attended(self, span: Span) -> int:
+        """Hold a device span quantized in attention (sinks and residual window excepted); bytes freed."""
+        ...

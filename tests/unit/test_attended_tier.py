@@ -1,13 +1,12 @@
-"""The attended quantized tier (KIVI int4/int2, full-precision residual window, dequantized on read).
+"""The attended quantized tier (KIVI int4/int2 in attention, demoted to by the budget before archiving).
 
 Tolerances, and why: int4 round-to-nearest puts every key/value within half a step
 of its group's range (range / 15 / 2 per group; for the tiny random model's KV that
 is a few hundredths), and a softmax over perturbed keys moves the logits by about
 that much times the value norm. The session test bounds the logit error relative to
 the logits' own spread (max |Δ| <= 5% of max |logit| at int4, 20% at int2) and
-requires the same greedy token; the measured errors are far below (see the asserts'
-messages). With the residual window covering every token nothing is quantized and
-the logits are those of the full-precision cache exactly (same tensors, same ops).
+requires the same greedy token. With nothing quantized the layer returns its exact
+tensors, so the logits are those of the full-precision cache exactly.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
-from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec
+from agentkv.spans import SpanState, Tier
+from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, value_group
 from agentkv.store.block import tensor_bytes
 
 MESSAGES: list[dict[str, Any]] = [
@@ -29,103 +29,166 @@ MESSAGES: list[dict[str, Any]] = [
 ]
 
 
-def _layer(bits: int, group: int = 16, residual: int = 8) -> QuantizedAttendedLayer:
-    return QuantizedAttendedLayer(bits, group, residual)
+def _layer(bits: int, group: int = 16, key_bits: int | None = None) -> QuantizedAttendedLayer:
+    return QuantizedAttendedLayer(bits, group, 0, key_bits)
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_layer_round_trip_within_half_a_step_and_window_exact(bits: int) -> None:
+def _within_half_a_step(got: torch.Tensor, want: torch.Tensor, bits: int, dim: int, group: int) -> bool:
+    """Every element within half a step of its group's range (groups of `group` along `dim`)."""
+    moved_got, moved_want = got.movedim(dim, -1), want.movedim(dim, -1)
+    n = moved_want.shape[-1]
+    lead = moved_want.shape[:-1]
+    grouped = moved_want.reshape(*lead, n // group, group)
+    step = (grouped.amax(dim=-1) - grouped.amin(dim=-1)) / ((1 << bits) - 1)  # [..., n / G]
+    err = (moved_got - moved_want).abs().reshape(*lead, n // group, group).amax(dim=-1)
+    return bool((err <= step / 2 * 1.01 + 1e-3).all())
+
+
+@pytest.mark.parametrize(("bits", "key_bits"), [(4, 4), (2, 2), (2, 4)])
+def test_quantized_slots_within_half_a_step_and_the_rest_exact(bits: int, key_bits: int) -> None:
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
-    layer = _layer(bits)
-    layer.set_all(k, v)
-    assert layer.quantized_length == 80 and layer.residual_length == 20  # (100 - 8) // 16 * 16 = 80
+    layer = _layer(bits, key_bits=key_bits)
+    out = layer.update(k, v)
+    assert out[0] is layer.keys and torch.equal(out[0], k)  # nothing quantized: the exact tensors
+    assert layer.quantize(torch.arange(20, 84)) == 64  # four key groups of 16
+    assert layer.quantized_length == 64 and layer.exact_length == 36
     full = layer.full()
     assert full is not None
     got_k, got_v = full
-    # The window is exact; quantized keys stay within half a step of their (token group, channel) range.
-    assert torch.equal(got_k[:, :, 80:], k[:, :, 80:]) and torch.equal(got_v[:, :, 80:], v[:, :, 80:])
-    qmax = (1 << bits) - 1
-    groups = k[:, :, :80].reshape(1, 2, 5, 16, 16)
-    step = (groups.amax(dim=3) - groups.amin(dim=3)) / qmax  # [1, 2, 5, 16]
-    err = (got_k[:, :, :80] - k[:, :, :80]).abs().reshape(1, 2, 5, 16, 16).amax(dim=3)
-    assert bool((err <= step / 2 * 1.01 + 1e-3).all())
-    v_step = (v[:, :, :80].amax(dim=-1) - v[:, :, :80].amin(dim=-1)) / qmax  # one channel group of 16
-    v_err = (got_v[:, :, :80] - v[:, :, :80]).abs().amax(dim=-1)
-    assert bool((v_err <= v_step / 2 * 1.01 + 1e-3).all())
+    for part in (slice(0, 20), slice(84, 100)):
+        assert torch.equal(got_k[:, :, part], k[:, :, part]) and torch.equal(got_v[:, :, part], v[:, :, part])
+    assert _within_half_a_step(got_k[:, :, 20:84], k[:, :, 20:84], key_bits, dim=2, group=16)
+    assert _within_half_a_step(got_v[:, :, 20:84], v[:, :, 20:84], bits, dim=3, group=value_group(16, 16))
+    assert layer.quantize(torch.arange(20, 84)) == 0  # already quantized: never re-quantized
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_streaming_updates_quantize_like_one_set_all(bits: int) -> None:
-    torch.manual_seed(1)
-    k, v = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
-    whole, streamed = _layer(bits), _layer(bits)
-    whole.set_all(k, v)
-    streamed.update(k[:, :, :30], v[:, :, :30])
-    for t in range(30, 70):
-        out_k, _ = streamed.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        assert out_k.shape[-2] == t + 1
-    a, b = whole.full(), streamed.full()
-    assert a is not None and b is not None
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert streamed.residual_length < 8 + 16
+def test_removal_keeps_whole_groups_bit_for_bit_and_frees_their_bytes() -> None:
+    torch.manual_seed(2)
+    k, v = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    layer = _layer(4)
+    layer.update(k, v)
+    layer.quantize(torch.arange(0, 40))  # key groups: 0-15, 16-31, 32-39 (a partial one)
+    layer.quantize(torch.arange(60, 80))  # 60-75, 76-79
+    assert layer.key_scales is not None and layer.key_scales.shape[2] == 5
+    full = layer.full()
+    assert full is not None
+    # Drop tokens 16-31 (a whole group), half of group 0, and some exact slots; permute the rest.
+    keep = torch.cat([torch.arange(8, 16), torch.arange(32, 60), torch.arange(70, 96)]).flip(0)
+    layer.select(keep)
+    after = layer.full()
+    assert after is not None
+    assert torch.equal(after[0], full[0].index_select(2, keep))
+    assert torch.equal(after[1], full[1].index_select(2, keep))
+    assert layer.key_scales is not None and layer.key_scales.shape[2] == 4  # the emptied group is gone
+    # Bytes: codes of the quantized slots kept, their value statistics, four key groups' statistics.
+    q, e, d = layer.quantized_length, layer.exact_length, 16
+    assert q == 8 + 8 + 10 and e == int(keep.numel()) - q
+    per_slot_codes = 2 * d // 2  # keys and values, int4, one head's channels
+    stats = 2 * 2  # scale and zero, float16
+    expected = 2 * (q * per_slot_codes + q * (d // value_group(d, 16)) * stats)
+    expected += 2 * 4 * d * stats + 2 * 2 * e * d * 4
+    assert sum(tensor_bytes(t) for t in layer.own_tensors()) == expected
+    # Appending and cutting back restore the same state.
+    layer.update(k[:, :, :5], v[:, :, :5])
+    layer.cut_to(int(keep.numel()))
+    again = layer.full()
+    assert again is not None and torch.equal(again[0], after[0]) and torch.equal(again[1], after[1])
 
 
-def test_bytes_are_what_is_held_and_far_below_full_precision() -> None:
-    k, v = torch.randn(1, 2, 512, 16), torch.randn(1, 2, 512, 16)
-    for bits, most in ((4, 0.30), (2, 0.22)):
-        layer = _layer(bits, group=32, residual=32)
-        layer.set_all(k, v)
+def test_bytes_far_below_full_precision_when_everything_is_quantized() -> None:
+    k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
+    for bits, key_bits, most in ((4, 4, 0.17), (2, 4, 0.13), (2, 2, 0.10)):
+        layer = _layer(bits, group=32, key_bits=key_bits)
+        layer.update(k, v)
+        layer.quantize(torch.arange(512))
         held = sum(tensor_bytes(t) for t in layer.own_tensors())
-        assert held < most * (tensor_bytes(k) + tensor_bytes(v)), (bits, held)
-        codes = layer.key_codes
-        assert codes is not None and codes.dtype == torch.uint8 and codes.shape[-1] == 16 * bits // 8
+        assert held < most * (tensor_bytes(k) + tensor_bytes(v)), (bits, key_bits, held)
 
 
-def _last_logits(tiny_model: Any, tiny_tokenizer: Any, quantization: dict[str, Any] | None) -> torch.Tensor:
-    data: dict[str, Any] = {"policy": "full"}
-    if quantization is not None:
-        data["quantization"] = quantization
-    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data))
-    session = backend.session("s")
-    session.extend(MESSAGES)
-    session.check()
+def _backend(tiny_model: Any, tiny_tokenizer: Any, data: dict[str, Any]) -> TransformersBackend:
+    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data))
+
+
+def _last_logits(session: Any) -> torch.Tensor:
     prompt = session.format.generation_prompt_ids(session.messages)
     return session.continuation_logits(prompt)[-1]
 
 
-@pytest.mark.parametrize(("bits", "tolerance"), [(4, 0.05), (2, 0.20)])
-def test_attended_tier_logits_close_to_full_precision(
-    tiny_model: Any, tiny_tokenizer: Any, bits: int, tolerance: float
+def test_nothing_quantized_is_exactly_the_full_cache(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    plain = _backend(tiny_model, tiny_tokenizer, {"policy": "lifecycle"}).session("p")
+    plain.extend(MESSAGES)
+    tiered = _backend(
+        tiny_model, tiny_tokenizer, {"policy": "lifecycle", "quantization": {"attended_bits": 4}}
+    ).session("q")
+    tiered.extend(MESSAGES)
+    tiered.check()
+    assert tiered.store.attended_quantized_tokens() == 0  # no budget: no pressure, nothing quantized
+    assert torch.equal(_last_logits(tiered), _last_logits(plain))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "tolerance"), [({"attended_bits": 4}, 0.05), ({"attended_bits": 2}, 0.20)]
+)
+def test_quantized_in_attention_logits_close_to_full_precision(
+    tiny_model: Any, tiny_tokenizer: Any, quantization: dict[str, Any], tolerance: float
 ) -> None:
-    full = _last_logits(tiny_model, tiny_tokenizer, None)
-    quant = _last_logits(
-        tiny_model, tiny_tokenizer, {"attended_bits": bits, "group_size": 16, "attended_residual_tokens": 16}
-    )
+    plain = _backend(tiny_model, tiny_tokenizer, {"policy": "full"}).session("p")
+    plain.extend(MESSAGES)
+    full = _last_logits(plain)
+    settings = {**quantization, "group_size": 16, "attended_residual_tokens": 16}
+    session = _backend(tiny_model, tiny_tokenizer, {"policy": "full", "quantization": settings}).session("q")
+    session.extend(MESSAGES)
+    for span in session.spans:
+        session.store.quantize_attended(span)
+    session.check()
+    held = session.store.physical.length
+    # All but the 4 sink positions and the 16-token residual window are quantized.
+    assert session.store.attended_quantized_tokens() == held - 4 - 16
+    quant = _last_logits(session)
     err = float((quant - full).abs().max())
     scale = float(full.abs().max())
-    assert err <= tolerance * scale, f"int{bits}: max |Δlogit| {err:.4f} vs max |logit| {scale:.4f}"
+    assert 0 < err <= tolerance * scale, f"{quantization}: max |Δlogit| {err:.4f} vs max |logit| {scale:.4f}"
     assert int(quant.argmax()) == int(full.argmax())
 
 
-def test_window_covering_everything_is_exact(tiny_model: Any, tiny_tokenizer: Any) -> None:
-    full = _last_logits(tiny_model, tiny_tokenizer, None)
-    window = {"attended_bits": 4, "attended_residual_tokens": 100_000}
-    quant = _last_logits(tiny_model, tiny_tokenizer, window)
-    assert torch.equal(quant, full)
-
-
-def test_attended_tier_under_a_budget_keeps_invariants(tiny_model: Any, tiny_tokenizer: Any) -> None:
-    config = AgentKVConfig.from_dict(
+def _budget_session(tiny_model: Any, tiny_tokenizer: Any, device_tokens: int) -> tuple[Any, Any]:
+    backend = _backend(
+        tiny_model,
+        tiny_tokenizer,
         {
             "policy": "lifecycle",
             "archive_tier": "drop",
-            "budget": {"device_tokens": 40},
+            "budget": {"device_tokens": device_tokens},
             "quantization": {"attended_bits": 4, "group_size": 16, "attended_residual_tokens": 16},
-        }
+        },
     )
-    backend = TransformersBackend(tiny_model, tiny_tokenizer, config)
-    session = backend.session("b")
+    return backend, backend.session("b")
+
+
+def test_budget_quantizes_in_attention_before_archiving(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    # History of ~300 tokens; 45% of it in fp32 bytes holds all of it at int4 plus the window and sinks.
+    backend, session = _budget_session(tiny_model, tiny_tokenizer, 10_000)
+    history = list(MESSAGES[:2])
+    for turn in range(4):
+        history = [*history, {"role": "user", "content": f"lorem ipsum dolor {turn} " * 8}]
+    session.extend(history)
+    logical = session.stats().logical_tokens
+    backend, session = _budget_session(tiny_model, tiny_tokenizer, int(logical * 0.45))
+    session.extend(history)
+    session.check()
+    stats = session.stats()
+    assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing left attention
+    assert all(s.tier is Tier.DEVICE for s in session.spans)
+    assert session.store.attended_quantized_tokens() > 0
+    walked = sum(tensor_bytes(t) for t in session.store.physical.tensors())
+    assert stats.device_bytes == walked < stats.attended_tokens * backend.runner.bytes_per_token
+
+
+def test_budget_archives_only_once_everything_demotable_is_quantized(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    backend, session = _budget_session(tiny_model, tiny_tokenizer, 40)
     history = list(MESSAGES[:2])
     session.extend(history)
     for turn in range(4):
@@ -136,11 +199,16 @@ def test_attended_tier_under_a_budget_keeps_invariants(tiny_model: Any, tiny_tok
         child.extend([*history, {"role": "assistant", "content": "consectetur adipiscing elit"}])
         child.check()
         backend.close(child.session_id)
+    store = session.store
+    archived = [s for s in session.spans if s.state in (SpanState.ARCHIVED, SpanState.EVICTED)]
+    assert archived, "a 40-token budget must archive something"
+    # Every committed span still attended is quantized as far as the sinks and window allow.
+    for span in session.spans:
+        if span.tier is Tier.DEVICE and span.state is SpanState.COMMITTED and not span.pinned:
+            assert store.quantize_attended(span) == 0, span
     stats = session.stats()
-    # Held bytes are the codes, statistics and window actually held, not slots * fp32 bytes.
-    walked = sum(tensor_bytes(t) for t in session.store.physical.tensors())
+    walked = sum(tensor_bytes(t) for t in store.physical.tensors())
     assert stats.device_bytes == walked
-    assert stats.device_bytes < stats.attended_tokens * backend.runner.bytes_per_token
     assert session.generate(max_new_tokens=3) is not None
 
 
@@ -150,6 +218,8 @@ def test_attended_tier_under_a_budget_keeps_invariants(tiny_model: Any, tiny_tok
         ({"attended_bits": 3}, "attended_bits"),
         ({"attended_bits": 8}, "attended_bits"),
         ({"attended_residual_tokens": -1}, "attended_residual_tokens"),
+        ({"attended_key_bits": 3}, "attended_key_bits"),
+        ({"attended_sink_tokens": -1}, "attended_sink_tokens"),
     ],
 )
 def test_bad_attended_config_is_a_clear_error(quantization: dict[str, Any], message: str) -> None:
@@ -164,3 +234,5 @@ def test_bad_attended_spec_names_allowed_values() -> None:
         check_attended_spec(4, 0, 8)
     with pytest.raises(ValueError, match="head_dim must be a multiple of 4 for 2-bit codes, got 6"):
         check_attended_spec(2, 32, 8, head_dim=6)
+    with pytest.raises(ValueError, match=r"key_bits: expected one of \[4, 2\], got 8"):
+        check_attended_spec(4, 32, 8, key_bits=8)
