@@ -211,12 +211,10 @@ class QuantizationConfig(Section):
     attended_bits: Literal[4, 2] | None = Field(
         default=None,
         description=(
-            "Under device-budget pressure, spans are first held at 4 or 2 bits (KIVI) and still attended, "
-            "before any is archived; null = no attended quantized tier."
+            "Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived."
         ),
     )
-    """Under device-budget pressure, spans are first held at 4 or 2 bits (KIVI) and still attended,
-    before any is archived; null = no attended quantized tier."""
+    """Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived."""
     attended_key_bits: Literal[4, 2] | None = Field(
         default=None,
         description="Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits.",
