@@ -61,7 +61,8 @@ METHODS: dict[str, Method] = {
         Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
         # Archived spans go to the int4 archive (on the device, not attended).
         Method("agentkv-int4", "lifecycle", archive_tier="int4", events=True),
-        # agentkv-nohost with the attended cache held at int4 / int2 (KIVI, agentkv.store.attended).
+        # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
+        # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
         Method(
             "agentkv-q4",
             "lifecycle",
@@ -75,6 +76,13 @@ METHODS: dict[str, Method] = {
             archive_tier=NOHOST_TIER,
             events=True,
             extra={"quantization": {"attended_bits": 2}},
+        ),
+        Method(
+            "agentkv-k4v2",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={"quantization": {"attended_bits": 2, "attended_key_bits": 4}},
         ),
     )
 }
