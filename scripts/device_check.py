@@ -17,8 +17,10 @@ measures:
 
 - `full`: the full-precision attended cache (agentkv's physical cache);
 - `int4-attended`: the attended quantized tier (`QuantizedAttendedLayer`, KIVI int4,
-  64-token full-precision window, dequantized per layer on every read);
-- `int2-attended`: the same at int2;
+  groups of 32) under full pressure: after the prefill every token but the 4 sink
+  positions and the 64-token residual window is quantized (as the budget does when
+  nothing else fits), then decoded, dequantized per layer on every read;
+- `int2-attended`: the same at int2; `k4v2-attended`: int4 keys, int2 values;
 - `host-recall`: the whole history offloaded to the host tier (pinned memory on CUDA)
   and restored into the attended cache, then decoded at full precision: the restore
   rate (tokens/s and GB/s) against re-encoding the same tokens (the prefill rate).
@@ -56,7 +58,11 @@ MODES: dict[str, LayerFactory] = {
     "full": SharedPrefixLayer,
     "int4-attended": partial(QuantizedAttendedLayer, 4, 32, 64),
     "int2-attended": partial(QuantizedAttendedLayer, 2, 32, 64),
+    "k4v2-attended": partial(QuantizedAttendedLayer, 2, 32, 64, 4),
 }
+SINK_TOKENS = 4
+RESIDUAL_TOKENS = 64
+"""What the attended modes keep in full precision (the store's defaults)."""
 
 
 def history_ids(tokenizer: Any, tokens: int) -> list[int]:
@@ -151,10 +157,16 @@ def measure_attended(
     cache = PhysicalCache(runner.num_layers, factory)
     with torch.inference_mode():
         seconds, logits = prefill(runner, cache, ids)
+        sync(runner.device)
+        started = time.perf_counter()
+        cache.quantize_slots(torch.arange(SINK_TOKENS, max(SINK_TOKENS, len(ids) - RESIDUAL_TOKENS)))
+        sync(runner.device)
+        quantize_s = time.perf_counter() - started
         held = cache.nbytes()
         decode_s = decode(runner, cache, logits, len(ids), steps)
     return {
         "prefill_tok_s": len(ids) / seconds,
+        "quantize_tok_s": len(ids) / quantize_s if quantize_s > 0 else 0.0,
         "decode_tok_s": steps / decode_s,
         "kv_bytes_after_prefill": float(held),
     }
