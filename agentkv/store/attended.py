@@ -110,6 +110,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.value_scales: torch.Tensor | None = None
         self.value_zeros: torch.Tensor | None = None
         self.out_dtype: torch.dtype | None = None
+        self._layout: list[tuple[bool, int, int]] | None = None
+        """Cached `_runs()`; None after any change of which slot is where."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -151,12 +153,22 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.exact_index = torch.cat([self.exact_index, torch.arange(start, start + n, dtype=_LONG)])
+        if self._layout:
+            quant, a, length = self._layout[-1]
+            if quant:
+                self._layout.append((False, self.exact_length - n, n))
+            else:
+                self._layout[-1] = (False, a, length + n)
         full = self.full()
         assert full is not None
         return full
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every slot in physical order, `[B, H, E + Q, D]` each; None when empty."""
+        """Every slot in physical order, `[B, H, E + Q, D]` each; None when empty.
+
+        The slots form a few runs (a quantized span, exact sinks, the exact window): the
+        dequantized and exact tensors are sliced per run and concatenated, one copy.
+        """
         if self.own_length == 0:
             return None
         if not self.quantized_length:
@@ -167,16 +179,27 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if not self.exact_length:
             return k, v
         assert self.keys is not None and self.values is not None
-        q = self.quantized_length
-        if int(self.quant_index[-1]) == q - 1:  # quantized slots are 0..Q-1, exact ones follow
-            return torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
-        b, h, _, d = k.shape
-        out_k = k.new_empty(b, h, self.own_length, d)
-        out_v = v.new_empty(b, h, self.own_length, d)
-        q_at, e_at = self.quant_index.to(k.device), self.exact_index.to(k.device)
-        out_k.index_copy_(-2, q_at, k).index_copy_(-2, e_at, self.keys)
-        out_v.index_copy_(-2, q_at, v).index_copy_(-2, e_at, self.values)
-        return out_k, out_v
+        runs = self._runs()
+        parts_k = [(k if quant else self.keys)[:, :, a : a + n] for quant, a, n in runs]
+        parts_v = [(v if quant else self.values)[:, :, a : a + n] for quant, a, n in runs]
+        return torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
+
+    def _runs(self) -> list[tuple[bool, int, int]]:
+        """Maximal runs of slots of one kind in physical order: (quantized, start in its segment, length)."""
+        if self._layout is not None:
+            return self._layout
+        quant = torch.zeros(self.own_length, dtype=torch.bool)
+        quant[self.quant_index] = True
+        change = (quant[1:] != quant[:-1]).nonzero().flatten() + 1
+        bounds = [0, *change.tolist(), self.own_length]
+        runs: list[tuple[bool, int, int]] = []
+        seen = {True: 0, False: 0}
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            kind = bool(quant[a])
+            runs.append((kind, seen[kind], b - a))
+            seen[kind] += b - a
+        self._layout = runs
+        return runs
 
     def set_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace everything with exact slots."""
@@ -186,6 +209,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self._clear_quantized()
         self.keys, self.values = keys, values
         self.exact_index = torch.arange(int(keys.shape[-2]), dtype=_LONG)
+        self._layout = None
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep the slots `keep` (`long [n]`, old slot indices) in that order, without re-quantizing.
@@ -194,6 +218,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         that loses all its tokens is dropped, every other statistic is kept as it is.
         """
         new_of_old = torch.full((self.own_length,), -1, dtype=_LONG)
+        self._layout = None
         new_of_old[keep] = torch.arange(int(keep.numel()), dtype=_LONG)
         e_take, self.exact_index = _surviving(new_of_old, self.exact_index)
         if self.keys is not None and self.values is not None and self.keys.dim() == 4:
@@ -218,6 +243,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if self.keys is None or self.values is None or not self.exact_length:
             return 0
         slots = torch.unique(slots.to("cpu", _LONG))  # sorted: the slots' physical order
+        self._layout = None
         pos = torch.searchsorted(self.exact_index, slots)
         inside = pos < self.exact_length
         pos, slots = pos[inside], slots[inside]
@@ -277,6 +303,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.exact_index = other.exact_index.clone()
         self.quant_index = other.quant_index.clone()
         self.key_group = other.key_group.clone()
+        self._layout = None
 
     def freeze_as_prefix(self) -> None:
         """No-op: quantized layers are not shared (a fork copies them)."""
@@ -338,9 +365,9 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         dtype = self.out_dtype or torch.float32
         codes = _unpack(self.key_codes, self.key_bits)  # [B, H, Q, D]
         group = self.key_group.to(codes.device)
-        scales = self.key_scales.index_select(2, group).to(dtype)  # [B, H, Q, D]
-        zeros = self.key_zeros.index_select(2, group).to(dtype)
-        return torch.addcmul(zeros, codes.to(dtype), scales)
+        # Cast the few group statistics first, then one gather of both: [2, B, H, Q, D].
+        stats = torch.stack([self.key_scales, self.key_zeros]).to(dtype).index_select(3, group)
+        return torch.addcmul(stats[1], codes.to(dtype), stats[0])
 
     def _dequantize_values(self) -> torch.Tensor:
         assert self.value_codes is not None and self.value_scales is not None and self.value_zeros is not None
