@@ -458,6 +458,17 @@ class EngineConfig(Section):
     )
     """Seconds a recall waits for its prefetch before the call."""
 
+    pin_budget_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description=(
+            "Most tokens one conversation pins on LMCache (whole chunks); null = the salt's L2 quota"
+            " as the coordinator reports it (no quota = no cap)."
+        ),
+    )
+    """Most tokens one conversation pins on LMCache (whole chunks); null = the salt's L2 quota."""
+
     @field_validator("vllm_url", "coordinator_url")
     @classmethod
     def _url_shape(cls, value: str | None) -> str | None:

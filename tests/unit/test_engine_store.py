@@ -31,6 +31,8 @@ class SimLMCache:
         self.tiers: dict[str, set[str]] = {}  # key -> {"l1", "l2"}
         self.pins: dict[str, int] = {}
         self.prefetched: list[list[int]] = []
+        self.quota_gb: dict[str, float] = {}  # per-salt L2 quotas (GiB)
+        self.default_quota_gb: float | None = None
         self.transport = FakeTransport(
             routes={
                 "POST /cache/pins": self._pin,
@@ -40,6 +42,8 @@ class SimLMCache:
                 "POST /cache/prefetches": self._prefetch,
                 "GET /cache/prefetches/*": {"status": "completed"},
                 "GET /instances": {"instances": [{"instance_id": "i0", "ip": "node", "http_port": 8301}]},
+                "GET /quota/config": lambda *_: {"default_limit_gb": self.default_quota_gb},
+                "GET /quota/*": self._quota,
             }
         )
 
@@ -94,6 +98,11 @@ class SimLMCache:
                 deleted += 1
             held -= tiers
         return {"deleted": deleted, "skipped": 0, "ok": True}
+
+    def _quota(self, _m: str, path: str, _b: Any) -> Any:
+        salt = path.rsplit("/", 1)[-1]
+        exists = salt in self.quota_gb
+        return {"cache_salt": salt, "quota_exists": exists, "quota_limit_gb": self.quota_gb.get(salt, 0.0)}
 
     def _prefetch(self, _m: str, _p: str, body: Any) -> Any:
         self.prefetched.append(list(body["token_ids"]))
