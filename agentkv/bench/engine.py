@@ -113,7 +113,7 @@ def _mode_config(
     mode: str, vllm_url: str, coordinator_url: str, chunk_size: int, device_tokens: int
 ) -> AgentKVConfig:
     engine = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
-    hinted = {**engine, "coordinator_url": coordinator_url, "prefetch_wait_s": 30.0}
+    hinted = {**engine, "coordinator_url": coordinator_url}
     if mode == "events":  # same prompts as lru: the lifecycle only decides where KV lives
         return AgentKVConfig.model_validate({"engine": hinted, "policy": "full"})
     if mode == "events+budget":

@@ -125,6 +125,20 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     assert delta.external_hits >= (len(prompt) // stack.chunk_size - 1) * stack.chunk_size
     assert delta.computed_tokens <= len(prompt) - delta.external_hits
 
+    # The turn ends: the conversation parks. What its pin keeps on L2 leaves L1; the next call
+    # prefetches it back first, and vLLM (its own cache emptied) loads it from LMCache.
+    pinned = len(prompt) // stack.chunk_size
+    store.park()
+    assert store.stats.demoted_chunks >= 1
+    assert wait_for(
+        lambda: all(p.tiers == ("l2",) for p in coordinator.lookup(prompt, salt).placements[:pinned])
+    )
+    stack.reset_prefix_cache()
+    again, (_, parked_delta) = call()
+    assert again == prompt
+    assert store.stats.prefetch_completed == 2
+    assert parked_delta.external_hits >= (pinned - 1) * stack.chunk_size
+
     # Closing the session gives every pin back.
     store.close()
     assert coordinator.pins(salt) == 0
