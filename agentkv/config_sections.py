@@ -462,12 +462,9 @@ class EngineConfig(Section):
         default=None,
         ge=0,
         strict=True,
-        description=(
-            "Most tokens one conversation pins on LMCache (whole chunks); null = the salt's L2 quota"
-            " as the coordinator reports it (no quota = no cap)."
-        ),
+        description="Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
     )
-    """Most tokens one conversation pins on LMCache (whole chunks); null = the salt's L2 quota."""
+    """Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
 
     @field_validator("vllm_url", "coordinator_url")
     @classmethod
