@@ -71,7 +71,7 @@ class ModeResult:
     latency_p95: float
     requests_per_s: float
     lmcache_bytes: dict[str, int] = field(default_factory=dict)
-    """LMCache bytes per tier after the run (`l1` CPU memory, `l2` storage)."""
+    """LMCache bytes per tier after the run (`l1` CPU memory; `l2` storage this run added)."""
     engine_device_bytes: int = 0
     """vLLM's own KV cache capacity (bytes), the same in every mode."""
     answers: dict[str, str] = field(default_factory=dict)
@@ -154,6 +154,7 @@ def run_mode(
     workloads = load_workloads()
     nonce = time.strftime("%H%M%S")
     before = backend.vllm.metrics()
+    usage_before = coordinator.usage()  # L2 still holds earlier runs' conversations (their own salts)
     started = time.perf_counter()
     answers: dict[str, str] = {}
     latencies: list[float] = []
@@ -173,7 +174,10 @@ def run_mode(
         list(pool.map(agent, range(threads)))
     seconds = time.perf_counter() - started
     delta: EngineMetrics = backend.vllm.metrics().minus(before)
-    usage = coordinator.usage()
+    after = coordinator.usage()
+    # L1 was emptied before the run: all of it is this run's. L2 is fleet-wide: this run's share
+    # is what it added.
+    usage = {"l1": after.get("l1", 0), "l2": max(0, after.get("l2", 0) - usage_before.get("l2", 0))}
     stores = [s.store.stats for s in backend.sessions()]
     failures = sum(st.hint_failures for st in stores)
     hints = {
