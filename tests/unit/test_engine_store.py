@@ -478,3 +478,19 @@ def test_engine_down_the_agent_still_gets_a_clear_error_from_vllm_and_no_hint_er
     assert [s.generated for s in session.spans] == [False]  # the failed answer left no span behind
     sim.transport.down = False
     assert session.generate(2) == " ok"
+
+
+def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
+    from agentkv.bench.engine import _mode_config, run_engine_bench
+
+    lru = _mode_config("lru", "http://v:1", COORD, CHUNK, 384)
+    events = _mode_config("events", "http://v:1", COORD, CHUNK, 384)
+    budgeted = _mode_config("events+budget", "http://v:1", COORD, CHUNK, 384)
+    assert lru.engine is not None and lru.engine.coordinator_url is None
+    assert events.engine is not None and events.engine.coordinator_url == COORD
+    assert events.policy.name == lru.policy.name == "full"  # no budget: no span leaves the prompt
+    assert budgeted.policy.name != "full" and budgeted.budget.device_tokens == 384
+    with pytest.raises(ValueError, match="mode: expected one of lru, events, events\\+budget, got 'lfu'"):
+        _mode_config("lfu", "http://v:1", COORD, CHUNK, 384)
+    with pytest.raises(ValueError, match="modes: expected some of"):
+        run_engine_bench(vllm_url="http://v:1", coordinator_url=COORD, modes=("lru", "mru"))
