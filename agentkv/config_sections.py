@@ -462,7 +462,7 @@ class EngineConfig(Section):
         default=None,
         ge=0,
         strict=True,
-        description="Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
+        description="Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",  # noqa: E501
     )
     """Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
 
