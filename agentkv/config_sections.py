@@ -462,9 +462,9 @@ class EngineConfig(Section):
         default=None,
         ge=0,
         strict=True,
-        description="Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",  # noqa: E501
+        description="Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
     )
-    """Most tokens one conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
+    """Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
 
     @field_validator("vllm_url", "coordinator_url")
     @classmethod
