@@ -304,6 +304,9 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
             str(m["hint_failures"]),
         )
     console.print(table)
+    console.print(
+        f"prefill floor (each call reusing its previous sequence): {summary['prefill_floor']:,} tokens"
+    )
     for m in summary["modes"][2:]:
         mode = m["mode"]
         console.print(

@@ -47,7 +47,9 @@ from typing import Any
 from agentkv.bench.workloads import Workload, load_workloads
 from agentkv.config import AgentKVConfig
 from agentkv.engines.backend import EngineBackend
+from agentkv.engines.http import FakeTransport
 from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.store import common_prefix as _common_prefix
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
 
@@ -238,6 +240,44 @@ def vllm_alone(lru: ModeResult) -> ModeResult:
     )
 
 
+def prefill_floor(*, threads: int, turns: int, max_tokens: int, chunk_size: int) -> int:
+    """Prefill tokens no cache policy can avoid on this workload (the bench's own prompts).
+
+    Replays the agents against a recording stand-in for vLLM (no server): each call could
+    at best reuse the whole chunks its conversation's previous sequence shares with its
+    prompt; everything else is computed whatever the caches hold.
+    """
+    sent: dict[str, list[list[int]]] = {}
+    produced = [0] * max_tokens  # what the model says does not matter: the scripted answer replaces it
+
+    def complete(_method: str, _path: str, body: Any) -> Any:
+        sent.setdefault(str(body.get("cache_salt")), []).append(list(body["prompt"]))
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": max_tokens}
+        return {"choices": [{"text": "", "token_ids": produced, "finish_reason": "length"}], "usage": usage}
+
+    config = AgentKVConfig.model_validate(
+        {"engine": {"vllm_url": "http://replay.invalid", "chunk_size": chunk_size}, "policy": "full"}
+    )
+    real = EngineBackend.from_config(config)  # the served model's tokenizer and KV size
+    backend = EngineBackend(
+        real.tokenizer,
+        config,
+        bytes_per_token=real.bytes_per_token,
+        transport=FakeTransport(routes={"POST /v1/completions": complete}),
+    )
+    workloads = load_workloads()
+    for i in range(threads):
+        _tool_agent(backend, f"floor-{i}", workloads[i % len(workloads)], turns, max_tokens)
+    floor = 0
+    for prompts in sent.values():
+        previous: list[int] = []
+        for prompt in prompts:
+            shared = _common_prefix(previous, prompt) // chunk_size * chunk_size
+            floor += len(prompt) - shared
+            previous = prompt + produced
+    return floor
+
+
 def run_engine_bench(
     *,
     vllm_url: str,
@@ -285,6 +325,9 @@ def run_engine_bench(
             "l2_quota_gb": l2_quota_gb,
         },
         "modes": [asdict(m) for m in rows],
+        "prefill_floor": prefill_floor(
+            threads=threads, turns=turns, max_tokens=max_tokens, chunk_size=chunk_size
+        ),
     }
     for other in others:
         same = sum(other.answers.get(k) == v for k, v in lru.answers.items())

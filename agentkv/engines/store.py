@@ -212,7 +212,7 @@ class EngineStore:
             self._recalled_since_sync = False
             return
         stale_tier = self._stale_tier
-        diverged = _common_prefix(self.sent, prompt)
+        diverged = common_prefix(self.sent, prompt)
         if stale_tier is not None or diverged < len(self.sent):
             self._drop_stale(diverged, stale_tier or "all")
         self._move_commit_pin(prompt[: self.committed_length()])
@@ -271,7 +271,7 @@ class EngineStore:
         self._commit_pin = []
         self._archive_pins = {}
         self._selected_pins = []
-        keep = _common_prefix(self.sent, self.shared_prefix)
+        keep = common_prefix(self.sent, self.shared_prefix)
         if len(self.sent) > keep:
             self._delete_tail(self.sent, keep, "all")
         self.sent = list(self.shared_prefix)
@@ -298,7 +298,7 @@ class EngineStore:
             self.stats.pins += 1
             for span_id in self._archived_since_sync:
                 self._archive_pins.setdefault(span_id, kept)
-        keep = max(diverged, _common_prefix(old, self.shared_prefix))
+        keep = max(diverged, common_prefix(old, self.shared_prefix))
         self._delete_tail(old, keep, tier)
         self.sent = old[:diverged]
 
@@ -403,7 +403,7 @@ class EngineStore:
                 self.stats.prefetch_completed += 1
                 break
             time.sleep(0.05)
-        recalled = [sid for sid, seq in self._archive_pins.items() if _common_prefix(seq, prompt) == len(seq)]
+        recalled = [sid for sid, seq in self._archive_pins.items() if common_prefix(seq, prompt) == len(seq)]
         for span_id in recalled:
             self._unpin(self._archive_pins.pop(span_id))
 
@@ -423,7 +423,8 @@ class EngineStore:
         logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, error)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
