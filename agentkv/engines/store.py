@@ -312,7 +312,11 @@ class EngineStore:
         lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
         if lookup is None:
             return
-        keys = [key for placement in lookup.placements[first:] if placement.tiers for key in placement.keys]
+        stale = lookup.placements[first:]
+        if tier == "l1":  # archive: give up only L1 copies that L2 already holds (never the only copy)
+            keys = [key for placement in stale if "l2" in placement.tiers for key in placement.keys]
+        else:  # every stale key, placed or not yet reported (a lagging report must not keep it)
+            keys = [key for placement in stale for key in placement.keys]
         if not keys:
             return
         result = self._hint(

@@ -109,13 +109,16 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     assert coordinator.lookup(full, salt).held_chunks() >= kept_chunks  # the kept prefix stays
 
     # Archive the tool result: its L1 copy goes, L2 keeps it; a recall prefetches it back.
+    # (Stores reach L2, and the coordinator's placements, a little after the call returns.)
     with_result = prompt
+    whole = len(with_result) // stack.chunk_size
+    assert wait_for(lambda: coordinator.lookup(with_result, salt).held_chunks("l2") == whole)
     spans[3].state = SpanState.ARCHIVED
     store.archive(spans[3], "host")
     assert spans[3].tier is Tier.HOST
     call()
     assert tail_of(with_result)
-    assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result)))
+    assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result))), tail_of(with_result)
     spans[3].state = SpanState.COMMITTED
     store.restore_many([spans[3]])
     stack.reset_prefix_cache()  # vLLM's own cache forgets: what hits now comes from LMCache
