@@ -269,6 +269,7 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         device_tokens=args.device_tokens,
         l2_quota_gb=args.l2_quota_gb,
         out_dir=out,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         progress=lambda line: console.log(line),
     )
     table = Table(title=f"agentkv bench engine: {args.threads} agents ({summary['settings']})")
@@ -304,10 +305,15 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table)
     console.print(
-        f"computed prefill tokens, lru / events: {summary['computed_ratio_lru_over_events']:.2f}x; "
-        f"vllm / events: {summary['computed_ratio_vllm_over_events']:.2f}x; "
-        f"answers identical (lru vs events): {summary['answers_identical']}"
+        f"prefill floor (each call reusing its previous sequence): {summary['prefill_floor']:,} tokens"
     )
+    for m in summary["modes"][2:]:
+        mode = m["mode"]
+        console.print(
+            f"computed prefill tokens, lru / {mode}: {summary[f'computed_ratio_lru_over_{mode}']:.2f}x; "
+            f"vllm / {mode}: {summary[f'computed_ratio_vllm_over_{mode}']:.2f}x; "
+            f"answers identical (lru vs {mode}): {summary[f'answers_identical_{mode}']}"
+        )
     console.print(f"results in {out}/")
     return 0
 
@@ -407,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-tokens", type=int, default=768, help="engine: per-session budget, events mode"
     )
     bench.add_argument("--l2-quota-gb", type=float, help="engine: LMCache L2 quota per conversation")
+    bench.add_argument(
+        "--modes",
+        default="lru,events",
+        help="engine: runs besides vllm (lru, events = same prompts with hints, events+budget)",
+    )
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )

@@ -472,6 +472,14 @@ class EngineConfig(Section):
     )
     """Seconds a recall waits for its prefetch before the call."""
 
+    pin_budget_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description="Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
+    )
+    """Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
+
     @field_validator("vllm_url", "coordinator_url")
     @classmethod
     def _url_shape(cls, value: str | None) -> str | None:

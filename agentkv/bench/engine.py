@@ -14,8 +14,15 @@ Modes, run one after the other on the same stack, each from cold caches:
   prompt tokens minus its local prefix-cache hits (vLLM's own counters).
 - `lru`: vLLM + LMCache with no hints: the whole history every call (policy `full`, no
   budget), LMCache evicting least-recently-used chunks.
-- `events`: vLLM + LMCache driven by agentkv: the default lifecycle rules and a device
-  budget decide the prompt, commits pin, releases delete stale chunks, recalls prefetch.
+- `events`: the **same prompts** as `lru` (policy `full`: no span leaves the prompt), with
+  agentkv's lifecycle telling LMCache where KV should live: commits pin the committed
+  prefix within the conversation's pin budget (its L2 quota), stale tails (the generated
+  answer the scripted one replaces) are deleted, a conversation that ended its turn gives
+  up its L1 copy of what L2 keeps pinned, and its next call prefetches it back first.
+  Answers must equal `lru`'s: only where KV lives differs.
+- `events+budget` (optional, `modes=`): the default lifecycle rules and a device budget
+  also decide the prompt (released and archived spans leave it), so prompts and answers
+  differ from `lru`; it shows what the budget adds on top.
 
 Figures come from the engine itself (vLLM `/metrics`: prompt tokens by source, local and
 LMCache hits; the coordinator's `/instances/usage`: bytes per tier). Latency is the wall
@@ -26,6 +33,7 @@ shared, so compare ratios, not seconds).
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
@@ -39,11 +47,14 @@ from typing import Any
 from agentkv.bench.workloads import Workload, load_workloads
 from agentkv.config import AgentKVConfig
 from agentkv.engines.backend import EngineBackend
+from agentkv.engines.http import FakeTransport
 from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.store import common_prefix as _common_prefix
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
 
-MODES: tuple[str, ...] = ("vllm", "lru", "events")
+MODES: tuple[str, ...] = ("vllm", "lru", "events", "events+budget")
+RUN_MODES: tuple[str, ...] = ("lru", "events", "events+budget")
 
 
 @dataclass
@@ -62,11 +73,13 @@ class ModeResult:
     latency_p95: float
     requests_per_s: float
     lmcache_bytes: dict[str, int] = field(default_factory=dict)
-    """LMCache bytes per tier after the run (`l1` CPU memory, `l2` storage)."""
+    """LMCache bytes per tier after the run (`l1` CPU memory; `l2` storage this run added)."""
     engine_device_bytes: int = 0
     """vLLM's own KV cache capacity (bytes), the same in every mode."""
     answers: dict[str, str] = field(default_factory=dict)
     hint_failures: int = 0
+    hints: dict[str, int] = field(default_factory=dict)
+    """What the sessions asked of LMCache: pins, deleted / demoted chunks, prefetches completed."""
 
 
 def _tool_agent(
@@ -102,13 +115,14 @@ def _mode_config(
     mode: str, vllm_url: str, coordinator_url: str, chunk_size: int, device_tokens: int
 ) -> AgentKVConfig:
     engine = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
-    if mode == "events":
-        return AgentKVConfig.model_validate(
-            {
-                "engine": {**engine, "coordinator_url": coordinator_url},
-                "budget": {"device_tokens": device_tokens},
-            }
-        )
+    hinted = {**engine, "coordinator_url": coordinator_url}
+    if mode == "events":  # same prompts as lru: the lifecycle only decides where KV lives
+        return AgentKVConfig.model_validate({"engine": hinted, "policy": "full"})
+    if mode == "events+budget":
+        return AgentKVConfig.model_validate({"engine": hinted, "budget": {"device_tokens": device_tokens}})
+    if mode != "lru":
+        msg = f"mode: expected one of {', '.join(RUN_MODES)}, got {mode!r}"
+        raise ValueError(msg)
     return AgentKVConfig.model_validate({"engine": engine, "policy": "full"})
 
 
@@ -142,6 +156,7 @@ def run_mode(
     workloads = load_workloads()
     nonce = time.strftime("%H%M%S")
     before = backend.vllm.metrics()
+    usage_before = coordinator.usage()  # L2 still holds earlier runs' conversations (their own salts)
     started = time.perf_counter()
     answers: dict[str, str] = {}
     latencies: list[float] = []
@@ -161,8 +176,16 @@ def run_mode(
         list(pool.map(agent, range(threads)))
     seconds = time.perf_counter() - started
     delta: EngineMetrics = backend.vllm.metrics().minus(before)
-    usage = coordinator.usage()
-    failures = sum(s.store.stats.hint_failures for s in backend.sessions())
+    after = coordinator.usage()
+    # L1 was emptied before the run: all of it is this run's. L2 is fleet-wide: this run's share
+    # is what it added.
+    usage = {"l1": after.get("l1", 0), "l2": max(0, after.get("l2", 0) - usage_before.get("l2", 0))}
+    stores = [s.store.stats for s in backend.sessions()]
+    failures = sum(st.hint_failures for st in stores)
+    hints = {
+        name: sum(getattr(st, name) for st in stores)
+        for name in ("pins", "unpins", "deleted_chunks", "demoted_chunks", "prefetch_completed")
+    }
     for session in list(backend.sessions()):
         backend.close(session.session_id)
     ordered = sorted(latencies)
@@ -178,9 +201,25 @@ def run_mode(
         latency_p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0,
         requests_per_s=len(latencies) / seconds if seconds else 0.0,
         lmcache_bytes=usage,
+        engine_device_bytes=_device_capacity(backend),
         answers=answers,
         hint_failures=failures,
+        hints=hints,
     )
+
+
+def _device_capacity(backend: EngineBackend) -> int:
+    """VLLM's KV cache capacity in bytes (blocks x block size x bytes per token; 0 when not exposed)."""
+    try:
+        with urllib.request.urlopen(f"{backend.vllm.url}/metrics", timeout=60) as response:  # noqa: S310
+            text = response.read().decode()
+    except OSError:
+        return 0
+    blocks = re.search(r'num_gpu_blocks="(\d+)"', text)
+    block = re.search(r'block_size="(\d+)"', text)
+    if not (blocks and block):
+        return 0
+    return int(blocks.group(1)) * int(block.group(1)) * backend.bytes_per_token
 
 
 def vllm_alone(lru: ModeResult) -> ModeResult:
@@ -196,8 +235,47 @@ def vllm_alone(lru: ModeResult) -> ModeResult:
         latency_p50=float("nan"),
         latency_p95=float("nan"),
         requests_per_s=float("nan"),
+        engine_device_bytes=lru.engine_device_bytes,
         answers=lru.answers,
     )
+
+
+def prefill_floor(*, threads: int, turns: int, max_tokens: int, chunk_size: int) -> int:
+    """Prefill tokens no cache policy can avoid on this workload (the bench's own prompts).
+
+    Replays the agents against a recording stand-in for vLLM (no server): each call could
+    at best reuse the whole chunks its conversation's previous sequence shares with its
+    prompt; everything else is computed whatever the caches hold.
+    """
+    sent: dict[str, list[list[int]]] = {}
+    produced = [0] * max_tokens  # what the model says does not matter: the scripted answer replaces it
+
+    def complete(_method: str, _path: str, body: Any) -> Any:
+        sent.setdefault(str(body.get("cache_salt")), []).append(list(body["prompt"]))
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": max_tokens}
+        return {"choices": [{"text": "", "token_ids": produced, "finish_reason": "length"}], "usage": usage}
+
+    config = AgentKVConfig.model_validate(
+        {"engine": {"vllm_url": "http://replay.invalid", "chunk_size": chunk_size}, "policy": "full"}
+    )
+    real = EngineBackend.from_config(config)  # the served model's tokenizer and KV size
+    backend = EngineBackend(
+        real.tokenizer,
+        config,
+        bytes_per_token=real.bytes_per_token,
+        transport=FakeTransport(routes={"POST /v1/completions": complete}),
+    )
+    workloads = load_workloads()
+    for i in range(threads):
+        _tool_agent(backend, f"floor-{i}", workloads[i % len(workloads)], turns, max_tokens)
+    floor = 0
+    for prompts in sent.values():
+        previous: list[int] = []
+        for prompt in prompts:
+            shared = _common_prefix(previous, prompt) // chunk_size * chunk_size
+            floor += len(prompt) - shared
+            previous = prompt + produced
+    return floor
 
 
 def run_engine_bench(
@@ -211,11 +289,16 @@ def run_engine_bench(
     device_tokens: int = 768,
     l2_quota_gb: float | None = None,
     out_dir: str | Path = "runs",
+    modes: tuple[str, ...] = ("lru", "events"),
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the modes and write `engine_bench.json`; returns the summary (modes + ratios)."""
+    """Run `lru` and the other `modes` and write `engine_bench.json`; returns the summary."""
     if not 1 <= threads <= 64:
         msg = f"threads: expected 1..64, got {threads}"
+        raise ValueError(msg)
+    unknown = [m for m in modes if m not in RUN_MODES]
+    if unknown:
+        msg = f"modes: expected some of {', '.join(RUN_MODES)}, got {', '.join(unknown)}"
         raise ValueError(msg)
     if l2_quota_gb is not None:
         CoordinatorClient(coordinator_url, "-").set_default_quota(l2_quota_gb)
@@ -230,10 +313,9 @@ def run_engine_bench(
         progress=progress,
     )
     lru = run_mode("lru", **common)  # type: ignore[arg-type]
-    events = run_mode("events", **common)  # type: ignore[arg-type]
-    modes = [vllm_alone(lru), lru, events]
-    same = sum(events.answers.get(k) == v for k, v in lru.answers.items())
-    summary = {
+    others = [run_mode(m, **common) for m in modes if m != "lru"]  # type: ignore[arg-type]
+    rows = [vllm_alone(lru), lru, *others]
+    summary: dict[str, Any] = {
         "settings": {
             "threads": threads,
             "turns": turns,
@@ -242,11 +324,20 @@ def run_engine_bench(
             "device_tokens": device_tokens,
             "l2_quota_gb": l2_quota_gb,
         },
-        "modes": [asdict(m) for m in modes],
-        "computed_ratio_lru_over_events": lru.computed_tokens / max(1.0, events.computed_tokens),
-        "computed_ratio_vllm_over_events": modes[0].computed_tokens / max(1.0, events.computed_tokens),
-        "answers_identical": f"{same}/{len(lru.answers)}",
+        "modes": [asdict(m) for m in rows],
+        "prefill_floor": prefill_floor(
+            threads=threads, turns=turns, max_tokens=max_tokens, chunk_size=chunk_size
+        ),
     }
+    for other in others:
+        same = sum(other.answers.get(k) == v for k, v in lru.answers.items())
+        summary[f"computed_ratio_lru_over_{other.mode}"] = lru.computed_tokens / max(
+            1.0, other.computed_tokens
+        )
+        summary[f"computed_ratio_vllm_over_{other.mode}"] = rows[0].computed_tokens / max(
+            1.0, other.computed_tokens
+        )
+        summary[f"answers_identical_{other.mode}"] = f"{same}/{len(lru.answers)}"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_bench.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")

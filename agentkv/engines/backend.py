@@ -142,6 +142,7 @@ class EngineBackend:
                     instances[instance_id],
                     chunk_size=self.engine.chunk_size,
                     prefetch_wait=self.engine.prefetch_wait_s,
+                    pin_budget_tokens=self.engine.pin_budget_tokens,
                 )
             return self._target
 

@@ -11,6 +11,7 @@ Routes and bodies as served by `lmcache coordinator` (read from its source,
 | prefetch status | `GET /cache/prefetches/{instance}/{request}` | `pending` / `completed` |
 | lookup | `POST /directory/lookup` | placements (instance, tier, bytes) of each chunk key |
 | instances | `GET /instances` | registered LMCache servers |
+| L2 budget | `GET /quota/{salt}`, `GET /quota/config` | per-salt L2 quota, else the default |
 
 Every body names a token sequence **from position 0** (`token_ids`), the model
 (`model_name`: vLLM's model path) and `world_size`; keys are prefix-chained chunk
@@ -22,6 +23,7 @@ its eviction controller (the default). This module only speaks the protocol; wha
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +31,8 @@ from agentkv.engines.http import EngineRequestError, Transport, UrllibTransport,
 
 TierName = Literal["l1", "l2", "all"]
 TIERS: tuple[str, ...] = ("l1", "l2", "all")
+GIB = 1024**3
+"""The coordinator's quota unit (`limit_gb` is GiB in LMCache's quota API)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,20 @@ class CoordinatorClient:
     def clear_l1(self, instance_url: str) -> None:
         """Empty one LMCache server's L1 (`POST /cache/clear` on its own API; benchmarks start cold)."""
         call(self.transport, "POST", f"{instance_url.rstrip('/')}/cache/clear", {"tier": "l1"}, self.timeout)
+
+    def l2_limit_bytes(self, cache_salt: str) -> int | None:
+        """The L2 byte budget that applies to `cache_salt` (its own quota, else the default; None = none).
+
+        Pins are exempt from L2 eviction, so a session caps what it pins at this budget:
+        pinned chunks never take more L2 than the conversation is allowed to hold.
+        """
+        salt = urllib.parse.quote(cache_salt or "_default", safe="")
+        answer = self._call("GET", f"/quota/{salt}", None)
+        if isinstance(answer, dict) and answer.get("quota_exists"):
+            return int(float(answer.get("quota_limit_gb", 0) or 0) * GIB)
+        config = self._call("GET", "/quota/config", None)
+        limit = config.get("default_limit_gb") if isinstance(config, dict) else None
+        return None if limit is None else int(float(limit) * GIB)
 
     def usage(self) -> dict[str, int]:
         """Bytes used per tier (`l1`, `l2`) over the fleet (`GET /instances/usage`)."""

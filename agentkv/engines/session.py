@@ -22,7 +22,7 @@ from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize
 from agentkv.config import AgentKVConfig
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
-from agentkv.events import Event
+from agentkv.events import Event, TurnEnded
 from agentkv.lifecycle import ApplyResult, BudgetLimits, Lease, LifecycleManager, SpanTable
 from agentkv.metrics import SessionStats
 from agentkv.session_ids import is_branch_of
@@ -349,10 +349,17 @@ class EngineSession:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`)."""
+        """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
+
+        `TurnEnded` also parks the conversation (`EngineStore.park`): the chunks its pin keeps
+        on L2 give up their L1 copy until the next call prefetches them back.
+        """
         with self.lock:
             self._check_open()
-            return self.manager.apply(event)
+            result = self.manager.apply(event)
+            if isinstance(event, TurnEnded):
+                self.store.park()  # the conversation now waits for its user: L1 room goes to others
+            return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""

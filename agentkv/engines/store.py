@@ -52,6 +52,7 @@ class EngineTarget:
         instance_url: that server's own HTTP API (key-addressed deletes).
         chunk_size: LMCache's chunk size in tokens (pins and deletes act on whole chunks).
         prefetch_wait: seconds to wait for a prefetch to complete before the next call.
+        pin_budget_tokens: most tokens one conversation pins (None = its L2 quota, if any).
     """
 
     coordinator: CoordinatorClient
@@ -59,6 +60,7 @@ class EngineTarget:
     instance_url: str
     chunk_size: int = 256
     prefetch_wait: float = 5.0
+    pin_budget_tokens: int | None = None
 
 
 @dataclass
@@ -70,6 +72,8 @@ class HintStats:
     deleted_chunks: int = 0
     prefetches: int = 0
     prefetch_completed: int = 0
+    demoted_chunks: int = 0
+    """L1 copies given up at turn end because L2 holds the chunk under this session's pin."""
     hint_failures: int = 0
     last_failure: str = ""
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -113,6 +117,9 @@ class EngineStore:
         self._stale_tier: TierName | None = None
         self._archived_since_sync: list[int] = []
         self._recalled_since_sync = False
+        self._parked = False
+        self._pin_cap: int | None = None
+        self._pin_cap_known = False
 
     # -- the store protocol -----------------------------------------------------------------
 
@@ -205,27 +212,52 @@ class EngineStore:
             self._recalled_since_sync = False
             return
         stale_tier = self._stale_tier
-        diverged = _common_prefix(self.sent, prompt)
+        diverged = common_prefix(self.sent, prompt)
         if stale_tier is not None or diverged < len(self.sent):
             self._drop_stale(diverged, stale_tier or "all")
         self._move_commit_pin(prompt[: self.committed_length()])
-        if self._recalled_since_sync:
+        if self._recalled_since_sync or self._parked:
             self._prefetch(prompt)
         self._stale_tier = None
         self._archived_since_sync = []
         self._recalled_since_sync = False
+        self._parked = False
 
     def completed(self, sequence: list[int]) -> None:
         """The engine now holds KV for `sequence` (the prompt plus the ids it generated)."""
         self.sent = list(sequence)
 
+    def park(self) -> None:
+        """The turn is over and the conversation waits: its pinned prefix gives up its L1 copy.
+
+        While a conversation waits for its user, the chunks its pin keeps on L2 need not
+        take L1 room that others' unpinned chunks (which live nowhere else) could use;
+        the next `sync` prefetches them back (L2 -> L1) before the conversation's call.
+        Only chunks the coordinator places on both tiers lose their L1 copy.
+        """
+        if self.target is None or not self._commit_pin:
+            return
+        coordinator = self.target.coordinator
+        pinned = self._commit_pin
+        lookup = self._hint("lookup", lambda: coordinator.lookup(pinned, self.cache_salt))
+        if lookup is None:
+            return
+        keys = [key for p in lookup.placements if "l1" in p.tiers and "l2" in p.tiers for key in p.keys]
+        if not keys:
+            return
+        url = self.target.instance_url
+        result = self._hint("demote", lambda: coordinator.delete_chunks(url, keys, tier="l1"))
+        if result is not None:
+            self.stats.demoted_chunks += result.affected
+            self._parked = True
+
     def select(self) -> None:
-        """This branch won: pin its whole prompt (the parent keeps it after the siblings go)."""
+        """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""
         if self.target is None:
             return
         target = self.target
-        prompt = self.prompt()
-        if self._hint("pin", lambda: target.coordinator.pin(prompt, self.cache_salt)):
+        prompt = self._fit(self.prompt(), exclude=None)
+        if prompt and self._hint("pin", lambda: target.coordinator.pin(prompt, self.cache_salt)):
             self.stats.pins += 1
             self._selected_pins.append(prompt)
 
@@ -239,7 +271,7 @@ class EngineStore:
         self._commit_pin = []
         self._archive_pins = {}
         self._selected_pins = []
-        keep = _common_prefix(self.sent, self.shared_prefix)
+        keep = common_prefix(self.sent, self.shared_prefix)
         if len(self.sent) > keep:
             self._delete_tail(self.sent, keep, "all")
         self.sent = list(self.shared_prefix)
@@ -259,14 +291,14 @@ class EngineStore:
 
     def _drop_stale(self, diverged: int, tier: TierName) -> None:
         old = self.sent
-        archiving = tier == "l1" and self._archived_since_sync and len(old) >= self._target.chunk_size
+        kept = self._fit(old, exclude=None) if tier == "l1" and self._archived_since_sync else []
         # Archive: L2 keeps the sequence that held the span (a pin protects it from L2
-        # eviction) so that a recall finds it; only its L1 copy goes.
-        if archiving and self._hint("pin", lambda: self._target.coordinator.pin(old, self.cache_salt)):
+        # eviction, within the pin budget) so that a recall finds it; only its L1 copy goes.
+        if kept and self._hint("pin", lambda: self._target.coordinator.pin(kept, self.cache_salt)):
             self.stats.pins += 1
             for span_id in self._archived_since_sync:
-                self._archive_pins.setdefault(span_id, old)
-        keep = max(diverged, _common_prefix(old, self.shared_prefix))
+                self._archive_pins.setdefault(span_id, kept)
+        keep = max(diverged, common_prefix(old, self.shared_prefix))
         self._delete_tail(old, keep, tier)
         self.sent = old[:diverged]
 
@@ -280,7 +312,11 @@ class EngineStore:
         lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
         if lookup is None:
             return
-        keys = [key for placement in lookup.placements[first:] if placement.tiers for key in placement.keys]
+        stale = lookup.placements[first:]
+        if tier == "l1":  # archive: give up only L1 copies that L2 already holds (never the only copy)
+            keys = [key for placement in stale if "l2" in placement.tiers for key in placement.keys]
+        else:  # every stale key, placed or not yet reported (a lagging report must not keep it)
+            keys = [key for placement in stale for key in placement.keys]
         if not keys:
             return
         result = self._hint(
@@ -289,9 +325,53 @@ class EngineStore:
         if result is not None:
             self.stats.deleted_chunks += result.affected
 
-    def _move_commit_pin(self, prefix: list[int]) -> None:
+    def pin_budget(self) -> int | None:
+        """Most tokens this conversation pins: the configured budget, capped by its L2 quota.
+
+        Pins are exempt from L2 eviction, so pinning more than the salt's L2 quota would
+        hold more than the cache it was given. None = no cap (no quota, no budget). The
+        quota is asked once; a coordinator that does not answer is asked again next time.
+        """
+        target = self._target
+        if not self._pin_cap_known:
+            try:
+                quota = target.coordinator.l2_limit_bytes(self.cache_salt)
+            except (EngineError, ValueError) as e:
+                self._failed("quota", e)
+                return target.pin_budget_tokens
+            caps = [
+                c for c in (target.pin_budget_tokens, _tokens(quota, self.bytes_per_token)) if c is not None
+            ]
+            self._pin_cap = min(caps) if caps else None
+            self._pin_cap_known = True
+        return self._pin_cap
+
+    def _fit(self, sequence: list[int], exclude: list[int] | None) -> list[int]:
+        """The longest whole-chunk prefix of `sequence` that keeps this session's pins within budget.
+
+        Chunks are prefix-chained, so chunk `j` of two sequences is one key when they agree
+        up to its end: the budget counts distinct chunks over every pin the session holds
+        (but `exclude`, the pin about to be replaced).
+        """
         size = self._target.chunk_size
-        whole = prefix[: len(prefix) // size * size]  # pins cover whole chunks only
+        whole = sequence[: len(sequence) // size * size]  # pins cover whole chunks only
+        cap = self.pin_budget()
+        if cap is None:
+            return whole
+        others = [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]
+        held = {_chunk_id(p, j, size) for p in others if p is not exclude for j in range(len(p) // size)}
+        room = cap // size - len(held)
+        n = 0
+        while n < len(whole) // size:
+            if _chunk_id(whole, n, size) not in held:
+                if room <= 0:
+                    break
+                room -= 1
+            n += 1
+        return whole[: n * size]
+
+    def _move_commit_pin(self, prefix: list[int]) -> None:
+        whole = self._fit(prefix, exclude=self._commit_pin)
         if whole == self._commit_pin:
             return
         if not whole:  # the committed prefix shrank below one chunk (a history rewrite)
@@ -327,7 +407,7 @@ class EngineStore:
                 self.stats.prefetch_completed += 1
                 break
             time.sleep(0.05)
-        recalled = [sid for sid, seq in self._archive_pins.items() if _common_prefix(seq, prompt) == len(seq)]
+        recalled = [sid for sid, seq in self._archive_pins.items() if common_prefix(seq, prompt) == len(seq)]
         for span_id in recalled:
             self._unpin(self._archive_pins.pop(span_id))
 
@@ -336,17 +416,30 @@ class EngineStore:
         try:
             answer = send()
         except (EngineError, ValueError) as e:
-            self.stats.hint_failures += 1
-            self.stats.last_failure = f"{what}: {e}"
-            logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, e)
+            self._failed(what, e)
             return None
         self.stats.log.append((what, {"answer": answer}))
         return answer if answer is not None else True
 
+    def _failed(self, what: str, error: Exception) -> None:
+        self.stats.hint_failures += 1
+        self.stats.last_failure = f"{what}: {error}"
+        logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, error)
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
             return i
     return n
+
+
+def _chunk_id(sequence: Sequence[int], index: int, size: int) -> int:
+    """An identity for chunk `index` of `sequence`: prefix-chained, like LMCache's keys."""
+    return hash(tuple(sequence[: (index + 1) * size]))
+
+
+def _tokens(limit_bytes: int | None, bytes_per_token: int) -> int | None:
+    return None if limit_bytes is None else limit_bytes // bytes_per_token

@@ -64,14 +64,20 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
     run_dir: Path | None = None
     env = {**os.environ, **PORTS, "AGENTKV_CHUNK_SIZE": str(CHUNK_SIZE)}
     if not (vllm_url and coordinator_url):
-        run_dir = tmp_path_factory.mktemp("engine-run")
+        # scripts/test_engine.sh names the run directory, so its exit trap can stop the stack
+        # even when pytest itself is killed (a timeout) before this fixture's teardown runs.
+        named = os.environ.get("AGENTKV_ENGINE_TEST_RUN")
+        run_dir = Path(named) if named else tmp_path_factory.mktemp("engine-run")
+        run_dir.mkdir(parents=True, exist_ok=True)
         env["AGENTKV_ENGINE_RUN"] = str(run_dir)
         started = subprocess.run(
             ["bash", str(ROOT / "scripts" / "serve.sh"), "start"], env=env, capture_output=True, text=True
         )
         if started.returncode != 0:
             subprocess.run(["bash", str(ROOT / "scripts" / "serve.sh"), "stop"], env=env, check=False)
-            pytest.fail(f"scripts/serve.sh start failed:\n{started.stderr[-3000:]}")
+            pytest.fail(
+                f"scripts/serve.sh start failed (logs in {run_dir}):\n{started.stderr[-3000:]}", pytrace=False
+            )
         vllm_url = f"http://127.0.0.1:{PORTS['AGENTKV_VLLM_PORT']}"
         coordinator_url = f"http://127.0.0.1:{PORTS['AGENTKV_COORDINATOR_PORT']}"
         model_path = (run_dir / "model").read_text().strip()

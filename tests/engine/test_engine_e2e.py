@@ -11,12 +11,13 @@ creates (`scripts/test_engine.sh` does both).
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 import pytest
 
-from agentkv.engines.http import EngineUnavailableError
+from agentkv.engines.http import EngineRequestError, EngineUnavailableError
 from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
@@ -108,13 +109,16 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     assert coordinator.lookup(full, salt).held_chunks() >= kept_chunks  # the kept prefix stays
 
     # Archive the tool result: its L1 copy goes, L2 keeps it; a recall prefetches it back.
+    # (Stores reach L2, and the coordinator's placements, a little after the call returns.)
     with_result = prompt
+    whole = len(with_result) // stack.chunk_size
+    assert wait_for(lambda: coordinator.lookup(with_result, salt).held_chunks("l2") == whole)
     spans[3].state = SpanState.ARCHIVED
     store.archive(spans[3], "host")
     assert spans[3].tier is Tier.HOST
     call()
     assert tail_of(with_result)
-    assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result)))
+    assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result))), tail_of(with_result)
     spans[3].state = SpanState.COMMITTED
     store.restore_many([spans[3]])
     stack.reset_prefix_cache()  # vLLM's own cache forgets: what hits now comes from LMCache
@@ -123,6 +127,20 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     assert store.stats.prefetch_completed == 1
     assert delta.external_hits >= (len(prompt) // stack.chunk_size - 1) * stack.chunk_size
     assert delta.computed_tokens <= len(prompt) - delta.external_hits
+
+    # The turn ends: the conversation parks. What its pin keeps on L2 leaves L1; the next call
+    # prefetches it back first, and vLLM (its own cache emptied) loads it from LMCache.
+    pinned = len(prompt) // stack.chunk_size
+    store.park()
+    assert store.stats.demoted_chunks >= 1
+    assert wait_for(
+        lambda: all(p.tiers == ("l2",) for p in coordinator.lookup(prompt, salt).placements[:pinned])
+    )
+    stack.reset_prefix_cache()
+    again, (_, parked_delta) = call()
+    assert again == prompt
+    assert store.stats.prefetch_completed == 2
+    assert parked_delta.external_hits >= (pinned - 1) * stack.chunk_size
 
     # Closing the session gives every pin back.
     store.close()
@@ -144,9 +162,91 @@ def test_engine_down_is_a_clear_error_for_calls_and_a_noop_for_hints(engine_stac
         bytes_per_token=engine_stack.bytes_per_token,
     )
     store.sync(store.prompt())
-    assert store.stats.hint_failures == 1
+    assert store.stats.hint_failures >= 1  # the pin budget's quota lookup, then the pin itself
+    assert "Connection refused" in store.stats.last_failure or "no answer" in store.stats.last_failure
     # The real engine still answers the same prompt: hints never gate an answer.
     done = VLLMClient(engine_stack.vllm_url, engine_stack.served_name, timeout=600).complete(
         store.prompt(), max_tokens=2
     )
     assert done.prompt_tokens == len(store.prompt())
+
+
+@pytest.mark.engine
+def test_coordinator_4xx_and_timeouts_are_clear_and_the_agent_keeps_answering(
+    engine_stack: EngineStack,
+) -> None:
+    from agentkv import AgentKVConfig
+    from agentkv.engines import EngineBackend
+
+    stack = engine_stack
+    coordinator = CoordinatorClient(stack.coordinator_url, stack.model_path, timeout=30)
+    spans = spans_of(stack.tokenizer, [(SpanKind.SYSTEM, SYSTEM), (SpanKind.USER, USER)])
+    prompt = [t for s in spans for t in s.token_ids]
+    # A 4xx from the real coordinator (a prefetch on an instance it does not know): a clear error...
+    with pytest.raises(EngineRequestError, match=r"HTTP 404") as refused:
+        coordinator.prefetch("no-such-instance", prompt, "e2e-4xx")
+    assert "/cache/prefetches" in str(refused.value)
+    # ...and, as a lifecycle hint, a logged no-op: the recall's prefetch fails, the call goes on.
+    instance_url = next(iter(coordinator.instances().values()))
+    store = EngineStore(
+        EngineTarget(coordinator, "no-such-instance", instance_url, chunk_size=stack.chunk_size),
+        "e2e-4xx",
+        lambda: spans,
+        bytes_per_token=stack.bytes_per_token,
+    )
+    store.restore_many(spans)
+    store.sync(store.prompt())
+    assert store.stats.hint_failures == 1 and "HTTP 404" in store.stats.last_failure
+
+    # A coordinator that accepts connections and never answers: each hint gives up after its timeout.
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        slow = CoordinatorClient(hung_url, stack.model_path, timeout=1.0)
+        spans[0].state = SpanState.COMMITTED
+        late = EngineStore(
+            EngineTarget(slow, "i0", hung_url, chunk_size=stack.chunk_size),
+            "e2e-timeout",
+            lambda: spans,
+            bytes_per_token=stack.bytes_per_token,
+        )
+        started = time.monotonic()
+        late.sync(late.prompt())
+        assert late.stats.hint_failures >= 1 and "no answer within 1 s" in late.stats.last_failure
+        assert time.monotonic() - started < 30
+
+        # The agent, through the session API, with that coordinator: it keeps answering (no hints).
+        config = AgentKVConfig.model_validate(
+            {
+                "engine": {
+                    "vllm_url": stack.vllm_url,
+                    "coordinator_url": hung_url,
+                    "model_path": stack.model_path,
+                    "chunk_size": stack.chunk_size,
+                    "hint_timeout_s": 1.0,
+                    "request_timeout_s": 600.0,
+                }
+            }
+        )
+        backend = EngineBackend.from_config(config)
+        session = backend.session("e2e-agent")
+        session.extend([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}])
+        assert session.generate(4)
+        assert session.stats().prefill_tokens + session.stats().reused_tokens > 0
+
+    # vLLM itself down: the agent gets a clear error naming the URL (it needs the model).
+    dead = AgentKVConfig.model_validate(
+        {
+            "engine": {
+                "vllm_url": "http://127.0.0.1:9",
+                "model_path": stack.model_path,
+                "request_timeout_s": 5.0,
+            }
+        }
+    )
+    lost = EngineBackend.from_config(dead).session("e2e-dead")
+    lost.extend([{"role": "user", "content": USER}])
+    with pytest.raises(EngineUnavailableError, match=r"127\.0\.0\.1:9"):
+        lost.generate(2)
+    assert lost.messages[-1].role == "user"  # nothing half-written: the failed call left no answer

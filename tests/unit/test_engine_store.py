@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from agentkv.engines.http import EngineRequestError, EngineUnavailableError, FakeTransport, Response
-from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.lmcache import GIB, CoordinatorClient
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient, parse_metrics
 from agentkv.spans import Span, SpanKind, SpanState, Tier
@@ -31,6 +31,8 @@ class SimLMCache:
         self.tiers: dict[str, set[str]] = {}  # key -> {"l1", "l2"}
         self.pins: dict[str, int] = {}
         self.prefetched: list[list[int]] = []
+        self.quota_gb: dict[str, float] = {}  # per-salt L2 quotas (GiB)
+        self.default_quota_gb: float | None = None
         self.transport = FakeTransport(
             routes={
                 "POST /cache/pins": self._pin,
@@ -40,6 +42,8 @@ class SimLMCache:
                 "POST /cache/prefetches": self._prefetch,
                 "GET /cache/prefetches/*": {"status": "completed"},
                 "GET /instances": {"instances": [{"instance_id": "i0", "ip": "node", "http_port": 8301}]},
+                "GET /quota/config": lambda *_: {"default_limit_gb": self.default_quota_gb},
+                "GET /quota/*": self._quota,
             }
         )
 
@@ -94,6 +98,11 @@ class SimLMCache:
                 deleted += 1
             held -= tiers
         return {"deleted": deleted, "skipped": 0, "ok": True}
+
+    def _quota(self, _m: str, path: str, _b: Any) -> Any:
+        salt = path.rsplit("/", 1)[-1]
+        exists = salt in self.quota_gb
+        return {"cache_salt": salt, "quota_exists": exists, "quota_limit_gb": self.quota_gb.get(salt, 0.0)}
 
     def _prefetch(self, _m: str, _p: str, body: Any) -> Any:
         self.prefetched.append(list(body["token_ids"]))
@@ -182,6 +191,54 @@ def test_archive_deletes_l1_keeps_l2_pinned_and_recall_prefetches_it_back(sim: S
     assert sim.prefetched == [full]  # prefetched before the call that needs it
     assert sim.held(full, "salt") == [{"l1", "l2"}] * 6
     assert not set(sim.keys(full, "salt")[2:]) & set(sim.pins)  # the archive pin is given back
+
+
+def test_pins_stay_within_the_salts_l2_quota_across_commit_and_archive_pins(sim: SimLMCache) -> None:
+    spans = make_spans(8, 8, 8)
+    sim.quota_gb["salt"] = 100 / GIB  # 100 bytes = 10 tokens at 10 bytes per token: 2 whole chunks
+    store = make_store(sim, spans)
+    turn(store, sim)
+    for span in spans:
+        span.state = SpanState.COMMITTED
+    turn(store, sim)
+    assert store.pin_budget() == 10
+    assert [len(b["token_ids"]) for b in sim.transport.sent("POST", "/cache/pins")] == [8]
+    # An archive pin shares the budget: its first chunks are the commit pin's, nothing beyond fits.
+    store.archive(spans[2], "host")
+    turn(store, sim)
+    assert set(sim.pins) == set(sim.keys(spans[0].token_ids, "salt"))
+    assert store.stats.hint_failures == 0
+
+
+def test_configured_pin_budget_caps_pins_without_a_quota(sim: SimLMCache) -> None:
+    spans = make_spans(8, 8)
+    coordinator = CoordinatorClient(COORD, "m", transport=sim.transport)
+    target = EngineTarget(coordinator, "i0", NODE, chunk_size=CHUNK, pin_budget_tokens=5)
+    store = EngineStore(target, "salt", lambda: spans, bytes_per_token=10)
+    spans[0].state = spans[1].state = SpanState.COMMITTED
+    turn(store, sim)
+    assert [len(b["token_ids"]) for b in sim.transport.sent("POST", "/cache/pins")] == [4]
+    sim.default_quota_gb = None
+    assert make_store(sim, spans).pin_budget() is None  # no quota, no budget: no cap
+
+
+def test_turn_end_parks_the_pinned_prefix_on_l2_and_the_next_call_prefetches_it(sim: SimLMCache) -> None:
+    spans = make_spans(8, 8, 3)
+    store = make_store(sim, spans)
+    turn(store, sim)
+    spans[0].state = spans[1].state = SpanState.COMMITTED
+    prompt = turn(store, sim)  # pins the first 16 tokens
+    only_l1 = sim.keys(prompt[:16], "salt")[3]
+    sim.tiers[only_l1] = {"l1"}  # not on L2 (yet): it must keep its L1 copy
+    store.park()
+    assert sim.held(prompt[:16], "salt") == [{"l2"}] * 3 + [{"l1"}]
+    assert store.stats.demoted_chunks == 3
+    turn(store, sim)
+    assert sim.prefetched == [prompt]  # brought back L2 -> L1 before the conversation's next call
+    assert sim.held(prompt[:12], "salt") == [{"l1", "l2"}] * 3
+    store.park()  # parked twice without a call in between: nothing left to demote
+    store.park()
+    assert store.stats.hint_failures == 0
 
 
 def test_branch_shares_the_salt_and_never_deletes_the_parent_prefix(sim: SimLMCache) -> None:
@@ -421,3 +478,19 @@ def test_engine_down_the_agent_still_gets_a_clear_error_from_vllm_and_no_hint_er
     assert [s.generated for s in session.spans] == [False]  # the failed answer left no span behind
     sim.transport.down = False
     assert session.generate(2) == " ok"
+
+
+def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
+    from agentkv.bench.engine import _mode_config, run_engine_bench
+
+    lru = _mode_config("lru", "http://v:1", COORD, CHUNK, 384)
+    events = _mode_config("events", "http://v:1", COORD, CHUNK, 384)
+    budgeted = _mode_config("events+budget", "http://v:1", COORD, CHUNK, 384)
+    assert lru.engine is not None and lru.engine.coordinator_url is None
+    assert events.engine is not None and events.engine.coordinator_url == COORD
+    assert events.policy.name == lru.policy.name == "full"  # no budget: no span leaves the prompt
+    assert budgeted.policy.name != "full" and budgeted.budget.device_tokens == 384
+    with pytest.raises(ValueError, match="mode: expected one of lru, events, events\\+budget, got 'lfu'"):
+        _mode_config("lfu", "http://v:1", COORD, CHUNK, 384)
+    with pytest.raises(ValueError, match="modes: expected some of"):
+        run_engine_bench(vllm_url="http://v:1", coordinator_url=COORD, modes=("lru", "mru"))
