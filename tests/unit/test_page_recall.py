@@ -207,3 +207,22 @@ def test_question_observed_compression_keeps_what_the_question_attends(tiny_mode
     assert session.stats().observed_commits == 1
     assert session.stats().compressed_tokens == tool.length - keep
     session.check()
+
+
+def test_pages_come_back_into_the_attended_int4_tier(tiny_model, tiny_tokenizer):
+    _, session = _session(
+        tiny_model,
+        tiny_tokenizer,
+        quantization={"attended_bits": 4, "group_size": 8, "attended_residual_tokens": 8},
+    )
+    history = _history()
+    session.extend(history)
+    _commit_tool(session)
+    tool = _tool(session)
+    assert tool.span_id in session.store.digests
+    _archive(session, tool)
+    history.append({"role": "user", "content": "Which error code did KX7-4471 step report?"})
+    session.extend(history)
+    assert tool.tier is Tier.DEVICE and tool.kept is not None and len(tool.kept) < tool.length
+    assert int((session.store.physical.slot_span == tool.span_id).sum()) == len(tool.kept)
+    session.check()
