@@ -183,7 +183,14 @@ class Recaller:
         The span is attended again like any span compressed at commit: `kept` lists
         the page offsets it holds; its token ids stay, so the rest can come back later.
         """
-        if self.mover.move(span, SpanState.COMMITTED, reason="page recall") is None:
+        # The pages are what the question needs: commit-time compression (which re-runs on a
+        # recomputed span) must not thin them out; the page choice is this commit's compression.
+        compressor, self.mover.compressor = self.mover.compressor, None
+        try:
+            moved = self.mover.move(span, SpanState.COMMITTED, reason="page recall")
+        finally:
+            self.mover.compressor = compressor
+        if moved is None:
             return False
         keep = sorted(set(offsets) & set(span.kept_offsets))
         if keep and len(keep) < span.held_tokens:

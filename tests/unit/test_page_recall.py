@@ -226,3 +226,22 @@ def test_pages_come_back_into_the_attended_int4_tier(tiny_model, tiny_tokenizer)
     assert tool.tier is Tier.DEVICE and tool.kept is not None and len(tool.kept) < tool.length
     assert int((session.store.physical.slot_span == tool.span_id).sum()) == len(tool.kept)
     session.check()
+
+
+def test_recalled_pages_come_back_whole_after_commit_time_compression(tiny_model, tiny_tokenizer):
+    _, session = _session(
+        tiny_model, tiny_tokenizer, commit={"observe": "question", "keep_ratio": {"tool_result": 0.25}}
+    )
+    history = _history()
+    session.extend(history)
+    _commit_tool(session)
+    tool = _tool(session)
+    assert tool.kept is not None and len(tool.kept) == round(0.25 * tool.length)  # compressed at commit
+    _archive(session, tool)
+    history.append({"role": "user", "content": "Which error code did KX7-4471 step report?"})
+    session.extend(history)
+    assert tool.tier is Tier.DEVICE and tool.kept
+    pages = {o // 8 for o in tool.kept}
+    whole = sorted(o for p in pages for o in range(p * 8, min(p * 8 + 8, tool.length)))
+    assert tool.kept == whole  # the digest was built before compression: every page comes back whole
+    session.check()
