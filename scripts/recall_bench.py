@@ -44,12 +44,17 @@ def main() -> None:
     parser.add_argument("--methods", required=True)
     parser.add_argument("--budgets", default="0.25,0.125")
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--full-tokens", type=int, default=None, help="the full cache's tokens (skip sizing; one workload)"
+    )
     args = parser.parse_args()
     model, tokenizer = load_model()
     budgets = [float(b) for b in args.budgets.split(",")]
     out: list[dict] = []
     for workload in load_workloads(args.workloads.split(",")):
-        full = full_tokens(TransformersBackend(model, tokenizer, METHODS["full"].config(None)), workload)
+        full = args.full_tokens or full_tokens(
+            TransformersBackend(model, tokenizer, METHODS["full"].config(None)), workload
+        )
         for budget in budgets:
             for name in args.methods.split(","):
                 method = METHODS[name]
