@@ -2,7 +2,9 @@
 
 Ranking lives in `agentkv.lifecycle.recall_ranking` (word overlap and embeddings,
 no forward pass); this module chooses within the budget room and moves the
-chosen spans back through the mover.
+chosen spans back through the mover. With `recall.pages`, long demoted spans are
+ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
+attention bound on each page's key digest) and come back holding only the chosen pages.
 """
 
 from __future__ import annotations
