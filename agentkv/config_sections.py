@@ -268,6 +268,15 @@ class CommitConfig(Section):
         description="Observation window: recent queries whose attention scores a span.",
     )
     """Observation window: recent queries whose attention scores a span."""
+    observe: Literal["recent", "question"] = Field(
+        default="recent",
+        description=(
+            "What scores a tool result at commit: `recent` = the last `window` queries of the cache; "
+            "`question` = the turn's user question and tool call, read after the result (SnapKV's "
+            "observation window, as FlowKV applies it per turn)."
+        ),
+    )
+    """What scores a tool result at commit: the recent queries, or the turn's own question."""
 
     @field_validator("keep_ratio")
     @classmethod
@@ -320,6 +329,27 @@ class RecallConfig(Section):
         default=True, strict=True, description="Recompute evicted spans from their tokens when recalled."
     )
     """Recompute evicted spans from their tokens when recalled."""
+    pages: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "Recall long spans by pages: score archived pages with the question's queries against "
+            "per-page key digests kept on the device (Quest), bring back the best pages that fit."
+        ),
+    )
+    """Recall long spans page by page, scored by the question's queries against page key digests."""
+    page_tokens: int = Field(
+        default=32, ge=8, le=128, strict=True, description="Tokens per page (Quest 16, ArkVale 32)."
+    )
+    """Tokens per page (Quest 16, ArkVale 32)."""
+    attention_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        strict=True,
+        allow_inf_nan=False,
+        description="Weight of a page's attention bound (scaled to 0..1 per question) next to word overlap.",
+    )
+    """Weight of a page's attention bound (scaled to 0..1 per question) next to word overlap."""
 
 
 FORGET_PROMPT_FIELD = "{handles}"

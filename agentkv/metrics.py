@@ -19,6 +19,8 @@ class Counters:
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0
+    page_recalled_tokens: int = 0
+    observed_commits: int = 0
     events_applied: int = 0
     events_noop: int = 0
     events_internal: int = 0
@@ -52,6 +54,12 @@ class SessionStats:
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0
+    page_recalled_tokens: int = 0
+    """Tokens brought back as pages of longer spans (page recall)."""
+    observed_commits: int = 0
+    """Tool results compressed at commit by their turn's question (`commit.observe: question`)."""
+    digest_bytes: int = 0
+    """Page key digests on the device (page recall); the device budget counts them."""
     shared_device_bytes: int = 0
     """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
     attended_tokens: int = 0

@@ -7,12 +7,16 @@ global usage, branch sessions) through the session's public methods.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+import torch
 
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.table import SpanTable
+from agentkv.policies import AttentionProbe
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span
 from agentkv.store.kvstore import KVStore
@@ -83,6 +87,48 @@ class SessionServices:
         mask = self.session.runner.logical_mask(self.session.store.physical, positions)
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
+
+    def question_queries(self) -> tuple[torch.Tensor, ...] | None:
+        """Per layer, the RoPE'd queries `[H_q, m, D]` of the last pending span; the cache is unchanged."""
+        pending = [s for s in self.session.table.spans if s.n_computed < s.length]
+        feed = Feed.pending(pending)
+        if not len(feed):
+            return None
+        window = pending[-1].length - pending[-1].n_computed
+        probe = self._probe(feed, window, keep_queries=True)
+        queries = probe.query_states
+        return None if queries is None else tuple(q[0] for q in queries)
+
+    def window_attention(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """`[S]` attention the attended slots get from `token_ids` read after the conversation's end."""
+        ids = list(token_ids)
+        if not ids or Feed.pending(self.session.table.spans).input_ids:
+            return None  # pending tokens would sit between the cache and the window
+        physical = self.session.store.physical
+        start = self.session.table.logical_length
+        feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
+        before = physical.length
+        probe = self._probe(feed, len(ids), keep_queries=False)
+        return probe.attention()[:before]
+
+    def _probe(self, feed: Feed, window: int, *, keep_queries: bool) -> AttentionProbe:
+        """Run `feed` after the attended cache under an attention probe, then cut the cache back."""
+        session = self.session
+        physical = session.store.physical
+        physical.compact_pending()
+        before = physical.length
+        mask = None
+        if before and min(feed.positions) < int(physical.slot_position.max()):
+            mask = session.runner.logical_mask(physical, feed.positions)
+        try:
+            with (
+                session.backend.model_lock,
+                AttentionProbe(session.runner.model, window=window, keep_queries=keep_queries) as probe,
+            ):
+                session.runner.forward(physical, feed, logits="none", attention_mask=mask)
+        finally:
+            physical.truncate(before)
+        return probe
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` (no chat template)."""

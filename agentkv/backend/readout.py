@@ -89,6 +89,7 @@ class SessionReadout:
                 quantized_bytes=tiers.quantized,
                 host_bytes=tiers.host,
                 shared_device_bytes=tiers.shared,
+                digest_bytes=tiers.digest,
                 tokens_by_state=by_state,
                 attended_tokens=self.store.physical.length,
                 logical_tokens=self.logical_length,

@@ -18,6 +18,13 @@ NOHOST_TIER = "drop"
 """Archive tier of `agentkv-nohost`: archived spans are dropped and recomputed on recall."""
 
 
+PAGES: Mapping[str, Any] = {"recall": {"pages": True}}
+"""Config of page recall (defaults: 32-token pages, attention weight 0.5; not tuned on any workload)."""
+
+SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"tool_result": 0.5}}}
+"""Question-observed compression at commit: a tool result keeps half its tokens (chosen a priori)."""
+
+
 @dataclass(frozen=True)
 class Method:
     """One way to run a session under a budget."""
@@ -83,6 +90,25 @@ METHODS: dict[str, Method] = {
             archive_tier=NOHOST_TIER,
             events=True,
             extra={"quantization": {"attended_bits": 2, "attended_key_bits": 4}},
+        ),
+        # Lever 2: archived spans recalled by pages (Quest digests + word overlap), nothing on host.
+        Method("agentkv-pages", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=PAGES),
+        # Lever 3: tool results compressed at commit by their turn's question (SnapKV window).
+        Method("agentkv-snap", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=SNAP),
+        Method(
+            "agentkv-pages-snap",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={**PAGES, **SNAP},
+        ),
+        # Page recall into the attended int4 tier.
+        Method(
+            "agentkv-q4-pages",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={**PAGES, "quantization": {"attended_bits": 4}},
         ),
     )
 }

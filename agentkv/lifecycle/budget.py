@@ -95,9 +95,9 @@ class BudgetKeeper:
         """The device limit the last `enforce` applied (`check` holds usage to it)."""
 
     def usage_bytes(self) -> int:
-        """What the device budget counts: attended KV plus quantized archives (both on the device)."""
+        """What the device budget counts: attended KV, quantized archives, page digests (on the device)."""
         tiers = self.port.store.bytes_by_tier()
-        return tiers.device + tiers.quantized
+        return tiers.device + tiers.quantized + tiers.digest
 
     def effective_limit(self) -> int | None:
         """This session's device limit now: its own, lowered by its share of a global excess."""

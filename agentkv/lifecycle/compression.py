@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.table import SpanTable
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView
-from agentkv.spans import Span
+from agentkv.spans import Span, SpanKind
 from agentkv.store.kvstore import KVStore
 from agentkv.store.protocol import KVStoreProtocol
 
@@ -58,6 +61,24 @@ def scoring_view(store: KVStore, table: SpanTable, slots: torch.Tensor) -> SpanV
     )
 
 
+SNAP_KERNEL = 5
+"""Pooling kernel of question-observed compression (SnapKV's reference code: 5, average)."""
+
+
+def observation_window(table: SpanTable, span: Span) -> list[int]:
+    """Token ids of the turn's own question for a tool result: its user message, then its tool call.
+
+    The user message is the last one before the span; the tool call is the last
+    tool-calling span before it (the call that asked for this result).
+    """
+    before = [s for s in table.spans if s.end <= span.start]
+    user = next((s for s in reversed(before) if s.kind is SpanKind.USER), None)
+    call = next((s for s in reversed(before) if s.kind is SpanKind.TOOL_CALL), None)
+    if call is not None and user is not None and call.start < user.start:
+        call = None  # a call from an earlier turn is not this result's question
+    return [t for s in (user, call) if s is not None for t in s.token_ids]
+
+
 class Compressor:
     """Runs the policy over attended tokens: once per span at commit, or across the cache (token mode)."""
 
@@ -71,7 +92,13 @@ class Compressor:
         fault: FaultReporter,
         *,
         whole_spans: bool,
+        port: Any = None,
+        pages: PageIndex | None = None,
     ) -> None:
+        self.port = port
+        """The session's services (`window_attention` for question-observed compression), or None."""
+        self.pages = pages
+        """Builds page digests at commit (page recall), or None."""
         self.table = table
         self.store = store
         self.policy = policy
@@ -82,7 +109,13 @@ class Compressor:
         self.fault = fault
 
     def compress_at_commit(self, span: Span) -> None:
-        """Score the span once (and keep its top tokens if its kind has a keep ratio), then freeze it."""
+        """Score the span once (and keep its top tokens if its kind has a keep ratio), then freeze it.
+
+        With page recall on, the span's page digest is built first, while all its keys
+        are attended (pages compressed away here can still be recalled later). With
+        `commit.observe: question`, a tool result keeps the tokens its turn's question
+        attends to (`question_scores`) instead of the policy's top tokens.
+        """
         span.frozen = True
         store = self.store
         if self.policy is None or not self.whole_spans or not isinstance(store, KVStore):
@@ -93,6 +126,8 @@ class Compressor:
             return
         try:
             with self.timer.timed("policy_seconds"):
+                if self.pages is not None:
+                    self.pages.index(span)
                 view = scoring_view(store, self.table, slots)
                 scores = self.policy.score(view).float()
                 span.score = float(scores.mean()) if scores.numel() else 0.0
@@ -102,12 +137,49 @@ class Compressor:
                 keep = max(self.config.commit.min_keep_tokens, round(ratio * slots.numel()))
                 if keep >= slots.numel():
                     return
-                chosen = self.policy.select(view, keep)
+                observed = self.question_scores(span, slots)
+                if observed is not None:
+                    chosen = torch.topk(observed, keep).indices
+                else:
+                    chosen = self.policy.select(view, keep)
             offsets = physical.slot_offset[slots[chosen]].tolist()
             dropped = store.compress(span, offsets)
             self.table.counters.compressed_tokens += dropped
         except Exception as e:  # noqa: BLE001 - a failing policy keeps the whole span
             self.fault("policy", span, e)
+
+    def question_scores(self, span: Span, slots: torch.Tensor) -> torch.Tensor | None:
+        """SnapKV at commit with the turn's own question as the observation window, `[n]` per slot.
+
+        For a tool result under `commit.observe: question`: the turn's user message and
+        the tool call that asked for the result are read after the conversation's end
+        (`SessionPort.window_attention`; the cache is left as it was), and each of the
+        span's tokens is scored by the attention they pay it, pooled along the span with
+        SnapKV's kernel (`SNAP_KERNEL`, average) so a number keeps its neighbours.
+        None (the policy's scores are used) for other kinds, other settings, or when
+        there is no question to observe with.
+        """
+        if self.config.commit.observe != "question" or span.kind is not SpanKind.TOOL_RESULT:
+            return None
+        window = observation_window(self.table, span)
+        observe = getattr(self.port, "window_attention", None)
+        if not window or not callable(observe):
+            return None
+        attention = observe(window)
+        if attention is None:
+            return None
+        physical = self.store.physical if isinstance(self.store, KVStore) else None
+        if physical is None or attention.numel() != physical.length:
+            return None
+        offsets = physical.slot_offset[slots]  # [n]
+        order = torch.argsort(offsets)
+        raw = attention[slots.cpu()].float()[order].view(1, 1, -1)  # [1, 1, n] in span order
+        pad = SNAP_KERNEL // 2
+        pooled = F.avg_pool1d(raw, SNAP_KERNEL, stride=1, padding=pad, count_include_pad=False).view(-1)
+        scores = torch.empty_like(pooled)
+        scores[order] = pooled
+        self.table.counters.observed_commits += 1
+        return scores
 
     def evict_tokens(self, target: int) -> list[Span]:
         """Token mode: keep the policy's top tokens across the whole attended cache.

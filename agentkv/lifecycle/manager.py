@@ -31,6 +31,7 @@ from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall import Recaller
 from agentkv.lifecycle.results import ApplyResult, Transition
@@ -59,8 +60,17 @@ class LifecycleManager:
         self.marks = RecallMarks()
         self.tool_calls = ToolCallRegistry()
         self.mover = Mover(port, config.archive_tier, self.marks, self.timer)
+        self.pages = PageIndex(port, config.recall)
         self.compressor = Compressor(
-            self.table, port.store, policy, config, self.timer, self.mover.fault, whole_spans=self.whole_spans
+            self.table,
+            port.store,
+            policy,
+            config,
+            self.timer,
+            self.mover.fault,
+            whole_spans=self.whole_spans,
+            port=port,
+            pages=self.pages if self.whole_spans else None,
         )
         self.mover.compressor = self.compressor
         self.budget = BudgetKeeper(
@@ -73,7 +83,14 @@ class LifecycleManager:
             enforced=policy is not None,
         )
         self.recaller = Recaller(
-            port, config.recall, self.budget, self.mover, self.marks, self.timer, enabled=self.whole_spans
+            port,
+            config.recall,
+            self.budget,
+            self.mover,
+            self.marks,
+            self.timer,
+            self.pages,
+            enabled=self.whole_spans,
         )
         if policy is None and limits.device_bytes is not None:
             logger.warning(

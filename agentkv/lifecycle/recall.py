@@ -2,7 +2,9 @@
 
 Ranking lives in `agentkv.lifecycle.recall_ranking` (word overlap and embeddings,
 no forward pass); this module chooses within the budget room and moves the
-chosen spans back through the mover.
+chosen spans back through the mover. With `recall.pages`, long demoted spans are
+ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
+attention bound on each page's key digest) and come back holding only the chosen pages.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from agentkv.config import RecallConfig
 from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall_ranking import choose_within_room, rank_for_recall
 from agentkv.lifecycle.timing import SectionTimer
@@ -31,6 +34,7 @@ class Recaller:
         mover: Mover,
         marks: RecallMarks,
         timer: SectionTimer,
+        pages: PageIndex,
         *,
         enabled: bool,
     ) -> None:
@@ -41,6 +45,8 @@ class Recaller:
         self.mover = mover
         self.marks = marks
         self.timer = timer
+        self.pages = pages
+        """Page digests and scores (page recall, `recall.pages`)."""
         self.enabled = enabled and config.enabled
         self._token_keys: dict[int, str] = {}
         self._memo: dict[Any, Any] = {}
@@ -81,36 +87,119 @@ class Recaller:
         ]
         with self.timer.timed("policy_seconds"):
             query = self.port.encode_text(message.content)
+            units, pages = self._units(demoted, attended)
             ranked = rank_for_recall(
                 query,
-                demoted + attended,
+                units,
                 spans,
                 embed=self.port.token_embeddings(),
                 canonical=self._canonical,
                 memo=self._memo,
             )
+            if self.pages.enabled:
+                ranked = self._add_attention(ranked, pages, demoted + attended)
         ranked = [
             (span, score)
             for span, score in ranked
             if score > 0 and (config.min_score is None or score >= config.min_score)
         ]
-        costs = [self._cost(span) for span, _ in ranked]
+        costs = [self._cost(pages.get(span.span_id, span)) for span, _ in ranked]
         picked = choose_within_room(ranked, costs, self._room(), relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
-        for span, score in (ranked[i] for i in picked):
-            if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
-                self.marks.mark_recalled(span.span_id, score)
-            elif len(chosen) < config.max_spans:
-                chosen.append((span, score))
-        self.mover.restore_together([span for span, _ in chosen])
+        paged: dict[int, tuple[Span, list[int], float]] = {}
+        for unit, score in (ranked[i] for i in picked):
+            page = pages.get(unit.span_id)
+            if page is not None:
+                span = page.span
+                if span.span_id not in paged and len(chosen) + len(paged) >= config.max_spans:
+                    continue
+                _, offsets, best = paged.get(span.span_id, (span, [], score))
+                paged[span.span_id] = (span, offsets + list(page.offsets), max(best, score))
+            elif unit.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
+                self.marks.mark_recalled(unit.span_id, score)
+            elif len(chosen) + len(paged) < config.max_spans:
+                chosen.append((unit, score))
+        self.mover.restore_together([span for span, _ in chosen] + [span for span, _, _ in paged.values()])
         recalled: list[int] = []
         for span, score in chosen:
             if self.mover.move(span, SpanState.COMMITTED, reason="recall") is not None:
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
+        for span, offsets, score in paged.values():
+            if self._bring_back_pages(span, offsets):
+                recalled.append(span.span_id)
+                self.marks.mark_recalled(span.span_id, score)
         if recalled:
-            self.table.record("recall", spans=recalled)
+            self.table.record("recall", spans=recalled, paged=sorted(paged))
         return recalled
+
+    def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
+        """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
+
+        Returns:
+            The units (real spans and page stand-ins), and each stand-in's page by its id.
+        """
+        if not self.pages.enabled:
+            return demoted + attended, {}
+        units: list[Span] = []
+        pages: dict[int, Page] = {}
+        for span in demoted:
+            span_pages = self.pages.pages(span)
+            if len(span_pages) < 2:
+                units.append(span)
+                continue
+            for page in span_pages:
+                stand_in = page.as_span()
+                pages[stand_in.span_id] = page
+                units.append(stand_in)
+        return units + attended, pages
+
+    def _add_attention(
+        self, ranked: list[tuple[Span, float]], pages: dict[int, Page], spans: list[Span]
+    ) -> list[tuple[Span, float]]:
+        """Add `attention_weight` times each unit's scaled Quest bound to its word-overlap score.
+
+        A page gets its own bound; a whole span gets its best page's. Without the
+        question's queries (no model to probe) the ranking stays word overlap alone.
+        """
+        queries = self.pages.question_queries()
+        if queries is None:
+            return ranked
+        scaled = scale_bounds(self.pages.bounds(spans, queries))
+        weight = self.config.attention_weight
+        out: list[tuple[Span, float]] = []
+        for unit, score in ranked:
+            page = pages.get(unit.span_id)
+            bound = 0.0
+            if page is not None and page.span.span_id in scaled:
+                bound = float(scaled[page.span.span_id][page.index])
+            elif unit.span_id in scaled:
+                bound = float(scaled[unit.span_id].max())
+            out.append((unit, score + weight * bound))
+        out.sort(key=lambda item: (item[1], item[0].start), reverse=True)
+        return out
+
+    def _bring_back_pages(self, span: Span, offsets: list[int]) -> bool:
+        """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
+
+        The span is attended again like any span compressed at commit: `kept` lists
+        the page offsets it holds; its token ids stay, so the rest can come back later.
+        """
+        # The pages are what the question needs: commit-time compression (which re-runs on a
+        # recomputed span) must not thin them out; the page choice is this commit's compression.
+        compressor, self.mover.compressor = self.mover.compressor, None
+        try:
+            moved = self.mover.move(span, SpanState.COMMITTED, reason="page recall")
+        finally:
+            self.mover.compressor = compressor
+        if moved is None:
+            return False
+        keep = sorted(set(offsets) & set(span.kept_offsets))
+        if keep and len(keep) < span.held_tokens:
+            with self.timer.timed("store_seconds"):
+                self.port.store.compress(span, keep)
+        self.table.counters.page_recalled_tokens += len(keep)
+        return True
 
     def _room(self) -> int | None:
         """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
@@ -128,9 +217,11 @@ class Recaller:
         )
         return max(0, int(limit * self.budget.limits.high) - fixed * self.port.bytes_per_token)
 
-    def _cost(self, span: Span) -> int:
-        """Device bytes a span holds once attended (a dropped span is recomputed in full)."""
-        tokens = span.n_computed if span.tier is Tier.DROPPED else span.held_tokens
+    def _cost(self, unit: Span | Page) -> int:
+        """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""
+        if isinstance(unit, Page):
+            return len(unit.offsets) * self.port.bytes_per_token
+        tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
         return tokens * self.port.bytes_per_token
 
     def _canonical(self, token: int) -> str:

@@ -69,12 +69,17 @@ class PageDigest:
         return list(range(start, min(start + self.page_tokens, self.num_tokens)))
 
 
-def build_digest(keys: list[torch.Tensor], page_tokens: int = 32) -> PageDigest:
+def build_digest(
+    keys: list[torch.Tensor], page_tokens: int = 32, *, dtype: torch.dtype | None = None
+) -> PageDigest:
     """Digest a span's keys.
 
     Args:
         keys: per layer, the span's keys `[1, H_kv, n, D]` (RoPE applied, as cached).
         page_tokens: tokens per page, >= `MIN_PAGE_TOKENS` (16-64 is the useful range).
+        dtype: storage dtype of the bounds (default: the keys'). A narrower float is
+            rounded outwards (minimums down, maximums up), so `score_pages` stays an
+            upper bound of every key's logit.
 
     Raises:
         ValueError: Bad page size, no layers, or keys that are not `[1, H, n, D]` with one n.
@@ -104,9 +109,22 @@ def build_digest(keys: list[torch.Tensor], page_tokens: int = 32) -> PageDigest:
             # Repeat the last token: the padded page keeps its own bounds.
             x = torch.cat([x, x[:, -1:].expand(-1, pad, -1)], dim=1)
         paged = x.reshape(x.shape[0], pages, page_tokens, x.shape[-1])  # [H, P, T, D]
-        mins.append(paged.amin(dim=2).to(k.dtype))  # [H, P, D]
-        maxs.append(paged.amax(dim=2).to(k.dtype))
+        store = k.dtype if dtype is None else dtype
+        mins.append(_round(paged.amin(dim=2), store, down=True))  # [H, P, D]
+        maxs.append(_round(paged.amax(dim=2), store, down=False))
     return PageDigest(mins=tuple(mins), maxs=tuple(maxs), page_tokens=page_tokens, num_tokens=n)
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype, *, down: bool) -> torch.Tensor:
+    """`x` (float32) in `dtype`, rounded towards -inf (`down`) or +inf, never to the nearest value."""
+    y = x.to(dtype)
+    if y.dtype == x.dtype:
+        return y
+    wrong = y.float() > x if down else y.float() < x
+    if bool(wrong.any()):
+        limit = torch.tensor(float("-inf") if down else float("inf"), dtype=dtype)
+        y = torch.where(wrong, torch.nextafter(y, limit.expand_as(y)), y)
+    return y
 
 
 def score_pages(digest: PageDigest, queries: list[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
+from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.protocol import ARCHIVE_TIERS, TierBytes
 from agentkv.store.quantized import QuantizedBlock
@@ -70,6 +71,8 @@ class KVStore:
         self.residual_tokens = residual_tokens
         self.host_limit_bytes = host_limit_bytes
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
+        self.digests: dict[int, PageDigest] = {}
+        """Per span id, its page key digest (page recall); kept while the span's KV is archived or dropped."""
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -80,8 +83,13 @@ class KVStore:
         blocks = list(self.blocks.values())
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
+        digests = list(self.digests.values())
         return TierBytes(
-            device=self.physical.nbytes(), quantized=quantized, host=host, shared=self.physical.shared_bytes()
+            device=self.physical.nbytes(),
+            quantized=quantized,
+            host=host,
+            shared=self.physical.shared_bytes(),
+            digest=sum(d.nbytes for d in digests),
         )
 
     def host_bytes(self) -> int:
@@ -121,6 +129,7 @@ class KVStore:
     def close(self) -> None:
         """Free every archived block and the attended cache."""
         self.blocks.clear()
+        self.digests.clear()
         self.physical.truncate(0)
 
     @contextmanager
@@ -257,6 +266,7 @@ class KVStore:
         if span.tier is Tier.DEVICE:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
+        self.digests.pop(span.span_id, None)
 
     def _require(self, span: Span, tier: Tier, action: str) -> None:
         if span.tier is not tier:
@@ -315,6 +325,9 @@ class KVStore:
         for block_span in self.blocks:
             if block_span not in by_id:
                 problems.append(f"archived block of unknown span {block_span}")
+        for digest_span in self.digests:
+            if digest_span not in by_id:
+                problems.append(f"page digest of unknown span {digest_span}")
         # Accounting: what the tiers report is what their tensors hold.
         tiers = self.bytes_by_tier()
         walked = sum(tensor_bytes(t) for t in physical.tensors())

@@ -46,6 +46,8 @@ class TierBytes:
     host: int
     shared: int = 0
     """Part of `device` that is a prefix shared with a parent session (not owned)."""
+    digest: int = 0
+    """Page key digests on the device for recall (`agentkv.store.digest`); the device budget counts them."""
 
 
 @runtime_checkable
