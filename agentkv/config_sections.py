@@ -271,12 +271,10 @@ class CommitConfig(Section):
     observe: Literal["recent", "question"] = Field(
         default="recent",
         description=(
-            "What scores a tool result at commit: `recent` = the last `window` queries of the cache; "
-            "`question` = the turn's user question and tool call, read after the result (SnapKV's "
-            "observation window, as FlowKV applies it per turn)."
+            "At commit, score a tool result by the `recent` queries or the turn's `question` (SnapKV window)."
         ),
     )
-    """What scores a tool result at commit: the recent queries, or the turn's own question."""
+    """At commit, score a tool result by the `recent` queries or the turn's `question` (SnapKV window)."""
 
     @field_validator("keep_ratio")
     @classmethod
@@ -333,8 +331,7 @@ class RecallConfig(Section):
         default=False,
         strict=True,
         description=(
-            "Recall long spans by pages: score archived pages with the question's queries against "
-            "per-page key digests kept on the device (Quest), bring back the best pages that fit."
+            "Recall long spans page by page, scored by the question's queries against page key digests."
         ),
     )
     """Recall long spans page by page, scored by the question's queries against page key digests."""
