@@ -131,6 +131,9 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     # The turn ends: the conversation parks. What its pin keeps on L2 leaves L1; the next call
     # prefetches it back first, and vLLM (its own cache emptied) loads it from LMCache.
     pinned = len(prompt) // stack.chunk_size
+    # Park demotes only L1 copies that L2 already holds (never the only copy), and the call's
+    # stores land after it returns: wait for them to reach L2 first.
+    assert wait_for(lambda: coordinator.lookup(prompt, salt).held_chunks("l2") >= pinned)
     store.park()
     assert store.stats.demoted_chunks >= 1
     assert wait_for(
