@@ -34,20 +34,18 @@ FaultReporter = Callable[[str, Span | None, Exception], None]
 def scoring_view(store: KVStore, table: SpanTable, slots: torch.Tensor) -> SpanView:
     """What a policy sees of the attended tokens at `slots` (keys, positions, spans, attention)."""
     physical = store.physical
-    keys = []
+    recent = torch.arange(max(0, physical.length - 16), physical.length)
+    keys, query_keys = [], []
     for layer in range(physical.num_layers):
-        layer_keys = physical.layer_keys(layer)
-        if layer_keys is None:
+        # Only the scored slots and the recent ones are read: never the whole (quantized) layer.
+        layer_keys = physical.layer_keys_at(layer, slots)
+        recent_keys = physical.layer_keys_at(layer, recent)
+        if layer_keys is None or recent_keys is None:
             msg = "empty cache"
             raise RuntimeError(msg)
-        keys.append(layer_keys.index_select(-2, slots.to(layer_keys.device)))
+        keys.append(layer_keys)
+        query_keys.append(recent_keys)
     kinds = {s.span_id: s.kind for s in table.spans}
-    recent = torch.arange(max(0, physical.length - 16), physical.length)
-    query_keys = tuple(
-        k.index_select(-2, recent.to(k.device))
-        for k in (physical.layer_keys(i) for i in range(physical.num_layers))
-        if k is not None
-    )
     return SpanView(
         keys=tuple(keys),
         positions=physical.slot_position[slots],
@@ -57,7 +55,7 @@ def scoring_view(store: KVStore, table: SpanTable, slots: torch.Tensor) -> SpanV
         attention=physical.slot_window_attention[slots],
         accumulated_attention=physical.slot_heavy_attention[slots],
         decayed_attention=physical.slot_attention[slots],
-        query_keys=query_keys,
+        query_keys=tuple(query_keys),
     )
 
 

@@ -122,10 +122,10 @@ class PageIndex:
         slots = slots[order]
         keys: list[torch.Tensor] = []
         for layer in range(QUEST_SKIP_LAYERS, physical.num_layers):
-            layer_keys = physical.layer_keys(layer)
+            layer_keys = physical.layer_keys_at(layer, slots)
             if layer_keys is None:
                 return
-            keys.append(layer_keys.index_select(-2, slots.to(layer_keys.device)).float())  # [1, H, n, D]
+            keys.append(layer_keys.float())  # [1, H, n, D]
         if not keys:
             return
         store.digests[span.span_id] = build_digest(keys, self.page_tokens, dtype=DIGEST_DTYPE)

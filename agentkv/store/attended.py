@@ -32,12 +32,17 @@ Layout, N slots in physical order, each either exact or quantized:
 Attention reads the layer through `update()`, which dequantizes the quantized slots
 (one layer at a time, a transient tensor freed after the layer's attention) and
 places them with the exact ones, as transformers' `QuantizedCache` dequantizes on
-read. The slot indices are bookkeeping on the CPU, like `PhysicalCache`'s.
+read. The last read is remembered (one layer per thread, `_LastRead`): the
+attention probe that reads the same layer right after its attention gets the same
+tensors instead of a second dequantization. The slot indices are bookkeeping on the
+CPU, like `PhysicalCache`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +54,52 @@ ATTENDED_BITS: tuple[int, ...] = (4, 2)
 
 _STAT_DTYPE = torch.float16
 _LONG = torch.long
+
+_HELD = (
+    "keys",
+    "values",
+    "key_codes",
+    "key_scales",
+    "key_zeros",
+    "value_codes",
+    "value_scales",
+    "value_zeros",
+)
+"""The tensors a layer's contents live in: every change replaces one of them (none is written in place)."""
+
+
+class _LastRead(threading.local):
+    """The last dequantized read of one thread: which layer, the tensors it was read from, the result.
+
+    Only weak references to the layer and its tensors, and only one layer's transient
+    K/V (what its attention needed anyway): a memo that never holds a cache alive.
+    """
+
+    def __init__(self) -> None:
+        self.layer: weakref.ref[QuantizedAttendedLayer] | None = None
+        self.source: tuple[weakref.ref[torch.Tensor] | None, ...] = ()
+        self.result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, layer: QuantizedAttendedLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.layer is None or self.layer() is not layer:
+            return None
+        # Identity, not `==` (a weak reference compares its referents, and tensors compare elementwise).
+        for ref, tensor in zip(self.source, _held(layer), strict=True):
+            if (ref is None) != (tensor is None) or (ref is not None and ref() is not tensor):
+                return None
+        return self.result
+
+    def put(self, layer: QuantizedAttendedLayer, result: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.layer, self.result = weakref.ref(layer), result
+        self.source = tuple(None if t is None else weakref.ref(t) for t in _held(layer))
+
+
+def _held(layer: QuantizedAttendedLayer) -> tuple[torch.Tensor | None, ...]:
+    """The tensors the layer's contents are in, and where its quantized slots sit."""
+    return (*(getattr(layer, name) for name in _HELD), layer.quant_index)
+
+
+_LAST_READ = _LastRead()
 
 
 def check_attended_spec(
@@ -174,15 +225,35 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if not self.quantized_length:
             assert self.keys is not None and self.values is not None
             return self.keys, self.values  # exact_index is 0..E-1: the tensors as they are
+        remembered = _LAST_READ.get(self)
+        if remembered is not None:
+            return remembered
         k = self._dequantize_keys()  # [B, H, Q, D]
         v = self._dequantize_values()  # [B, H, Q, D]
-        if not self.exact_length:
-            return k, v
-        assert self.keys is not None and self.values is not None
-        runs = self._runs()
-        parts_k = [(k if quant else self.keys)[:, :, a : a + n] for quant, a, n in runs]
-        parts_v = [(v if quant else self.values)[:, :, a : a + n] for quant, a, n in runs]
-        return torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
+        if self.exact_length:
+            assert self.keys is not None and self.values is not None
+            runs = self._runs()
+            k = torch.cat([(k if quant else self.keys)[:, :, a : a + n] for quant, a, n in runs], dim=-2)
+            v = torch.cat([(v if quant else self.values)[:, :, a : a + n] for quant, a, n in runs], dim=-2)
+        _LAST_READ.put(self, (k, v))
+        return k, v
+
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Keys of some slots, `[B, H, n, D]`: exact ones copied, quantized ones dequantized alone."""
+        if self.own_length == 0:
+            return None
+        assert self.keys is not None
+        slots = slots.to("cpu", _LONG)
+        if not self.quantized_length:
+            return self.keys.index_select(-2, slots.to(self.keys.device))  # exact_index is 0..E-1
+        assert self.key_codes is not None and self.key_scales is not None
+        quant = torch.isin(slots, self.quant_index)
+        b, h, _, d = self.key_scales.shape
+        out = self.key_scales.new_empty((b, h, int(slots.numel()), d), dtype=self.out_dtype or torch.float32)
+        exact_rows = torch.searchsorted(self.exact_index, slots[~quant]).to(self.keys.device)
+        out[:, :, ~quant] = self.keys.index_select(-2, exact_rows)
+        out[:, :, quant] = self._dequantize_keys(torch.searchsorted(self.quant_index, slots[quant]))
+        return out
 
     def _runs(self) -> list[tuple[bool, int, int]]:
         """Maximal runs of slots of one kind in physical order: (quantized, start in its segment, length)."""
@@ -238,22 +309,35 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
 
         Key groups are formed over runs of `group_size` of these slots (a span's tokens
         in order: neighbours share a group, KIVI); a last partial group gets its own
-        statistics. Returns the number of slots quantized.
+        statistics. Returns the number of slots quantized. `quantize_layers` does the
+        same for many layers at once.
         """
-        if self.keys is None or self.values is None or not self.exact_length:
-            return 0
+        return quantize_layers([self], slots)
+
+    @classmethod
+    def quantize_all(cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor) -> int:
+        """Quantize `slots` in every layer of a cache; batched (`quantize_layers`) when all are attended."""
+        attended = [layer for layer in layers if isinstance(layer, QuantizedAttendedLayer)]
+        if len(attended) != len(layers):
+            return super().quantize_all(layers, slots)
+        return quantize_layers(attended, slots)
+
+    def _exact_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the exact segment (`long [n]`, physical order) holding the exact ones of `slots`."""
         slots = torch.unique(slots.to("cpu", _LONG))  # sorted: the slots' physical order
-        self._layout = None
         pos = torch.searchsorted(self.exact_index, slots)
         inside = pos < self.exact_length
         pos, slots = pos[inside], slots[inside]
-        pos = pos[self.exact_index[pos] == slots]  # the slots that are exact now
-        if not pos.numel():
-            return 0
-        dev = pos.to(self.keys.device)
-        k, v = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)  # [B, H, n, D]
-        kc, ks, kz, groups = _quantize_keys(k, self.key_bits, self.group_size)
-        vc, vs, vz = _quantize_values(v, self.bits, self.group_size)
+        return pos[self.exact_index[pos] == slots]
+
+    def _hold_quantized(
+        self, pos: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Move exact rows `pos` to the quantized segment: `keys` (codes, scales, zeros, group), `values`."""
+        assert self.keys is not None and self.values is not None
+        kc, ks, kz, groups = keys
+        vc, vs, vz = values
+        self._layout = None
         new_index = self.exact_index[pos]
         keep = torch.ones(self.exact_length, dtype=torch.bool)
         keep[pos] = False
@@ -273,7 +357,6 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.quant_index = index[order]
         if not torch.equal(order, torch.arange(int(order.numel()))):
             self._take_quantized(order)
-        return int(pos.numel())
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized."""
@@ -360,11 +443,15 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
             self.key_scales = self.key_scales.index_select(2, used_dev)
             self.key_zeros = self.key_zeros.index_select(2, used_dev)
 
-    def _dequantize_keys(self) -> torch.Tensor:
+    def _dequantize_keys(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys of the quantized slots (or of those at `rows`, `long [r]` into the quantized segment)."""
         assert self.key_codes is not None and self.key_scales is not None and self.key_zeros is not None
         dtype = self.out_dtype or torch.float32
-        codes = _unpack(self.key_codes, self.key_bits)  # [B, H, Q, D]
-        group = self.key_group.to(codes.device)
+        packed, group = self.key_codes, self.key_group
+        if rows is not None:
+            packed, group = packed.index_select(2, rows.to(packed.device)), group[rows]
+        codes = _unpack(packed, self.key_bits)  # [B, H, Q, D]
+        group = group.to(codes.device)
         # Cast the few group statistics first, then one gather of both: [2, B, H, Q, D].
         stats = torch.stack([self.key_scales, self.key_zeros]).to(dtype).index_select(3, group)
         return torch.addcmul(stats[1], codes.to(dtype), stats[0])
@@ -379,6 +466,45 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         scales = self.value_scales.to(dtype).unsqueeze(-1)  # [B, H, Q, D/Gv, 1]
         zeros = self.value_zeros.to(dtype).unsqueeze(-1)
         return torch.addcmul(zeros, grouped.to(dtype), scales).view(b, h, q, d)
+
+
+LAYER_BATCH = 8
+"""Layers quantized in one batch: fewer, larger kernels, with a transient copy of at most 8 layers' rows."""
+
+
+def quantize_layers(layers: list[QuantizedAttendedLayer], slots: torch.Tensor) -> int:
+    """Quantize the exact slots among `slots` in every layer; returns slots quantized (per layer).
+
+    Layers of one cache hold the same slots in the same segments and share one spec, so
+    their rows are quantized together, `LAYER_BATCH` layers per batch (the statistics
+    are per layer all the same: they are computed along tokens or channels, never
+    across the batch axis). Layers whose layout differs are quantized on their own.
+    """
+    first = layers[0] if layers else None
+    if first is None or first.keys is None or first.values is None or not first.exact_length:
+        return 0
+    spec = (first.bits, first.key_bits, first.group_size)
+    if any(
+        (layer.bits, layer.key_bits, layer.group_size) != spec
+        or not torch.equal(layer.exact_index, first.exact_index)
+        for layer in layers[1:]
+    ):
+        return max(quantize_layers([layer], slots) for layer in layers)
+    pos = first._exact_rows(slots)
+    if not pos.numel():
+        return 0
+    dev = pos.to(first.keys.device)
+    batch = int(first.keys.shape[0])
+    for start in range(0, len(layers), LAYER_BATCH):
+        chunk = layers[start : start + LAYER_BATCH]
+        k = torch.cat([layer.keys.index_select(-2, dev) for layer in chunk if layer.keys is not None])
+        v = torch.cat([layer.values.index_select(-2, dev) for layer in chunk if layer.values is not None])
+        kc, ks, kz, groups = _quantize_keys(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
+        vc, vs, vz = _quantize_values(v, first.bits, first.group_size)
+        for i, layer in enumerate(chunk):
+            rows = slice(i * batch, (i + 1) * batch)
+            layer._hold_quantized(pos, (kc[rows], ks[rows], kz[rows], groups), (vc[rows], vs[rows], vz[rows]))
+    return int(pos.numel())
 
 
 def value_group(head_dim: int, group_size: int) -> int:
@@ -450,11 +576,17 @@ def _round_toward(x: torch.Tensor, *, up: bool) -> torch.Tensor:
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack `uint8 [..., D]` codes of `bits` each into `[..., D * bits / 8]` bytes (lowest bits first)."""
+    """Pack `uint8 [..., D]` codes of `bits` each into `[..., D * bits / 8]` bytes, planar.
+
+    Byte j holds channels j, j + D/p, j + 2D/p, ... (lowest bits first, p codes per
+    byte), so unpacking is a few whole-tensor shifts and one concatenation of
+    contiguous blocks rather than an interleave.
+    """
     per = 8 // bits
-    out = codes[..., 0::per].clone()
+    width = codes.shape[-1] // per
+    out = codes[..., :width].clone()
     for i in range(1, per):
-        out |= codes[..., i::per] << (bits * i)
+        out |= codes[..., i * width : (i + 1) * width] << (bits * i)
     return out
 
 
@@ -462,8 +594,8 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `_pack`: `uint8 [..., D]`."""
     per = 8 // bits
     mask = (1 << bits) - 1
-    parts = [(packed >> (bits * i)) & mask for i in range(per)]
-    return torch.stack(parts, dim=-1).flatten(-2)  # [..., D / per, per] -> [..., D]
+    parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1))]
+    return torch.cat([*parts, packed >> (bits * (per - 1))], dim=-1)
 
 
 def _cat(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

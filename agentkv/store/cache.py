@@ -74,6 +74,28 @@ class SharedPrefixLayer(DynamicLayer):
             return self.prefix_keys, self.prefix_values
         return torch.cat([self.prefix_keys, own_k], dim=-2), torch.cat([self.prefix_values, own_v], dim=-2)
 
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Keys of some slots (`long [n]`, physical indices), `[B, H, n, D]`; None when empty.
+
+        Reads only those slots: scoring a just-committed span must not copy (or, on a
+        quantized layer, dequantize) the whole layer.
+        """
+        if not self.get_seq_length():
+            return None
+        prefix = self.prefix_keys
+        if prefix is None:
+            assert self.keys is not None
+            return self.keys.index_select(-2, slots.to(self.keys.device))
+        slots = slots.to(prefix.device)
+        in_prefix = slots < self.prefix_length
+        if bool(in_prefix.all()) or not self.own_length:
+            return prefix.index_select(-2, slots)
+        assert self.keys is not None
+        out = prefix.new_empty((*prefix.shape[:-2], int(slots.numel()), prefix.shape[-1]))
+        out[..., in_prefix, :] = prefix.index_select(-2, slots[in_prefix])
+        out[..., ~in_prefix, :] = self.keys.index_select(-2, slots[~in_prefix] - self.prefix_length)
+        return out
+
     def set_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace everything with own tensors (un-shares the prefix)."""
         self.prefix_keys = self.prefix_values = None
@@ -134,6 +156,11 @@ class SharedPrefixLayer(DynamicLayer):
         """Full-precision layers hold no quantized slots: nothing to do (0 quantized)."""
         del slots
         return 0
+
+    @classmethod
+    def quantize_all(cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor) -> int:
+        """Quantize `slots` in every layer of a cache (a layer class may batch them); slots quantized."""
+        return max(layer.quantize(slots) for layer in layers)
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: all False (every slot is full precision)."""
@@ -293,6 +320,11 @@ class PhysicalCache:
 
     # -- moves ----------------------------------------------------------------------------
 
+    def layer_keys_at(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """Keys of a layer at `slots` (`long [n]`), `[B, H_kv, n, D]` (None when empty); reads no more."""
+        self.compact_pending()
+        return self.cache.managed_layers[layer_idx].keys_at(slots)
+
     def extract(self, slots: torch.Tensor) -> KVBlock:
         """Copy the KV of some slots into a block (the cache is unchanged)."""
         offsets = self.slot_offset[slots].tolist()
@@ -410,8 +442,8 @@ class PhysicalCache:
         self.compact_pending()
         if slots.numel() == 0:
             return 0
-        counts = {layer.quantize(slots) for layer in self.cache.managed_layers}
-        return max(counts) if counts else 0
+        layers = self.cache.managed_layers
+        return type(layers[0]).quantize_all(layers, slots) if layers else 0
 
     def quantized_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized (the first layer answers for all)."""

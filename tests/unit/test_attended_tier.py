@@ -18,8 +18,9 @@ import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.spans import SpanState, Tier
-from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, value_group
+from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantize_layers, value_group
 from agentkv.store.block import tensor_bytes
+from agentkv.store.cache import SharedPrefixLayer
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -94,6 +95,73 @@ def test_removal_keeps_whole_groups_bit_for_bit_and_frees_their_bytes() -> None:
     layer.cut_to(int(keep.numel()))
     again = layer.full()
     assert again is not None and torch.equal(again[0], after[0]) and torch.equal(again[1], after[1])
+
+
+def _mixed_layer(seed: int) -> tuple[QuantizedAttendedLayer, torch.Tensor]:
+    """A layer with exact and quantized runs, compacted once; and the slots it holds, `[N]`."""
+    torch.manual_seed(seed)
+    layer = _layer(4)
+    layer.update(torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16))
+    layer.quantize(torch.arange(10, 70))
+    layer.quantize(torch.arange(90, 105))
+    layer.select(torch.cat([torch.arange(0, 30), torch.arange(40, 120)]))
+    return layer, torch.arange(110)
+
+
+def test_keys_at_reads_only_the_asked_slots_and_matches_the_full_read() -> None:
+    layer, _ = _mixed_layer(3)
+    slots = torch.tensor([105, 3, 12, 80, 29, 64, 0, 95])  # exact and quantized, any order
+    full = layer.full()
+    assert full is not None
+    got = layer.keys_at(slots)
+    assert got is not None and torch.equal(got, full[0].index_select(2, slots))
+    # A layer with a shared prefix reads across the prefix / own boundary the same way.
+    k, v = torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    shared = SharedPrefixLayer()
+    shared.update(k[:, :, :30], v[:, :, :30])
+    shared.freeze_as_prefix()
+    shared.update(k[:, :, 30:], v[:, :, 30:])
+    picked = torch.tensor([45, 2, 29, 30, 7])
+    got_shared = shared.keys_at(picked)
+    assert got_shared is not None and torch.equal(got_shared, k.index_select(2, picked))
+
+
+def test_layers_quantized_in_one_batch_equal_each_quantized_alone() -> None:
+    torch.manual_seed(4)
+    batched = [_layer(4, key_bits=4) for _ in range(11)]  # more than one batch of LAYER_BATCH
+    alone = [_layer(4, key_bits=4) for _ in range(11)]
+    for a, b in zip(batched, alone, strict=True):
+        k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+        a.update(k, v)
+        b.update(k.clone(), v.clone())
+    slots = torch.arange(5, 50)
+    assert quantize_layers(batched, slots) == 45
+    for a, b in zip(batched, alone, strict=True):
+        assert b.quantize(slots) == 45
+        fa, fb = a.full(), b.full()
+        assert fa is not None and fb is not None
+        assert torch.equal(fa[0], fb[0]) and torch.equal(fa[1], fb[1])
+        assert a.key_codes is not None and b.key_codes is not None and torch.equal(a.key_codes, b.key_codes)
+
+
+def test_a_repeated_read_is_remembered_and_any_change_reads_afresh() -> None:
+    layer, _ = _mixed_layer(5)
+    first, second = layer.full(), layer.full()
+    assert first is not None and second is not None
+    assert second[0] is first[0] and second[1] is first[1]  # the probe's second read costs nothing
+    expected = (first[0].clone(), first[1].clone())
+    other, _ = _mixed_layer(6)
+    other_read = other.full()
+    assert other_read is not None and other_read[0] is not first[0]  # never another layer's read
+    layer.update(torch.ones(1, 2, 1, 16), torch.ones(1, 2, 1, 16))
+    grown = layer.full()
+    assert grown is not None and grown[0].shape[2] == 111 and torch.equal(grown[0][:, :, :110], expected[0])
+    layer.select(torch.arange(1, 111))
+    cut = layer.full()
+    assert cut is not None and torch.equal(cut[1], grown[1][:, :, 1:])
+    layer.quantize(torch.arange(90, 110))
+    again = layer.full()
+    assert again is not None and not torch.equal(again[0][:, :, 90:110], cut[0][:, :, 90:110])
 
 
 def test_bytes_far_below_full_precision_when_everything_is_quantized() -> None:
