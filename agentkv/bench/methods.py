@@ -24,6 +24,9 @@ PAGES: Mapping[str, Any] = {"recall": {"pages": True}}
 SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"tool_result": 0.5}}}
 """Question-observed compression at commit: a tool result keeps half its tokens (chosen a priori)."""
 
+Q4: Mapping[str, Any] = {"quantization": {"attended_bits": 4}}
+"""The attended int4 tier (KIVI groups of 32, 4 sink and 64 recent tokens exact: paper defaults)."""
+
 
 @dataclass(frozen=True)
 class Method:
@@ -108,7 +111,16 @@ METHODS: dict[str, Method] = {
             "lifecycle",
             archive_tier=NOHOST_TIER,
             events=True,
-            extra={**PAGES, "quantization": {"attended_bits": 4}},
+            extra={**PAGES, **Q4},
+        ),
+        Method("agentkv-q4-snap", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra={**SNAP, **Q4}),
+        # All three levers together.
+        Method(
+            "agentkv-q4-pages-snap",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={**PAGES, **SNAP, **Q4},
         ),
     )
 }
