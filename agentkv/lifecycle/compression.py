@@ -31,23 +31,31 @@ FaultReporter = Callable[[str, Span | None, Exception], None]
 """Records a survived failure: `(where, span or None, error)`."""
 
 
-def scoring_view(store: KVStore, table: SpanTable, slots: torch.Tensor) -> SpanView:
-    """What a policy sees of the attended tokens at `slots` (keys, positions, spans, attention)."""
+def scoring_view(
+    store: KVStore, table: SpanTable, slots: torch.Tensor, *, keys: bool = True, queries: bool = True
+) -> SpanView:
+    """What a policy sees of the attended tokens at `slots` (keys, positions, spans, attention).
+
+    `keys` / `queries`: whether to read the slots' keys and the recent ones (a policy's
+    `needs_keys` / `needs_query`). Only those slots are read, never a whole layer: on
+    the attended quantized tier a read dequantizes.
+    """
     physical = store.physical
     recent = torch.arange(max(0, physical.length - 16), physical.length)
-    keys, query_keys = [], []
-    for layer in range(physical.num_layers):
-        # Only the scored slots and the recent ones are read: never the whole (quantized) layer.
-        layer_keys = physical.layer_keys_at(layer, slots)
-        recent_keys = physical.layer_keys_at(layer, recent)
-        if layer_keys is None or recent_keys is None:
+    slot_keys, query_keys = [], []
+    for layer in range(physical.num_layers if keys or queries else 0):
+        layer_keys = physical.layer_keys_at(layer, slots) if keys else None
+        recent_keys = physical.layer_keys_at(layer, recent) if queries else None
+        if (keys and layer_keys is None) or (queries and recent_keys is None):
             msg = "empty cache"
             raise RuntimeError(msg)
-        keys.append(layer_keys)
-        query_keys.append(recent_keys)
+        if layer_keys is not None:
+            slot_keys.append(layer_keys)
+        if recent_keys is not None:
+            query_keys.append(recent_keys)
     kinds = {s.span_id: s.kind for s in table.spans}
     return SpanView(
-        keys=tuple(keys),
+        keys=tuple(slot_keys),
         positions=physical.slot_position[slots],
         span_ids=physical.slot_span[slots],
         span_kinds=kinds,
@@ -55,7 +63,7 @@ def scoring_view(store: KVStore, table: SpanTable, slots: torch.Tensor) -> SpanV
         attention=physical.slot_window_attention[slots],
         accumulated_attention=physical.slot_heavy_attention[slots],
         decayed_attention=physical.slot_attention[slots],
-        query_keys=tuple(query_keys),
+        query_keys=tuple(query_keys) if queries else None,
     )
 
 
@@ -126,7 +134,9 @@ class Compressor:
             with self.timer.timed("policy_seconds"):
                 if self.pages is not None:
                     self.pages.index(span)
-                view = scoring_view(store, self.table, slots)
+                view = scoring_view(
+                    store, self.table, slots, keys=self.policy.needs_keys, queries=self.policy.needs_query
+                )
                 scores = self.policy.score(view).float()
                 span.score = float(scores.mean()) if scores.numel() else 0.0
                 if self.policy.scores_spans:
@@ -200,7 +210,9 @@ class Compressor:
         protected = torch.isin(physical.slot_span, torch.tensor(pinned_ids, dtype=torch.long))
         try:
             with self.timer.timed("policy_seconds"):
-                view = scoring_view(store, table, slots)
+                view = scoring_view(
+                    store, table, slots, keys=self.policy.needs_keys, queries=self.policy.needs_query
+                )
                 chosen = self.policy.select(view, max(int(keep), int(protected.sum())), protected=protected)
         except Exception as e:  # noqa: BLE001 - a failing policy drops nothing this time
             self.fault("policy", None, e)

@@ -63,6 +63,9 @@ class Policy(ABC):
     """True when `score` reads `view.attention` (the session then runs the attention hook)."""
     needs_query: bool = False
     """True when `score` reads `view.query_keys` / `view.query_states`."""
+    needs_keys: bool = False
+    """True when `score` reads `view.keys`; otherwise the view carries none (reading the keys of a
+    span held in the attended quantized tier means dequantizing them)."""
     needs_accumulated_attention: bool = False
     """True when `score` reads `view.accumulated_attention` (the probe then sums every query, H2O)."""
     whole_spans: bool = False

@@ -3,7 +3,7 @@
 Instead of a plugin system, scorers combine the way kvpress presses do: a wrapper
 holds its parts and fills in `score`. Two needs keep recurring — "mix these
 signals" and "but never drop the sinks / the last few tokens" — so those are the
-wrappers here. `needs_attention` / `needs_query` are the union of the parts', so
+wrappers here. `needs_attention` / `needs_query` / `needs_keys` are the union of the parts', so
 the session collects what any part reads.
 """
 
@@ -46,6 +46,7 @@ class WeightedSumPolicy(Policy):
                 raise ValueError(msg)
         self.needs_attention = any(p.needs_attention for p, _ in self.parts)
         self.needs_query = any(p.needs_query for p, _ in self.parts)
+        self.needs_keys = any(p.needs_keys for p, _ in self.parts)
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` weighted sum of the parts' z-scores."""

@@ -30,6 +30,7 @@ class IntentPolicy(Policy):
 
     needs_attention = False
     needs_query = True
+    needs_keys = True
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` float32 CPU relevance of each candidate to the new input."""

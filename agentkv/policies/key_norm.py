@@ -21,6 +21,7 @@ class KeyNormPolicy(Policy):
 
     needs_attention = False
     needs_query = False
+    needs_keys = True
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` negated mean key norm (lower norm = higher score = keep)."""

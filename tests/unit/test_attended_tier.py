@@ -304,3 +304,25 @@ def test_bad_attended_spec_names_allowed_values() -> None:
         check_attended_spec(2, 32, 8, head_dim=6)
     with pytest.raises(ValueError, match=r"key_bits: expected one of \[4, 2\], got 8"):
         check_attended_spec(4, 32, 8, key_bits=8)
+
+
+def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    from agentkv.lifecycle.compression import scoring_view
+    from agentkv.policies import make_policy
+
+    backend, session = _budget_session(tiny_model, tiny_tokenizer, 10_000)
+    session.extend(list(MESSAGES))
+    store = session.store
+    physical = store.physical
+    physical.quantize_slots(torch.arange(4, physical.length - 16))
+    slots = physical.slots_of(session.spans[1].span_id)
+    table = session.manager.table
+    # The lifecycle policy reads attention, kinds and recency, not keys: a commit dequantizes nothing.
+    assert not make_policy("lifecycle").needs_keys and make_policy("key_norm").needs_keys
+    lean = scoring_view(store, table, slots, keys=False, queries=False)
+    assert lean.keys == () and lean.query_keys is None and lean.num_tokens == int(slots.numel())
+    full_view = scoring_view(store, table, slots)
+    assert len(full_view.keys) == physical.num_layers
+    for layer, keys in enumerate(full_view.keys):
+        held = physical.cache.managed_layers[layer].full()
+        assert held is not None and torch.equal(keys, held[0].index_select(2, slots))
