@@ -7,6 +7,8 @@ of a tool result that its turn's question attends to (`commit.observe: question`
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 
@@ -14,7 +16,7 @@ from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
 from agentkv.events import ToolCallCompleted
 from agentkv.lifecycle.compression import SNAP_KERNEL, observation_window
 from agentkv.lifecycle.pages import QUEST_SKIP_LAYERS
-from agentkv.spans import SpanKind
+from agentkv.spans import Span, SpanKind
 from agentkv.store.digest import score_pages
 
 TOL = 1e-4
@@ -74,7 +76,8 @@ def test_a_committed_span_gets_a_digest_counted_in_the_device_budget(tiny_model,
     session.check()
 
 
-def test_page_recall_brings_back_only_the_page_the_question_names(tiny_model, tiny_tokenizer):
+def _asked_about_the_archived_code(tiny_model: Any, tiny_tokenizer: Any) -> tuple[Any, Span]:
+    """A session whose tool result was committed and archived, then a question naming its code."""
     _, session = _session(tiny_model, tiny_tokenizer)
     history = _history()
     session.extend(history)
@@ -83,6 +86,11 @@ def test_page_recall_brings_back_only_the_page_the_question_names(tiny_model, ti
     _archive(session, tool)
     history.append({"role": "user", "content": "Which error code did KX7-4471 step report?"})
     session.extend(history)
+    return session, tool
+
+
+def test_page_recall_brings_back_only_the_page_the_question_names(tiny_model, tiny_tokenizer):
+    session, tool = _asked_about_the_archived_code(tiny_model, tiny_tokenizer)
 
     assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
     assert tool.kept is not None and 0 < len(tool.kept) < tool.length
@@ -97,14 +105,7 @@ def test_page_recall_brings_back_only_the_page_the_question_names(tiny_model, ti
 
 
 def test_recalled_pages_give_the_logits_of_a_full_cache_restricted_to_them(tiny_model, tiny_tokenizer):
-    _, session = _session(tiny_model, tiny_tokenizer)
-    history = _history()
-    session.extend(history)
-    _commit_tool(session)
-    tool = _tool(session)
-    _archive(session, tool)
-    history.append({"role": "user", "content": "Which error code did KX7-4471 step report?"})
-    session.extend(history)
+    session, tool = _asked_about_the_archived_code(tiny_model, tiny_tokenizer)
     assert tool.kept is not None and len(tool.kept) < tool.length
 
     # Reference: one plain forward over every token. The assistant's answer was encoded while
