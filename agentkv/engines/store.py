@@ -233,7 +233,12 @@ class EngineStore:
         While a conversation waits for its user, the chunks its pin keeps on L2 need not
         take L1 room that others' unpinned chunks (which live nowhere else) could use;
         the next `sync` prefetches them back (L2 -> L1) before the conversation's call.
-        Only chunks the coordinator places on both tiers lose their L1 copy.
+
+        Every pinned chunk the coordinator places on L2 is named, whatever it says about
+        L1: its L1 placements arrive through the server's event reports (flushed about
+        once a second), so a copy a prefetch or a retrieve just put in L1 is not listed
+        yet; filtering on it left such copies behind. An L1 delete of a key L1 does not
+        hold is a no-op on the server; a chunk not (yet) on L2 keeps its only copy.
         """
         if self.target is None or not self._commit_pin:
             return
@@ -242,7 +247,7 @@ class EngineStore:
         lookup = self._hint("lookup", lambda: coordinator.lookup(pinned, self.cache_salt))
         if lookup is None:
             return
-        keys = [key for p in lookup.placements if "l1" in p.tiers and "l2" in p.tiers for key in p.keys]
+        keys = [key for p in lookup.placements if "l2" in p.tiers for key in p.keys]
         if not keys:
             return
         url = self.target.instance_url
