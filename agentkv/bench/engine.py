@@ -207,14 +207,7 @@ def run_mode(
     failures = sum(st.hint_failures for st in stores)
     hints = {
         name: sum(getattr(st, name) for st in stores)
-        for name in (
-            "pins",
-            "unpins",
-            "deleted_chunks",
-            "demoted_chunks",
-            "released_chunks",
-            "prefetch_completed",
-        )
+        for name in ("pins", "unpins", "deleted_chunks", "demoted_chunks", "prefetch_completed")
     }
     for session in list(backend.sessions()):
         backend.close(session.session_id)

@@ -78,8 +78,6 @@ class HintStats:
     prefetch_completed: int = 0
     demoted_chunks: int = 0
     """L1 copies given up at turn end because L2 holds the chunk under this session's pin."""
-    released_chunks: int = 0
-    """L1 copies given up at turn end because the fleet's pin budget could not fit them."""
     hint_failures: int = 0
     last_failure: str = ""
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -248,17 +246,8 @@ class EngineStore:
         once a second), so a copy a prefetch or a retrieve just put in L1 is not listed
         yet; filtering on it left such copies behind. An L1 delete of a key L1 does not
         hold is a no-op on the server; a chunk not (yet) on L2 keeps its only copy.
-
-        Under a fleet planner the pin first moves to what the turn committed (so its
-        L2 copies are protected from now, not from the next call), and the rest of the
-        conversation, which the fleet budget could not fit, leaves L1 (`_release_unfit`).
         """
-        if self.target is None:
-            return
-        if self.target.planner is not None:
-            self._move_commit_pin(self.prompt()[: self.committed_length()])
-            self._release_unfit()
-        if not self._commit_pin:
+        if self.target is None or not self._commit_pin:
             return
         coordinator = self.target.coordinator
         pinned = self._commit_pin
@@ -273,31 +262,6 @@ class EngineStore:
         if result is not None:
             self.stats.demoted_chunks += result.affected
             self._parked = True
-
-    def _release_unfit(self) -> None:
-        """The chunks of the engine's sequence past the pin give up their L1 copy.
-
-        The planner pins whole histories of the conversations that fit the fleet budget;
-        the others come back only after every other conversation has called (agents take
-        turns), by which time a cache too small for all of them has evicted their
-        chunks anyway. Keeping them meanwhile only takes the L1 room that LMCache stages
-        every store and every L2 -> L1 prefetch through (it fails those allocations when
-        L1 is full). Their tokens stay in the span table: the next call recomputes them.
-        """
-        size = self._target.chunk_size
-        first = min(common_prefix(self.sent, self._commit_pin), len(self._commit_pin)) // size
-        if len(self.sent) // size <= first:
-            return
-        coordinator = self._target.coordinator
-        sent = self.sent
-        lookup = self._hint("lookup", lambda: coordinator.lookup(sent, self.cache_salt))
-        if lookup is None:
-            return
-        keys = [key for p in lookup.placements[first:] for key in p.keys]
-        url = self._target.instance_url
-        result = self._hint("release", lambda: coordinator.delete_chunks(url, keys, tier="l1"))
-        if result is not None:
-            self.stats.released_chunks += result.affected
 
     def select(self) -> None:
         """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""

@@ -183,27 +183,3 @@ def test_engine_block_validates_the_fleet_budget_and_the_salt_prefix() -> None:
         AgentKVConfig.model_validate({"engine": {**base, "salt_prefix": "tenant/a"}})
     with pytest.raises(ValueError, match="salt_prefix"):
         AgentKVConfig.model_validate({"engine": {**base, "salt_prefix": "x" * 65}})
-
-
-def test_turn_end_pins_the_turn_and_what_the_fleet_cannot_fit_leaves_l1() -> None:
-    sim = SimLMCache()
-    planner = EnginePinPlanner(budget_tokens=4 * CHUNK, chunk_size=CHUNK)
-    a_spans, b_spans = _conversation(1000, [8, 4, 4]), _conversation(2000, [8, 4, 4])
-    a, b = _store(sim, planner, "a", a_spans), _store(sim, planner, "b", b_spans)
-    prompts = {}
-    for spans, store, name in ((a_spans, a, "a"), (b_spans, b, "b")):
-        spans[0].state = SpanState.COMMITTED
-        prompts[name] = _call(store, sim)
-    for spans in (a_spans, b_spans):  # the turn ends: everything so far is committed
-        for span in spans:
-            span.state = SpanState.COMMITTED
-    a.park()
-    b.park()
-    # a fits (4 chunks): pinned now, through the turn's spans, and parked on L2 only.
-    assert all(sim.pins.get(k) == 1 for k in sim.keys(prompts["a"], "fleet"))
-    assert sim.held(prompts["a"], "fleet") == [{"l2"}] * 4
-    # b does not fit (a took the budget): nothing pinned, and it gives up its L1 copies.
-    assert not any(k in sim.pins for k in sim.keys(prompts["b"], "fleet"))
-    assert sim.held(prompts["b"], "fleet") == [{"l2"}] * 4
-    assert b.stats.released_chunks == 4 and a.stats.released_chunks == 0
-    assert a.stats.hint_failures == b.stats.hint_failures == 0
