@@ -268,6 +268,7 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         chunk_size=args.chunk_size,
         device_tokens=args.device_tokens,
         l2_quota_gb=args.l2_quota_gb,
+        fleet_l2_gb=args.fleet_l2_gb,
         out_dir=out,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         progress=lambda line: console.log(line),
@@ -413,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-tokens", type=int, default=768, help="engine: per-session budget, events mode"
     )
     bench.add_argument("--l2-quota-gb", type=float, help="engine: LMCache L2 quota per conversation")
+    bench.add_argument(
+        "--fleet-l2-gb",
+        type=float,
+        help="engine: one LMCache L2 budget for all (planner pins whole histories)",
+    )
     bench.add_argument(
         "--modes",
         default="lru,events",

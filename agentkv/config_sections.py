@@ -479,6 +479,14 @@ class EngineConfig(Section):
         json_schema_extra={"enum": list(SALT_POLICIES)},
     )
     """cache_salt per conversation (branches share it), or shared = no salt."""
+    salt_prefix: str = Field(
+        default="",
+        max_length=64,
+        description=(
+            "Prefix of every cache_salt (a tenant namespace); with salt: shared, the one salt they all use."
+        ),
+    )
+    """Prefix of every cache_salt (a tenant namespace); with salt: shared, the one salt they all use."""
     chunk_size: int = Field(
         default=256,
         gt=0,
@@ -506,12 +514,28 @@ class EngineConfig(Section):
         description="Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
     )
     """Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
+    fleet_pin_budget_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description=(
+            "L2 tokens a backend's conversations pin together: whole histories, first come first; null = off."
+        ),
+    )
+    """L2 tokens a backend's conversations pin together: whole histories, first come first; null = off."""
 
     @field_validator("vllm_url", "coordinator_url")
     @classmethod
     def _url_shape(cls, value: str | None) -> str | None:
         if value is not None and not _URL_RE.match(value):
             raise ValueError(f"expected an http:// or https:// URL, got {show_value(value)}")
+        return value
+
+    @field_validator("salt_prefix")
+    @classmethod
+    def _salt_chars(cls, value: str) -> str:
+        if set(value) & set("@/\\\x00"):
+            raise ValueError(f"LMCache refuses '@', '/', '\\' and NUL in a salt, got {show_value(value)}")
         return value
 
 

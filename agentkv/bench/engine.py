@@ -5,7 +5,10 @@ a tool agent: per turn the user message, its tool calls and results, one model c
 (the engine decodes a few tokens), the tool events, the scripted answer, `TurnEnded`.
 Every thread has its own conversation (its own `cache_salt`). The engine's caches are
 meant to be smaller than the working set (`scripts/serve.sh` with `AGENTKV_VLLM_BLOCKS`
-and a small `AGENTKV_L1_GB`; `--l2-quota-gb` caps LMCache's L2 per conversation).
+and a small `AGENTKV_L1_GB`; `--l2-quota-gb` caps LMCache's L2 per conversation, or
+`--fleet-l2-gb` gives the whole fleet one L2 budget: every conversation of a run shares
+that run's salt, whose quota is then fleet-wide, and the events mode's planner pins whole
+committed histories of as many conversations as fit in it (`engine.fleet_pin_budget_tokens`)).
 
 Modes, run one after the other on the same stack, each from cold caches:
 
@@ -46,9 +49,9 @@ from typing import Any
 
 from agentkv.bench.workloads import Workload, load_workloads
 from agentkv.config import AgentKVConfig
-from agentkv.engines.backend import EngineBackend
+from agentkv.engines.backend import EngineBackend, kv_bytes_per_token
 from agentkv.engines.http import FakeTransport
-from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.lmcache import GIB, CoordinatorClient
 from agentkv.engines.store import common_prefix as _common_prefix
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
@@ -112,10 +115,21 @@ def _tool_agent(
 
 
 def _mode_config(
-    mode: str, vllm_url: str, coordinator_url: str, chunk_size: int, device_tokens: int
+    mode: str,
+    vllm_url: str,
+    coordinator_url: str,
+    chunk_size: int,
+    device_tokens: int,
+    *,
+    fleet_salt: str | None = None,
+    fleet_pin_tokens: int | None = None,
 ) -> AgentKVConfig:
-    engine = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
+    engine: dict[str, Any] = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
+    if fleet_salt is not None:  # one L2 budget for the fleet: every conversation shares the run's salt
+        engine = {**engine, "salt": "shared", "salt_prefix": fleet_salt}
     hinted = {**engine, "coordinator_url": coordinator_url}
+    if fleet_pin_tokens is not None:
+        hinted["fleet_pin_budget_tokens"] = fleet_pin_tokens
     if mode == "events":  # same prompts as lru: the lifecycle only decides where KV lives
         return AgentKVConfig.model_validate({"engine": hinted, "policy": "full"})
     if mode == "events+budget":
@@ -145,16 +159,25 @@ def run_mode(
     max_tokens: int,
     chunk_size: int,
     device_tokens: int,
+    fleet_l2_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModeResult:
-    """Run `lru` or `events` once, from cold caches."""
-    config = _mode_config(mode, vllm_url, coordinator_url, chunk_size, device_tokens)
+    """Run `lru` or `events` once, from cold caches (`fleet_l2_tokens`: one L2 budget for all)."""
+    nonce = time.strftime("%H%M%S")
+    config = _mode_config(
+        mode,
+        vllm_url,
+        coordinator_url,
+        chunk_size,
+        device_tokens,
+        fleet_salt=None if fleet_l2_tokens is None else f"{mode}-{nonce}",
+        fleet_pin_tokens=fleet_l2_tokens,
+    )
     backend = EngineBackend.from_config(config)
     # The LMCache stack is there in both modes; only the events mode sends it hints.
     coordinator = CoordinatorClient(coordinator_url, backend.model_path)
     _reset(backend, coordinator)
     workloads = load_workloads()
-    nonce = time.strftime("%H%M%S")
     before = backend.vllm.metrics()
     usage_before = coordinator.usage()  # L2 still holds earlier runs' conversations (their own salts)
     started = time.perf_counter()
@@ -288,6 +311,7 @@ def run_engine_bench(
     chunk_size: int = 64,
     device_tokens: int = 768,
     l2_quota_gb: float | None = None,
+    fleet_l2_gb: float | None = None,
     out_dir: str | Path = "runs",
     modes: tuple[str, ...] = ("lru", "events"),
     progress: Callable[[str], None] | None = None,
@@ -300,8 +324,20 @@ def run_engine_bench(
     if unknown:
         msg = f"modes: expected some of {', '.join(RUN_MODES)}, got {', '.join(unknown)}"
         raise ValueError(msg)
-    if l2_quota_gb is not None:
-        CoordinatorClient(coordinator_url, "-").set_default_quota(l2_quota_gb)
+    if l2_quota_gb is not None and fleet_l2_gb is not None:
+        msg = "l2_quota_gb (per conversation) and fleet_l2_gb (one for all): expected one of them, got both"
+        raise ValueError(msg)
+    fleet_l2_tokens: int | None = None
+    if fleet_l2_gb is not None:
+        if fleet_l2_gb <= 0:
+            msg = f"fleet_l2_gb: expected > 0, got {fleet_l2_gb}"
+            raise ValueError(msg)
+        from agentkv.models import converted_model_dir
+
+        fleet_l2_tokens = int(fleet_l2_gb * GIB) // kv_bytes_per_token(converted_model_dir())
+    quota = l2_quota_gb if fleet_l2_gb is None else fleet_l2_gb  # a run's shared salt: fleet-wide
+    if quota is not None:
+        CoordinatorClient(coordinator_url, "-").set_default_quota(quota)
     common = dict(
         vllm_url=vllm_url,
         coordinator_url=coordinator_url,
@@ -310,6 +346,7 @@ def run_engine_bench(
         max_tokens=max_tokens,
         chunk_size=chunk_size,
         device_tokens=device_tokens,
+        fleet_l2_tokens=fleet_l2_tokens,
         progress=progress,
     )
     lru = run_mode("lru", **common)  # type: ignore[arg-type]
@@ -323,6 +360,8 @@ def run_engine_bench(
             "chunk_size": chunk_size,
             "device_tokens": device_tokens,
             "l2_quota_gb": l2_quota_gb,
+            "fleet_l2_gb": fleet_l2_gb,
+            "fleet_pin_budget_tokens": fleet_l2_tokens,
         },
         "modes": [asdict(m) for m in rows],
         "prefill_floor": prefill_floor(

@@ -23,6 +23,7 @@ from agentkv.config import AgentKVConfig
 from agentkv.config_sections import EngineConfig
 from agentkv.engines.http import EngineError, Transport
 from agentkv.engines.lmcache import CoordinatorClient
+from agentkv.engines.planner import EnginePinPlanner
 from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
@@ -84,6 +85,12 @@ class EngineBackend:
                 engine.coordinator_url, self.model_path, timeout=engine.hint_timeout_s, transport=transport
             )
         )
+        self.planner = (
+            None
+            if engine.fleet_pin_budget_tokens is None
+            else EnginePinPlanner(engine.fleet_pin_budget_tokens, engine.chunk_size)
+        )
+        """The fleet's pin planner (`engine.fleet_pin_budget_tokens`), shared by every session."""
         self._target: EngineTarget | None = None
         self._target_lock = threading.Lock()
         self._sessions: dict[str, EngineSession] = {}
@@ -114,8 +121,9 @@ class EngineBackend:
     # -- the engine ----------------------------------------------------------------------------
 
     def salt_for(self, session_id: str) -> str:
-        """The `cache_salt` of a conversation (`engine.salt`: per conversation, or shared = none)."""
-        return "" if self.engine.salt == "shared" else session_id
+        """The `cache_salt` of a conversation (`engine.salt`), behind `engine.salt_prefix`."""
+        prefix = self.engine.salt_prefix
+        return prefix if self.engine.salt == "shared" else f"{prefix}{session_id}"
 
     def target(self) -> EngineTarget | None:
         """The LMCache instance this backend's sessions use (sticky); None without a coordinator.
@@ -143,6 +151,7 @@ class EngineBackend:
                     chunk_size=self.engine.chunk_size,
                     prefetch_wait=self.engine.prefetch_wait_s,
                     pin_budget_tokens=self.engine.pin_budget_tokens,
+                    planner=self.planner,
                 )
             return self._target
 

@@ -167,6 +167,7 @@ class EngineSession:
             lambda: self.table.spans,
             backend.bytes_per_token,
             shared_prefix=shared,
+            owner=session_id,
         )
         self.manager = LifecycleManager(EngineServices(self), self.limits)
         if parent is not None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from agentkv.engines.http import EngineError
 from agentkv.engines.lmcache import CoordinatorClient, TierName
+from agentkv.engines.planner import EnginePinPlanner
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.kvstore import TierBytes
 
@@ -53,6 +54,8 @@ class EngineTarget:
         chunk_size: LMCache's chunk size in tokens (pins and deletes act on whole chunks).
         prefetch_wait: seconds to wait for a prefetch to complete before the next call.
         pin_budget_tokens: most tokens one conversation pins (None = its L2 quota, if any).
+        planner: the fleet's pin planner, shared by the backend's sessions (None = each
+            conversation pins within its own budget only).
     """
 
     coordinator: CoordinatorClient
@@ -61,6 +64,7 @@ class EngineTarget:
     chunk_size: int = 256
     prefetch_wait: float = 5.0
     pin_budget_tokens: int | None = None
+    planner: EnginePinPlanner | None = None
 
 
 @dataclass
@@ -89,6 +93,7 @@ class EngineStore:
         spans: the session's span table in logical order (read, never written, except `span.tier`).
         bytes_per_token: KV bytes of one token on the engine (all layers, K and V).
         shared_prefix: for a branch, the sequence it inherits from its parent: never deleted by it.
+        owner: who asks the fleet's pin planner (the session id; default: the salt).
     """
 
     def __init__(
@@ -99,12 +104,14 @@ class EngineStore:
         bytes_per_token: int,
         *,
         shared_prefix: Sequence[int] = (),
+        owner: str | None = None,
     ) -> None:
         if bytes_per_token <= 0:
             msg = f"bytes_per_token: expected > 0, got {bytes_per_token}"
             raise ValueError(msg)
         self.target = target
         self.cache_salt = cache_salt
+        self.owner = cache_salt if owner is None else owner
         self.spans = spans
         self.bytes_per_token = bytes_per_token
         self.stats = HintStats()
@@ -233,7 +240,12 @@ class EngineStore:
         While a conversation waits for its user, the chunks its pin keeps on L2 need not
         take L1 room that others' unpinned chunks (which live nowhere else) could use;
         the next `sync` prefetches them back (L2 -> L1) before the conversation's call.
-        Only chunks the coordinator places on both tiers lose their L1 copy.
+
+        Every pinned chunk the coordinator places on L2 is named, whatever it says about
+        L1: its L1 placements arrive through the server's event reports (flushed about
+        once a second), so a copy a prefetch or a retrieve just put in L1 is not listed
+        yet; filtering on it left such copies behind. An L1 delete of a key L1 does not
+        hold is a no-op on the server; a chunk not (yet) on L2 keeps its only copy.
         """
         if self.target is None or not self._commit_pin:
             return
@@ -242,7 +254,7 @@ class EngineStore:
         lookup = self._hint("lookup", lambda: coordinator.lookup(pinned, self.cache_salt))
         if lookup is None:
             return
-        keys = [key for p in lookup.placements if "l1" in p.tiers and "l2" in p.tiers for key in p.keys]
+        keys = [key for p in lookup.placements if "l2" in p.tiers for key in p.keys]
         if not keys:
             return
         url = self.target.instance_url
@@ -271,6 +283,8 @@ class EngineStore:
         self._commit_pin = []
         self._archive_pins = {}
         self._selected_pins = []
+        if self.target.planner is not None:
+            self.target.planner.release(self.owner)
         keep = common_prefix(self.sent, self.shared_prefix)
         if len(self.sent) > keep:
             self._delete_tail(self.sent, keep, "all")
@@ -351,16 +365,22 @@ class EngineStore:
 
         Chunks are prefix-chained, so chunk `j` of two sequences is one key when they agree
         up to its end: the budget counts distinct chunks over every pin the session holds
-        (but `exclude`, the pin about to be replaced).
+        (but `exclude`, the pin about to be replaced). With a fleet planner, the session's
+        share of the fleet budget caps it too (it asks with what it would pin uncapped).
         """
         size = self._target.chunk_size
         whole = sequence[: len(sequence) // size * size]  # pins cover whole chunks only
         cap = self.pin_budget()
-        if cap is None:
+        planner = self._target.planner
+        if cap is None and planner is None:
             return whole
         others = [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]
         held = {_chunk_id(p, j, size) for p in others if p is not exclude for j in range(len(p) // size)}
-        room = cap // size - len(held)
+        if planner is not None:
+            new = sum(_chunk_id(whole, j, size) not in held for j in range(len(whole) // size))
+            share = planner.grant(self.owner, (len(held) + new) * size)
+            cap = share if cap is None else min(cap, share)
+        room = (cap or 0) // size - len(held)
         n = 0
         while n < len(whole) // size:
             if _chunk_id(whole, n, size) not in held:

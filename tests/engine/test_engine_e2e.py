@@ -11,8 +11,10 @@ creates (`scripts/test_engine.sh` does both).
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -33,6 +35,23 @@ def spans_of(tokenizer, texts: list[tuple[SpanKind, str]]) -> list[Span]:  # noq
         spans.append(Span(span_id=i, kind=kind, token_ids=list(ids), start=start, n_computed=len(ids)))
         start += len(ids)
     return spans
+
+
+def l1_status(instance_url: str) -> dict[str, int]:
+    """The LMCache server's own L1 counts (`GET /status`): objects, read-locked, staging."""
+    with urllib.request.urlopen(f"{instance_url}/status", timeout=10) as response:  # noqa: S310 (local)
+        status = json.loads(response.read())
+    found: dict[str, int] = {}
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("total_object_count", "read_locked_count", "staging_object_count"):
+                    found[key] = found.get(key, 0) + int(value)
+                walk(value)
+
+    walk(status.get("storage_manager", {}).get("l1_manager", status))
+    return found
 
 
 def wait_for(check, seconds: float = 20.0) -> bool:  # noqa: ANN001 - a predicate
@@ -134,11 +153,18 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     # Park demotes only L1 copies that L2 already holds (never the only copy), and the call's
     # stores land after it returns: wait for them to reach L2 first.
     assert wait_for(lambda: coordinator.lookup(prompt, salt).held_chunks("l2") >= pinned)
+    logged = len(store.stats.log)
     store.park()
     assert store.stats.demoted_chunks >= 1
+
+    def park_report() -> str:
+        demotes = [answer for what, answer in store.stats.log[logged:] if what == "demote"]
+        tiers = [p.tiers for p in coordinator.lookup(prompt, salt).placements]
+        return f"demote {demotes}, tiers per chunk {tiers}, L1 on the server {l1_status(instance_url)}"
+
     assert wait_for(
         lambda: all(p.tiers == ("l2",) for p in coordinator.lookup(prompt, salt).placements[:pinned])
-    )
+    ), park_report()
     stack.reset_prefix_cache()
     again, (_, parked_delta) = call()
     assert again == prompt

@@ -31,6 +31,9 @@ class SimLMCache:
         self.tiers: dict[str, set[str]] = {}  # key -> {"l1", "l2"}
         self.pins: dict[str, int] = {}
         self.prefetched: list[list[int]] = []
+        self.unreported_l1: set[str] = set()
+        """Keys whose L1 copy the server holds but has not reported to the coordinator yet
+        (placements reach the directory through event reports flushed about once a second)."""
         self.quota_gb: dict[str, float] = {}  # per-salt L2 quotas (GiB)
         self.default_quota_gb: float | None = None
         self.transport = FakeTransport(
@@ -83,7 +86,11 @@ class SimLMCache:
         results = [
             {
                 "key": {"chunk_hash_hex": k, "model_name": body["model_name"], "kv_rank": 0},
-                "placements": [{"tier": t, "size_bytes": 100} for t in sorted(self.tiers.get(k, ()))],
+                "placements": [
+                    {"tier": t, "size_bytes": 100}
+                    for t in sorted(self.tiers.get(k, ()))
+                    if not (t == "l1" and k in self.unreported_l1)
+                ],
             }
             for k in keys
         ]
@@ -239,6 +246,22 @@ def test_turn_end_parks_the_pinned_prefix_on_l2_and_the_next_call_prefetches_it(
     store.park()  # parked twice without a call in between: nothing left to demote
     store.park()
     assert store.stats.hint_failures == 0
+
+
+def test_park_demotes_l1_copies_the_coordinator_has_not_listed_yet(sim: SimLMCache) -> None:
+    # A recall's prefetch (or vLLM's retrieve) puts chunks back in L1 right before the call;
+    # the coordinator lists those L1 copies only once the server's next event report lands.
+    # Park must not trust that view for L1: the fresh copies would outlive the park.
+    spans = make_spans(8, 8, 3)
+    store = make_store(sim, spans)
+    turn(store, sim)
+    spans[0].state = spans[1].state = SpanState.COMMITTED
+    prompt = turn(store, sim)
+    fresh = sim.keys(prompt[:16], "salt")[2:]
+    sim.unreported_l1.update(fresh)
+    store.park()
+    assert sim.held(prompt[:16], "salt") == [{"l2"}] * 4
+    assert store.stats.demoted_chunks == 4
 
 
 def test_branch_shares_the_salt_and_never_deletes_the_parent_prefix(sim: SimLMCache) -> None:
