@@ -356,7 +356,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         order = torch.argsort(index)
         self.quant_index = index[order]
         if not torch.equal(order, torch.arange(int(order.numel()))):
-            self._take_quantized(order)
+            self._permute_quantized(order)
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized."""
@@ -424,6 +424,17 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.value_codes = self.value_scales = self.value_zeros = None
         self.quant_index = torch.empty(0, dtype=_LONG)
         self.key_group = torch.empty(0, dtype=_LONG)
+
+    def _permute_quantized(self, order: torch.Tensor) -> None:
+        """Reorder the quantized slots (`order`, a permutation); groups keep tokens and statistics."""
+        assert self.key_codes is not None and self.value_codes is not None
+        assert self.value_scales is not None and self.value_zeros is not None
+        dev = order.to(self.key_codes.device)
+        self.key_codes = self.key_codes.index_select(2, dev)
+        self.value_codes = self.value_codes.index_select(2, dev)
+        self.value_scales = self.value_scales.index_select(2, dev)
+        self.value_zeros = self.value_zeros.index_select(2, dev)
+        self.key_group = self.key_group[order]
 
     def _take_quantized(self, take: torch.Tensor) -> None:
         """Keep the quantized slots at positions `take` (in that order); drop key groups left empty."""

@@ -326,3 +326,24 @@ def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenize
     for layer, keys in enumerate(full_view.keys):
         held = physical.cache.managed_layers[layer].full()
         assert held is not None and torch.equal(keys, held[0].index_select(2, slots))
+
+
+def test_quantizing_an_earlier_span_later_gives_the_same_layer() -> None:
+    torch.manual_seed(7)
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    in_order, reversed_order = _layer(4), _layer(4)
+    in_order.update(k, v)
+    reversed_order.update(k.clone(), v.clone())
+    in_order.quantize(torch.arange(5, 40))
+    in_order.quantize(torch.arange(60, 90))
+    reversed_order.quantize(torch.arange(60, 90))  # later span first: the earlier goes before it
+    reversed_order.quantize(torch.arange(5, 40))
+    a, b = in_order.full(), reversed_order.full()
+    assert a is not None and b is not None
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(in_order.quant_index, reversed_order.quant_index)
+    kept = torch.cat([torch.arange(0, 20), torch.arange(70, 100)])
+    in_order.select(kept)
+    reversed_order.select(kept)
+    a, b = in_order.full(), reversed_order.full()
+    assert a is not None and b is not None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
