@@ -250,8 +250,15 @@ class BudgetKeeper:
             return (0, span.score, span.start)
 
         usage = self.usage_bytes()
+        if usage <= target:
+            return True
+        ranked = sorted(device, key=rank)
         with self.mover.timer.timed("store_seconds"):
-            for span in sorted(device, key=rank):
+            # One pass over the layers for every span the one-by-one loop below would take;
+            # the loop then only runs if the store's estimate fell short.
+            if store.quantize_attended_until(ranked, usage - target):
+                usage = self.usage_bytes()
+            for span in ranked:
                 if usage <= target:
                     return True
                 if store.quantize_attended(span):

@@ -48,11 +48,17 @@ from typing import Any
 import torch
 
 from agentkv.store.cache import SharedPrefixLayer
+from agentkv.store.kivi import (
+    STAT_DTYPE,
+    quantize_keys,
+    quantize_values,
+    unpack_codes,
+    value_group,
+)
 
 ATTENDED_BITS: tuple[int, ...] = (4, 2)
 """Bit widths the attended quantized tier supports."""
 
-_STAT_DTYPE = torch.float16
 _LONG = torch.long
 
 _HELD = (
@@ -315,7 +321,9 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         return quantize_layers([self], slots)
 
     @classmethod
-    def quantize_all(cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor) -> int:
+    def quantize_all(
+        cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor | Sequence[torch.Tensor]
+    ) -> int:
         """Quantize `slots` in every layer of a cache; batched (`quantize_layers`) when all are attended."""
         attended = [layer for layer in layers if isinstance(layer, QuantizedAttendedLayer)]
         if len(attended) != len(layers):
@@ -461,7 +469,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         packed, group = self.key_codes, self.key_group
         if rows is not None:
             packed, group = packed.index_select(2, rows.to(packed.device)), group[rows]
-        codes = _unpack(packed, self.key_bits)  # [B, H, Q, D]
+        codes = unpack_codes(packed, self.key_bits)  # [B, H, Q, D]
         group = group.to(codes.device)
         # Cast the few group statistics first, then one gather of both: [2, B, H, Q, D].
         stats = torch.stack([self.key_scales, self.key_zeros]).to(dtype).index_select(3, group)
@@ -469,7 +477,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
 
     def _dequantize_values(self) -> torch.Tensor:
         assert self.value_codes is not None and self.value_scales is not None and self.value_zeros is not None
-        codes = _unpack(self.value_codes, self.bits)  # [B, H, Q, D]
+        codes = unpack_codes(self.value_codes, self.bits)  # [B, H, Q, D]
         b, h, q, d = codes.shape
         groups = int(self.value_scales.shape[-1])
         grouped = codes.view(b, h, q, groups, d // groups)  # [B, H, Q, D/Gv, Gv]
@@ -483,14 +491,20 @@ LAYER_BATCH = 8
 """Layers quantized in one batch: fewer, larger kernels, with a transient copy of at most 8 layers' rows."""
 
 
-def quantize_layers(layers: list[QuantizedAttendedLayer], slots: torch.Tensor) -> int:
+def quantize_layers(
+    layers: list[QuantizedAttendedLayer], slots: torch.Tensor | Sequence[torch.Tensor]
+) -> int:
     """Quantize the exact slots among `slots` in every layer; returns slots quantized (per layer).
 
-    Layers of one cache hold the same slots in the same segments and share one spec, so
-    their rows are quantized together, `LAYER_BATCH` layers per batch (the statistics
-    are per layer all the same: they are computed along tokens or channels, never
-    across the batch axis). Layers whose layout differs are quantized on their own.
+    `slots` is one set of slots, or several (one per span): each set forms its own key
+    groups, exactly as if the sets were quantized one after another, but every layer is
+    rewritten once. Layers of one cache hold the same slots in the same segments and
+    share one spec, so their rows are quantized together, `LAYER_BATCH` layers per batch
+    (the statistics are per layer all the same: they are computed along tokens or
+    channels, never across the batch axis). Layers whose layout differs are quantized on
+    their own.
     """
+    sets = [slots] if isinstance(slots, torch.Tensor) else list(slots)
     first = layers[0] if layers else None
     if first is None or first.keys is None or first.values is None or not first.exact_length:
         return 0
@@ -500,30 +514,46 @@ def quantize_layers(layers: list[QuantizedAttendedLayer], slots: torch.Tensor) -
         or not torch.equal(layer.exact_index, first.exact_index)
         for layer in layers[1:]
     ):
-        return max(quantize_layers([layer], slots) for layer in layers)
-    pos = first._exact_rows(slots)
-    if not pos.numel():
+        return max(quantize_layers([layer], sets) for layer in layers)
+    rows_per_set = [first._exact_rows(s) for s in sets]
+    rows_per_set = [r for r in rows_per_set if r.numel()]
+    if not rows_per_set:
         return 0
-    dev = pos.to(first.keys.device)
+    pos = torch.cat(rows_per_set)
     batch = int(first.keys.shape[0])
     for start in range(0, len(layers), LAYER_BATCH):
         chunk = layers[start : start + LAYER_BATCH]
-        k = torch.cat([layer.keys.index_select(-2, dev) for layer in chunk if layer.keys is not None])
-        v = torch.cat([layer.values.index_select(-2, dev) for layer in chunk if layer.values is not None])
-        kc, ks, kz, groups = _quantize_keys(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
-        vc, vs, vz = _quantize_values(v, first.bits, first.group_size)
+        key_parts: list[tuple[torch.Tensor, ...]] = []
+        value_parts: list[tuple[torch.Tensor, ...]] = []
+        offset = 0
+        for rows in rows_per_set:
+            dev = rows.to(first.keys.device)
+            k = torch.cat([layer.keys.index_select(-2, dev) for layer in chunk if layer.keys is not None])
+            v = torch.cat([layer.values.index_select(-2, dev) for layer in chunk if layer.values is not None])
+            kc, ks, kz, groups = quantize_keys(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
+            key_parts.append((kc, ks, kz, groups + offset))
+            value_parts.append(quantize_values(v, first.bits, first.group_size))
+            offset += int(ks.shape[2])
+        kc, ks, kz = (torch.cat([p[i] for p in key_parts], dim=2) for i in range(3))
+        groups = torch.cat([p[3] for p in key_parts])
+        vc, vs, vz = (torch.cat([p[i] for p in value_parts], dim=2) for i in range(3))
         for i, layer in enumerate(chunk):
-            rows = slice(i * batch, (i + 1) * batch)
-            layer._hold_quantized(pos, (kc[rows], ks[rows], kz[rows], groups), (vc[rows], vs[rows], vz[rows]))
+            b = slice(i * batch, (i + 1) * batch)
+            layer._hold_quantized(pos, (kc[b], ks[b], kz[b], groups), (vc[b], vs[b], vz[b]))
     return int(pos.numel())
 
 
-def value_group(head_dim: int, group_size: int) -> int:
-    """Channels per value group: `group_size`, capped at the head dim, dividing it."""
-    g = min(group_size, head_dim)
-    while head_dim % g:
-        g -= 1
-    return g
+def quantized_bytes(layer: QuantizedAttendedLayer, n: int) -> tuple[int, int]:
+    """(bytes n exact slots take now, bytes they take once quantized as one set), for one layer."""
+    if layer.keys is None or n == 0:
+        return 0, 0
+    b, h, _, d = layer.keys.shape
+    exact = 2 * n * b * h * d * layer.keys.element_size()
+    stat = STAT_DTYPE.itemsize
+    codes = n * b * h * d * (layer.key_bits + layer.bits) // 8
+    value_stats = 2 * n * b * h * (d // value_group(d, layer.group_size)) * stat
+    key_stats = 2 * -(-n // layer.group_size) * b * h * d * stat
+    return exact, codes + value_stats + key_stats
 
 
 def _surviving(new_of_old: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,80 +563,6 @@ def _surviving(new_of_old: torch.Tensor, index: torch.Tensor) -> tuple[torch.Ten
     order = torch.argsort(new[alive])
     take = alive[order]
     return take, new[take]
-
-
-def _quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens.
-
-    Returns codes `[B, H, n, D / p]`, scales and zeros `[B, H, ceil(n / G), D]` and the
-    group of each token (`long [n]`). A last partial group is padded with a copy of its
-    last token, which leaves its min and max unchanged.
-    """
-    b, h, n, d = k.shape
-    num_groups = -(-n // group_size)
-    pad = num_groups * group_size - n
-    x = k.float()
-    if pad:
-        x = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], dim=2)
-    grouped = x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
-    codes, scales, zeros = _quantize(grouped, bits, dim=-2)
-    codes = codes.reshape(b, h, num_groups * group_size, d)[:, :, :n]
-    groups = torch.arange(n, dtype=_LONG) // group_size
-    return _pack(codes, bits), scales, zeros, groups
-
-
-def _quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-token value quantization of `[B, H, n, D]` in groups of channels."""
-    b, h, n, d = v.shape
-    g = value_group(d, group_size)
-    grouped = v.float().reshape(b, h, n, d // g, g)  # [B, H, n, D/Gv, Gv]
-    codes, scales, zeros = _quantize(grouped, bits, dim=-1)
-    return _pack(codes.reshape(b, h, n, d), bits), scales, zeros
-
-
-def _quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest along `dim`; statistics squeezed out of `dim`, float16."""
-    qmax = (1 << bits) - 1
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    zeros = _round_toward(lo, up=False)
-    scales = _round_toward((hi - zeros.float()) / qmax, up=True)
-    if not (bool(torch.isfinite(zeros).all()) and bool(torch.isfinite(scales).all())):
-        msg = "cannot quantize: non-finite KV values or values beyond the float16 range of the statistics"
-        raise ValueError(msg)
-    s, z = scales.float(), zeros.float()
-    codes = ((x - z) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scales.squeeze(dim), zeros.squeeze(dim)
-
-
-def _round_toward(x: torch.Tensor, *, up: bool) -> torch.Tensor:
-    """float32 → float16, rounding up or down instead of to nearest (the grid keeps covering the group)."""
-    y = x.to(_STAT_DTYPE)
-    target = torch.full_like(y, float("inf") if up else float("-inf"))
-    wrong_side = y.float() < x if up else y.float() > x
-    return torch.where(wrong_side, torch.nextafter(y, target), y)
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack `uint8 [..., D]` codes of `bits` each into `[..., D * bits / 8]` bytes, planar.
-
-    Byte j holds channels j, j + D/p, j + 2D/p, ... (lowest bits first, p codes per
-    byte), so unpacking is a few whole-tensor shifts and one concatenation of
-    contiguous blocks rather than an interleave.
-    """
-    per = 8 // bits
-    width = codes.shape[-1] // per
-    out = codes[..., :width].clone()
-    for i in range(1, per):
-        out |= codes[..., i * width : (i + 1) * width] << (bits * i)
-    return out
-
-
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `_pack`: `uint8 [..., D]`."""
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1))]
-    return torch.cat([*parts, packed >> (bits * (per - 1))], dim=-1)
 
 
 def _cat(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

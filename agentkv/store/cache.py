@@ -158,9 +158,15 @@ class SharedPrefixLayer(DynamicLayer):
         return 0
 
     @classmethod
-    def quantize_all(cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor) -> int:
-        """Quantize `slots` in every layer of a cache (a layer class may batch them); slots quantized."""
-        return max(layer.quantize(slots) for layer in layers)
+    def quantize_all(
+        cls, layers: Sequence[SharedPrefixLayer], slots: torch.Tensor | Sequence[torch.Tensor]
+    ) -> int:
+        """Quantize `slots` (one set, or one set per span) in every layer; slots quantized per layer.
+
+        A layer class may batch the layers; this default quantizes each set in each layer.
+        """
+        sets = [slots] if isinstance(slots, torch.Tensor) else list(slots)
+        return max((sum(layer.quantize(s) for s in sets) for layer in layers), default=0)
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: all False (every slot is full precision)."""
@@ -433,14 +439,16 @@ class PhysicalCache:
 
     # -- the attended quantized tier ----------------------------------------------------------
 
-    def quantize_slots(self, slots: torch.Tensor) -> int:
+    def quantize_slots(self, slots: torch.Tensor | Sequence[torch.Tensor]) -> int:
         """Hold some slots quantized in every layer (they stay attended). Returns slots quantized.
 
-        Layers without an attended quantized tier hold every slot in full precision and
-        quantize nothing (0).
+        `slots`: one set, or one set per span (each forms its own key groups). Layers
+        without an attended quantized tier hold every slot in full precision and quantize
+        nothing (0).
         """
         self.compact_pending()
-        if slots.numel() == 0:
+        sets = [slots] if isinstance(slots, torch.Tensor) else list(slots)
+        if not any(s.numel() for s in sets):
             return 0
         layers = self.cache.managed_layers
         return type(layers[0]).quantize_all(layers, slots) if layers else 0

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec
+from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.digest import PageDigest
@@ -151,24 +151,55 @@ class KVStore:
         as KIVI and KVQuant keep them; so do tokens already quantized. 0 when the store has
         no attended quantized tier or nothing of the span can be quantized.
         """
-        if self.attended_bits is None or span.tier is not Tier.DEVICE:
+        return self.quantize_attended_until([span], 1)
+
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+        """Quantize `spans` in attention, in this order, until `free_bytes` are freed; bytes freed.
+
+        The spans one-by-one demotion would quantize, quantized in one pass over the layers:
+        each span's saving is known before it is quantized (`quantized_bytes`: the exact
+        rows it frees less the codes and statistics it takes), spans are taken until the
+        savings reach `free_bytes`, and each keeps its own key groups, so the cache ends
+        exactly as if they had been quantized one after another.
+        """
+        if self.attended_bits is None:
             return 0
         physical = self.physical
         physical.compact_pending()
+        layers = physical.cache.managed_layers
+        chosen: list[torch.Tensor] = []
+        planned = 0
+        for span in spans:
+            if planned >= free_bytes:
+                break
+            slots = self._attended_candidates(span)
+            if not slots.numel():
+                continue
+            chosen.append(slots)
+            for layer in layers:
+                if isinstance(layer, QuantizedAttendedLayer):
+                    exact, quantized = quantized_bytes(layer, int(slots.numel()))
+                    planned += exact - quantized
+        if not chosen:
+            return 0
+        before = physical.nbytes()
+        physical.quantize_slots(chosen)
+        return before - physical.nbytes()
+
+    def _attended_candidates(self, span: Span) -> torch.Tensor:
+        """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
+        physical = self.physical
+        if span.tier is not Tier.DEVICE:
+            return torch.empty(0, dtype=torch.long)
         slots = physical.slots_of(span.span_id)
         if not slots.numel():
-            return 0
+            return slots
         positions = physical.slot_position[slots]
         newest = int(physical.slot_position.max())
         exact = (positions >= self.attended_sink_tokens) & (
             positions <= newest - self.attended_residual_tokens
         )
-        slots = slots[exact & ~physical.quantized_mask(slots)]
-        if not slots.numel():
-            return 0
-        before = physical.nbytes()
-        physical.quantize_slots(slots)
-        return before - physical.nbytes()
+        return slots[exact & ~physical.quantized_mask(slots)]
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""

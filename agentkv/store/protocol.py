@@ -115,3 +115,7 @@ class AttendedQuantizer(Protocol):
     def quantize_attended(self, span: Span) -> int:
         """Hold a device span quantized in attention (sinks and residual window excepted); bytes freed."""
         ...
+
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+        """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
+        ...

@@ -18,9 +18,10 @@ import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.spans import SpanState, Tier
-from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantize_layers, value_group
+from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantize_layers
 from agentkv.store.block import tensor_bytes
 from agentkv.store.cache import SharedPrefixLayer
+from agentkv.store.kivi import value_group
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -347,3 +348,34 @@ def test_quantizing_an_earlier_span_later_gives_the_same_layer() -> None:
     reversed_order.select(kept)
     a, b = in_order.full(), reversed_order.full()
     assert a is not None and b is not None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_spans_quantized_in_one_pass_equal_the_one_by_one_demotion(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    history = [*MESSAGES, {"role": "assistant", "content": "noted: code 4417 and ZX-99 " * 5}]
+    one_pass = _budget_session(tiny_model, tiny_tokenizer, 10_000)[1]
+    one_by_one = _budget_session(tiny_model, tiny_tokenizer, 10_000)[1]
+    one_pass.extend(history)
+    one_by_one.extend(history)
+    spans_a = [s for s in one_pass.spans if s.length > 8]
+    spans_b = [s for s in one_by_one.spans if s.length > 8]
+    need = 40_000  # more than the first span frees, less than all of them
+    freed_b = 0
+    for span in spans_b:
+        if freed_b >= need:
+            break
+        freed_b += one_by_one.store.quantize_attended(span)
+    freed_a = one_pass.store.quantize_attended_until(spans_a, need)
+    assert freed_a == freed_b > need  # the savings were planned exactly
+    assert 0 < one_pass.store.attended_quantized_tokens() < one_pass.store.physical.length
+    for a, b in zip(
+        one_pass.store.physical.cache.managed_layers,
+        one_by_one.store.physical.cache.managed_layers,
+        strict=True,
+    ):
+        fa, fb = a.full(), b.full()
+        assert fa is not None and fb is not None
+        assert torch.equal(fa[0], fb[0]) and torch.equal(fa[1], fb[1])
+        assert isinstance(a, QuantizedAttendedLayer) and isinstance(b, QuantizedAttendedLayer)
+        assert torch.equal(a.key_group, b.key_group) and torch.equal(a.quant_index, b.quant_index)
