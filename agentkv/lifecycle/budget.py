@@ -256,8 +256,8 @@ class BudgetKeeper:
         with self.mover.timer.timed("store_seconds"):
             # One pass over the layers for every span the one-by-one loop below would take;
             # the loop then only runs if the store's estimate fell short.
-            if store.quantize_attended_until(ranked, usage - target):
-                usage = self.usage_bytes()
+            store.quantize_attended_until(ranked, usage - target)
+            usage = self.usage_bytes()
             for span in ranked:
                 if usage <= target:
                     return True

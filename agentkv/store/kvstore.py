@@ -151,10 +151,10 @@ class KVStore:
         as KIVI and KVQuant keep them; so do tokens already quantized. 0 when the store has
         no attended quantized tier or nothing of the span can be quantized.
         """
-        return self.quantize_attended_until([span], 1)
+        return self.quantize_attended_until([span], None)
 
-    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
-        """Quantize `spans` in attention, in this order, until `free_bytes` are freed; bytes freed.
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
+        """Quantize `spans` in attention, in order, until `free_bytes` are freed (None: all); bytes freed.
 
         The spans one-by-one demotion would quantize, quantized in one pass over the layers:
         each span's saving is known before it is quantized (`quantized_bytes`: the exact
@@ -165,12 +165,16 @@ class KVStore:
         if self.attended_bits is None:
             return 0
         physical = self.physical
+        # Removals not compacted yet are counted pro rata in `nbytes`; compacting settles
+        # them, and what that frees counts toward `free_bytes` as it would one span at a time.
+        estimated = physical.nbytes()
         physical.compact_pending()
+        settled = estimated - physical.nbytes()
         layers = physical.cache.managed_layers
         chosen: list[torch.Tensor] = []
-        planned = 0
+        planned = 0  # bytes the chosen spans free, known before quantizing them
         for span in spans:
-            if planned >= free_bytes:
+            if free_bytes is not None and planned + settled >= free_bytes:
                 break
             slots = self._attended_candidates(span)
             if not slots.numel():

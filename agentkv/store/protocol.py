@@ -116,6 +116,6 @@ class AttendedQuantizer(Protocol):
         """Hold a device span quantized in attention (sinks and residual window excepted); bytes freed."""
         ...
 
-    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
         """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
         ...
