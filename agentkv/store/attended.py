@@ -364,7 +364,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         order = torch.argsort(index)
         self.quant_index = index[order]
         if not torch.equal(order, torch.arange(int(order.numel()))):
-            self._permute_quantized(order)
+            self._take_rows(order)
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized."""
@@ -379,16 +379,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if other.is_initialized:
             self.device = other.device
         self.out_dtype = other.out_dtype
-        for name in (
-            "keys",
-            "values",
-            "key_codes",
-            "key_scales",
-            "key_zeros",
-            "value_codes",
-            "value_scales",
-            "value_zeros",
-        ):
+        for name in _HELD:
             t = getattr(other, name, None)
             setattr(self, name, t.clone() if isinstance(t, torch.Tensor) else t)
         self.exact_index = other.exact_index.clone()
@@ -433,8 +424,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.quant_index = torch.empty(0, dtype=_LONG)
         self.key_group = torch.empty(0, dtype=_LONG)
 
-    def _permute_quantized(self, order: torch.Tensor) -> None:
-        """Reorder the quantized slots (`order`, a permutation); groups keep tokens and statistics."""
+    def _take_rows(self, order: torch.Tensor) -> None:
+        """Keep the quantized slots' rows at `order`, in that order (group statistics untouched)."""
         assert self.key_codes is not None and self.value_codes is not None
         assert self.value_scales is not None and self.value_zeros is not None
         dev = order.to(self.key_codes.device)
@@ -446,17 +437,9 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
 
     def _take_quantized(self, take: torch.Tensor) -> None:
         """Keep the quantized slots at positions `take` (in that order); drop key groups left empty."""
-        assert self.key_codes is not None and self.value_codes is not None
+        self._take_rows(take)  # the per-slot tensors: the same row selection
         assert self.key_scales is not None and self.key_zeros is not None
-        assert self.value_scales is not None and self.value_zeros is not None
-        dev = take.to(self.key_codes.device)
-        self.key_codes = self.key_codes.index_select(2, dev)
-        self.value_codes = self.value_codes.index_select(2, dev)
-        self.value_scales = self.value_scales.index_select(2, dev)
-        self.value_zeros = self.value_zeros.index_select(2, dev)
-        groups = self.key_group[take]
-        used, remapped = torch.unique(groups, sorted=True, return_inverse=True)
-        self.key_group = remapped
+        used, self.key_group = torch.unique(self.key_group, sorted=True, return_inverse=True)
         if int(used.numel()) != int(self.key_scales.shape[2]):
             used_dev = used.to(self.key_scales.device)
             self.key_scales = self.key_scales.index_select(2, used_dev)
