@@ -209,12 +209,16 @@ class QuantizationConfig(Section):
     )
     """Most recent tokens of a span kept in full precision."""
     attended_bits: Literal[4, 2] | None = Field(
-        default=None,
+        default=4,
         description=(
-            "Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived."
+            "Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived;"
+            " null = archive at once."
         ),
     )
-    """Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived."""
+    """Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived.
+
+    null = archive at once. Nothing is quantized until the budget needs it.
+    """
     attended_key_bits: Literal[4, 2] | None = Field(
         default=None,
         description="Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits.",

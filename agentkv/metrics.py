@@ -63,6 +63,8 @@ class SessionStats:
     shared_device_bytes: int = 0
     """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
     attended_tokens: int = 0
+    attended_quantized_tokens: int = 0
+    """Of `attended_tokens`, those held at int4/int2 in attention (the attended quantized tier)."""
     logical_tokens: int = 0
     spans: int = 0
     turn: int = 0

@@ -92,6 +92,7 @@ class SessionReadout:
                 digest_bytes=tiers.digest,
                 tokens_by_state=by_state,
                 attended_tokens=self.store.physical.length,
+                attended_quantized_tokens=self.store.attended_quantized_tokens(),
                 logical_tokens=self.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,

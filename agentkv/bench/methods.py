@@ -25,7 +25,14 @@ SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"too
 """Question-observed compression at commit: a tool result keeps half its tokens (chosen a priori)."""
 
 Q4: Mapping[str, Any] = {"quantization": {"attended_bits": 4}}
-"""The attended int4 tier (KIVI groups of 32, 4 sink and 64 recent tokens exact: paper defaults)."""
+"""The attended int4 tier (KIVI groups of 32, 4 sink and 64 recent tokens exact: paper defaults).
+
+The default since the sixth session: every `agentkv*` method holds spans at int4 in attention
+before archiving any; `Q4` names it explicitly for the rows measured before that.
+"""
+
+ARCHIVE_ONLY: Mapping[str, Any] = {"quantization": {"attended_bits": None}}
+"""No attended quantized tier: pressure archives spans at once (the default before the sixth session)."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,17 @@ METHODS: dict[str, Method] = {
         Method("h2o", "h2o", baseline=True),
         Method("snapkv", "snapkv", baseline=True),
         Method("tova", "tova", baseline=True),
+        # The defaults: under pressure spans are first held at int4 in attention, then archived.
         Method("agentkv", "lifecycle", archive_tier="host", events=True),
         Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
         # Archived spans go to the int4 archive (on the device, not attended).
         Method("agentkv-int4", "lifecycle", archive_tier="int4", events=True),
+        # Without the attended tier: pressure archives whole spans at once (host / dropped / int4 archive).
+        Method("agentkv-archive", "lifecycle", archive_tier="host", events=True, extra=ARCHIVE_ONLY),
+        Method(
+            "agentkv-nohost-archive", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=ARCHIVE_ONLY
+        ),
+        Method("agentkv-int4-archive", "lifecycle", archive_tier="int4", events=True, extra=ARCHIVE_ONLY),
         # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
         # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
         Method(

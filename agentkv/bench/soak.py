@@ -83,6 +83,8 @@ class SoakTurn:
     host_bytes: int
     logical_tokens: int
     attended_tokens: int
+    quantized_tokens: int
+    """Attended tokens held at int4/int2 (the attended quantized tier)."""
     prefill_tokens: int
     """Tokens encoded this turn."""
     budget_satisfied: bool
@@ -232,6 +234,7 @@ def run_soak(
                 host_bytes=stats.host_bytes,
                 logical_tokens=stats.logical_tokens,
                 attended_tokens=stats.attended_tokens,
+                quantized_tokens=stats.attended_quantized_tokens,
                 prefill_tokens=stats.prefill_tokens - prefill_before,
                 budget_satisfied=stats.budget_satisfied,
                 compacted=compacted,
@@ -276,6 +279,7 @@ def run_soak(
         "faults": stats.faults,
         "final_logical_tokens": stats.logical_tokens,
         "final_attended_tokens": stats.attended_tokens,
+        "quantized_tokens_max": max(r.quantized_tokens for r in rows),
         "logical_tokens_kept": _history_intact(session, history, produced),
         "check_error": check_error,
     }

@@ -212,9 +212,16 @@ class PhysicalCache:
     def __init__(self, num_layers: int, layer_factory: LayerFactory = SharedPrefixLayer) -> None:
         self.num_layers = num_layers
         self.layer_factory = layer_factory
-        self.cache = ManagedCache(num_layers, layer_factory)
-        self.variable_slot_bytes = layer_factory is not SharedPrefixLayer
-        """True for attended quantized layers: a slot's bytes depend on where it is (window or codes)."""
+        """The layers of the attended quantized tier (`SharedPrefixLayer`: no such tier).
+
+        Every cache starts with full-precision `SharedPrefixLayer`s, whatever the tier:
+        a cache nothing was ever quantized in is the plain cache (bit for bit) and shares
+        its tensors with its forks. The first quantization turns its layers into
+        `layer_factory` layers (`ensure_quantizable`).
+        """
+        self.cache = ManagedCache(num_layers)
+        self.variable_slot_bytes = False
+        """True once the layers are attended quantized ones: a slot's bytes depend on where it is."""
         self.slot_span = torch.empty(0, dtype=torch.long)
         self.slot_offset = torch.empty(0, dtype=torch.long)
         self.slot_position = torch.empty(0, dtype=torch.long)
@@ -439,16 +446,40 @@ class PhysicalCache:
 
     # -- the attended quantized tier ----------------------------------------------------------
 
+    def ensure_quantizable(self) -> bool:
+        """Hold the layers as the attended quantized tier's layers; False when the cache has no such tier.
+
+        Called before the first quantization. Each layer's slots move over as they are
+        (exact, in place: no copy); a prefix shared with a fork is materialised, since
+        quantized layers are not shared (the branch takes its own copy, as `fork` does).
+        """
+        if self.variable_slot_bytes:
+            return True
+        if self.layer_factory is SharedPrefixLayer:
+            return False
+        self.compact_pending()
+        upgraded: list[SharedPrefixLayer] = []
+        for layer in self.cache.managed_layers:
+            fresh = self.layer_factory()
+            full = layer.full()
+            if full is not None:
+                fresh.set_all(full[0], full[1])
+            upgraded.append(fresh)
+        self.cache.layers[:] = upgraded
+        self.variable_slot_bytes = True
+        self._slot_bytes = None
+        return True
+
     def quantize_slots(self, slots: torch.Tensor | Sequence[torch.Tensor]) -> int:
         """Hold some slots quantized in every layer (they stay attended). Returns slots quantized.
 
-        `slots`: one set, or one set per span (each forms its own key groups). Layers
-        without an attended quantized tier hold every slot in full precision and quantize
-        nothing (0).
+        `slots`: one set, or one set per span (each forms its own key groups). A cache
+        without an attended quantized tier holds every slot in full precision and
+        quantizes nothing (0).
         """
         self.compact_pending()
         sets = [slots] if isinstance(slots, torch.Tensor) else list(slots)
-        if not any(s.numel() for s in sets):
+        if not any(s.numel() for s in sets) or not self.ensure_quantizable():
             return 0
         layers = self.cache.managed_layers
         return type(layers[0]).quantize_all(layers, slots) if layers else 0
@@ -515,6 +546,7 @@ class PhysicalCache:
         if self.variable_slot_bytes:
             # Attended quantized layers are not shared: the branch holds its own copy (codes as they are).
             self.compact_pending()
+            child.ensure_quantizable()
             for parent_layer, child_layer in zip(
                 self.cache.managed_layers, child.cache.managed_layers, strict=True
             ):

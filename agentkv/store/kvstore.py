@@ -170,7 +170,6 @@ class KVStore:
         estimated = physical.nbytes()
         physical.compact_pending()
         settled = estimated - physical.nbytes()
-        layers = physical.cache.managed_layers
         chosen: list[torch.Tensor] = []
         planned = 0  # bytes the chosen spans free, known before quantizing them
         for span in spans:
@@ -179,6 +178,9 @@ class KVStore:
             slots = self._attended_candidates(span)
             if not slots.numel():
                 continue
+            # The first quantization turns the full-precision layers into attended quantized ones.
+            physical.ensure_quantizable()
+            layers = physical.cache.managed_layers
             chosen.append(slots)
             for layer in layers:
                 if isinstance(layer, QuantizedAttendedLayer):

@@ -33,7 +33,13 @@ WORKERS = 8
 TIMEOUT_S = 240.0
 TOL = 1e-4
 PROBE = [5, 6, 7]
-CONFIG = {"budget": {"device_tokens": 110, "host_tokens": 200}, "archive_tier": "host"}
+CONFIG = {
+    "budget": {"device_tokens": 110, "host_tokens": 200},
+    "archive_tier": "host",
+    "quantization": {"attended_bits": None},  # pressure archives at once: host-tier moves under threads
+}
+ATTENDED_CONFIG = {**CONFIG, "quantization": {"attended_bits": 4}}
+"""The default demotion order: spans held at int4 in attention (per-thread dequantized reads) first."""
 
 Op = Callable[[Session, dict[str, Any]], None]
 
@@ -106,8 +112,8 @@ def finish(session: Session, out: dict[str, Any]) -> None:
     out["tokens"] = session.token_ids()
 
 
-def solo_runs(model: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(CONFIG))
+def solo_runs(model: Any, tokenizer: Any, config: dict[str, Any] = CONFIG) -> list[dict[str, Any]]:
+    backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(config))
     results: list[dict[str, Any]] = []
     for i in range(SESSIONS):
         session = backend.session(f"s{i}")
@@ -141,7 +147,8 @@ def assert_final_state(backend: TransformersBackend, sessions: list[Session]) ->
         session.check()
         stats = session.stats()
         assert stats.device_bytes + stats.quantized_bytes + stats.host_bytes == held_bytes(session)
-        assert stats.device_bytes == session.store.physical.length * backend.runner.bytes_per_token
+        if not session.store.physical.variable_slot_bytes:  # attended int4 slots cost less than exact ones
+            assert stats.device_bytes == session.store.physical.length * backend.runner.bytes_per_token
         total_device += stats.device_bytes + stats.quantized_bytes
     assert backend.device_bytes() == total_device
 
@@ -220,6 +227,17 @@ def test_threads_drive_sessions_without_leakage(tiny_model, tiny_tokenizer, solo
     assert_same_as_solo(results, solo)
     sessions = [backend.get(f"s{i}") for i in range(SESSIONS)]
     assert any(s.stats().host_bytes for s in sessions), "the budget should have archived something"
+    assert_final_state(backend, sessions)
+
+
+def test_threads_drive_attended_sessions_without_leakage(tiny_model, tiny_tokenizer):
+    """The attended int4 tier under threads: each thread's remembered read is its own layer's."""
+    solo = solo_runs(tiny_model, tiny_tokenizer, ATTENDED_CONFIG)
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(ATTENDED_CONFIG))
+    results = run_interleaved(backend)
+    assert_same_as_solo(results, solo)
+    sessions = [backend.get(f"s{i}") for i in range(SESSIONS)]
+    assert any(s.store.attended_quantized_tokens() for s in sessions), "the budget should have quantized"
     assert_final_state(backend, sessions)
 
 

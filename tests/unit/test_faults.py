@@ -125,7 +125,14 @@ def test_inject_faults_rejects_bad_arguments(tiny_model, tiny_tokenizer):
     [("offload", "host"), ("host_limit", "host"), ("quantize", "int8"), ("quantize", "int4")],
 )
 def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, site, tier, caplog):
-    backend = make(tiny_model, tiny_tokenizer, archive_tier=tier, budget={"device_tokens": 120})
+    # Without the attended tier: pressure archives at once, so every move meets the injected fault.
+    backend = make(
+        tiny_model,
+        tiny_tokenizer,
+        archive_tier=tier,
+        budget={"device_tokens": 120},
+        quantization={"attended_bits": None},
+    )
     session = backend.session("t")
     history = notes(5)
     with (

@@ -159,7 +159,12 @@ def test_rules_reject_unknown_names():
 
 
 def test_budget_archives_lowest_committed_spans_and_recall_restores(tiny_model, tiny_tokenizer):
-    backend = make(tiny_model, tiny_tokenizer, budget={"device_tokens": 160, "low_watermark": 0.7})
+    backend = make(
+        tiny_model,
+        tiny_tokenizer,
+        budget={"device_tokens": 160, "low_watermark": 0.7},
+        quantization={"attended_bits": None},  # archive at once (the attended tier is tested below)
+    )
     session = backend.session("t")
     history = [{"role": "system", "content": "You are a helpful assistant."}]
     for i in range(6):
