@@ -211,14 +211,10 @@ class QuantizationConfig(Section):
     attended_bits: Literal[4, 2] | None = Field(
         default=4,
         description=(
-            "Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived;"
-            " null = archive at once."
+            "Under pressure, spans are first held at 4 or 2 bits, still attended; null = archive at once."
         ),
     )
-    """Under budget pressure, spans are held at 4 or 2 bits (still attended) before any is archived.
-
-    null = archive at once. Nothing is quantized until the budget needs it.
-    """
+    """Under pressure, spans are first held at 4 or 2 bits, still attended; null = archive at once."""
     attended_key_bits: Literal[4, 2] | None = Field(
         default=None,
         description="Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits.",

@@ -49,11 +49,10 @@ import torch
 
 from agentkv.store.cache import SharedPrefixLayer
 from agentkv.store.kivi import (
-    STAT_DTYPE,
     quantize_keys,
     quantize_values,
+    token_bytes,
     unpack_codes,
-    value_group,
 )
 
 ATTENDED_BITS: tuple[int, ...] = (4, 2)
@@ -532,11 +531,9 @@ def quantized_bytes(layer: QuantizedAttendedLayer, n: int) -> tuple[int, int]:
         return 0, 0
     b, h, _, d = layer.keys.shape
     exact = 2 * n * b * h * d * layer.keys.element_size()
-    stat = STAT_DTYPE.itemsize
-    codes = n * b * h * d * (layer.key_bits + layer.bits) // 8
-    value_stats = 2 * n * b * h * (d // value_group(d, layer.group_size)) * stat
-    key_stats = 2 * -(-n // layer.group_size) * b * h * d * stat
-    return exact, codes + value_stats + key_stats
+    return exact, token_bytes(
+        b, h, d, bits=layer.bits, key_bits=layer.key_bits, group_size=layer.group_size, tokens=n
+    )
 
 
 def _surviving(new_of_old: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

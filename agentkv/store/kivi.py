@@ -8,6 +8,8 @@ zero rounded down and scale rounded up so the grid still covers each group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 STAT_DTYPE = torch.float16
@@ -96,3 +98,32 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1))]
     return torch.cat([*parts, packed >> (bits * (per - 1))], dim=-1)
+
+
+def token_bytes(
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    bits: int,
+    key_bits: int,
+    group_size: int,
+    tokens: int,
+    amortized: bool = False,
+) -> int:
+    """Bytes `tokens` slots of one layer take quantized as one set: codes plus statistics.
+
+    Keys: `key_bits` per element and one (scale, zero) per channel per group of
+    `group_size` tokens (a last partial group has its own); values: `bits` per element
+    and one (scale, zero) per token per group of channels. `amortized`: the key
+    statistics counted as a share of full groups (what tokens cost inside a long
+    span, rounded up), for planning; otherwise exactly what quantizing this set holds.
+    """
+    stat = STAT_DTYPE.itemsize
+    rows = batch * kv_heads
+    codes = tokens * rows * head_dim * (key_bits + bits) // 8
+    value_stats = 2 * tokens * rows * (head_dim // value_group(head_dim, group_size)) * stat
+    per_group = 2 * rows * head_dim * stat  # one scale and one zero per channel
+    groups = tokens / group_size if amortized else -(-tokens // group_size)
+    key_stats = math.ceil(groups * per_group)
+    return codes + value_stats + key_stats

@@ -20,6 +20,7 @@ from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
+from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, TierBytes
 from agentkv.store.quantized import QuantizedBlock
 
@@ -207,6 +208,42 @@ class KVStore:
         )
         return slots[exact & ~physical.quantized_mask(slots)]
 
+    def attended_token_bytes(self) -> tuple[int, int] | None:
+        """(bytes a token costs held quantized in attention, bytes it costs exact), over all layers.
+
+        The floor the budget can bring an attended span to before archiving it (key
+        statistics amortized over full groups). What recall plans with: a span it brings
+        back needs room at this size, not at full precision. None without an attended
+        quantized tier or before the first token.
+        """
+        if self.attended_bits is None:
+            return None
+        layers = self.physical.cache.managed_layers
+        held = next(
+            (t for layer in layers[:1] for t in (layer.keys, layer.prefix_keys) if _is_kv(t)),
+            None,
+        )
+        if held is None:
+            return None
+        b, h, _, d = held.shape
+        key_bits = self.attended_bits if self.attended_key_bits is None else self.attended_key_bits
+        quantized = token_bytes(
+            b,
+            h,
+            d,
+            bits=self.attended_bits,
+            key_bits=key_bits,
+            group_size=self.group_size,
+            tokens=1,
+            amortized=True,
+        )
+        return quantized * len(layers), 2 * b * h * d * held.element_size() * len(layers)
+
+    @property
+    def attended_exact_tokens(self) -> int:
+        """Tokens the attended tier never quantizes: the attention sinks and the residual window."""
+        return self.attended_sink_tokens + self.attended_residual_tokens
+
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""
         physical = self.physical
@@ -373,3 +410,8 @@ class KVStore:
         if tiers.device != physical.nbytes():
             problems.append(f"device tier reports {tiers.device} B, the cache holds {physical.nbytes()} B")
         return problems
+
+
+def _is_kv(tensor: object) -> bool:
+    """A `[B, H, S, D]` key or value tensor (a layer not yet initialized holds none)."""
+    return isinstance(tensor, torch.Tensor) and tensor.dim() == 4

@@ -119,3 +119,12 @@ class AttendedQuantizer(Protocol):
     def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
         """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
         ...
+
+    def attended_token_bytes(self) -> tuple[int, int] | None:
+        """(bytes a token costs quantized in attention, bytes exact), all layers; None without the tier."""
+        ...
+
+    @property
+    def attended_exact_tokens(self) -> int:
+        """Tokens never quantized in attention (attention sinks and the residual window)."""
+        ...

@@ -1,0 +1,104 @@
+"""Recall plans with what a span costs at the floor of the demotion order.
+
+With the attended quantized tier the budget holds every span at int4 in attention before
+it archives any, so recall counts a span it brings back (and the pinned and active spans
+that cannot leave) at int4 size, with the sinks and the residual window at full precision.
+A long tool result that could never come back at full precision under a tight budget comes
+back, and the budget check after the prefill still meets the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
+from agentkv.events import ToolCallCompleted
+from agentkv.spans import Span, SpanKind
+
+FILLER = "build log line ok compiled module linked fine "
+TOOL_TEXT = FILLER * 12 + "error code KX7-4471 in step nine " + FILLER * 12
+QUESTION = "Which error code KX7-4471 was in the build?"
+
+
+def history() -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Please run the build and tell me how it went."},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "build", "args": {}}]},
+        {"role": "tool", "content": TOOL_TEXT, "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "The build ran."},
+        {"role": "user", "content": "note: the release train leaves on friday"},
+        {"role": "assistant", "content": "noted"},
+    ]
+
+
+def tool_span(session: Any) -> Span:
+    return next(s for s in session.spans if s.kind is SpanKind.TOOL_RESULT)
+
+
+def archived_then_asked(model: Any, tokenizer: Any, **config: Any) -> tuple[Any, Span, int]:
+    """The tool result committed, archived (dropped), then a question naming its code."""
+    free = TransformersBackend(model, tokenizer, AgentKVConfig()).session("free")
+    free.extend(history())
+    tool_tokens = tool_span(free).length
+    bpt = free.runner.bytes_per_token
+    # The limit holds much less than the tool result at full precision, far more than at int4.
+    budget_tokens = tool_tokens // 2
+    data = {"archive_tier": "drop", "budget": {"device_tokens": budget_tokens}, **config}
+    session = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(data)).session("t")
+    session.extend(history())
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    if tool.tier is Tier.DEVICE:  # what budget pressure does to it
+        assert session.manager.move(tool, SpanState.ARCHIVED, reason="test") is not None
+        session.manager.recallable.add(tool.span_id)
+    assert tool.tier is Tier.DROPPED
+    session.extend([*history(), {"role": "user", "content": QUESTION}])
+    session.check()
+    return session, tool, budget_tokens * bpt
+
+
+def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, tiny_tokenizer):
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("t")
+    session.extend(history())
+    store = session.store
+    floor = store.attended_token_bytes()
+    assert floor is not None
+    quantized, exact = floor
+    assert exact == session.runner.bytes_per_token
+    before = store.physical.nbytes()
+    tool = tool_span(session)
+    freed = store.quantize_attended(tool)
+    n = store.attended_quantized_tokens(tool)
+    assert n > 64
+    # Per token the span costs the floor, up to its last (partial) key group's statistics.
+    # (scale, zero) x kv heads x head dim x fp16 bytes, per layer
+    group_stats = 2 * 2 * 16 * 2 * tiny_model.config.num_hidden_layers
+    assert 0 <= (n * exact - freed) - n * quantized <= group_stats
+    assert store.physical.nbytes() == before - freed
+    off = TransformersBackend(
+        tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"quantization": {"attended_bits": None}})
+    )
+    assert off.session("u").store.attended_token_bytes() is None
+
+
+def test_recall_brings_back_a_span_that_fits_once_quantized(tiny_model, tiny_tokenizer):
+    session, tool, limit = archived_then_asked(tiny_model, tiny_tokenizer)
+    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE, "recalled (recomputed)"
+    stats = session.stats()
+    assert stats.budget_satisfied and stats.device_bytes <= limit
+    assert stats.attended_quantized_tokens > 0  # it fits because lower-priority spans went to int4
+    # The recomputed span holds every token of the tool result, in attention.
+    assert session.store.physical.slots_of(tool.span_id).numel() == tool.length
+    logits = session.continuation_logits([5, 6, 7])
+    assert torch.isfinite(logits).all()
+
+
+def test_without_the_attended_tier_the_same_span_has_no_room(tiny_model, tiny_tokenizer):
+    session, tool, limit = archived_then_asked(
+        tiny_model, tiny_tokenizer, quantization={"attended_bits": None}
+    )
+    assert tool.tier is Tier.DROPPED, "at full precision the tool result is larger than the whole budget"
+    assert session.stats().device_bytes <= limit
