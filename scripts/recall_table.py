@@ -1,0 +1,103 @@
+"""The fidelity table of issue 11 from `scripts/recall_bench.py` outputs (JSON rows), as markdown.
+
+One row per (method, budget): exact match pooled over every question the row's runs
+asked, split by where the fact was stated and by how the question reaches it; device,
+host and total bytes at answer time (mean over runs); whether the device stayed within
+the budget after every budget check; overhead pooled over the runs (lifecycle + policy +
+store seconds over forward seconds).
+
+    .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench.workloads import load_workloads
+
+SOURCES = ("user", "tool", "confirmed", "chosen")
+STYLES = ("quote", "paraphrase")
+MIB = 2**20
+
+
+def load_rows(paths: list[str]) -> list[dict[str, Any]]:
+    """Every run row of the files, the last one kept where a (workload, method, budget) repeats.
+
+    A path given as `LABEL=PATH` marks its rows' method `method (LABEL)`: runs of one
+    method on two versions of the code stay apart.
+    """
+    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
+    for given in paths:
+        label, _, path = given.rpartition("=")
+        for row in json.loads(Path(path).read_text()):
+            if label:
+                row["method"] = f"{row['method']} ({label})"
+            rows[(row["workload"], row["method"], float(row["budget"]))] = row
+    return list(rows.values())
+
+
+def styles_of(workloads: set[str]) -> dict[tuple[str, str], str]:
+    """(workload, question id) -> style, from the workload files."""
+    return {(w.name, q.id): q.style for w in load_workloads(sorted(workloads)) for q in w.questions}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table, one row per (method, budget), largest budget first."""
+    styles = styles_of({r["workload"] for r in rows})
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[(row["method"], float(row["budget"]))].append(row)
+    head = (
+        "| method | budget | workloads | EM | user | tool | confirmed | chosen | quote | paraphrase "
+        "| answer dev / host / total MiB | peak dev ≤ budget | overhead % of forward |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for (method, budget), runs in sorted(groups.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        asked = [q for r in runs for q in r["questions_detail"]]
+        right = sum(int(q["exact_match"]) for q in asked)
+
+        def share(key: str, value: str, questions: list[dict[str, Any]] = asked) -> str:
+            picked = [q for q in questions if key_of(q, key, styles) == value]
+            return f"{sum(int(q['exact_match']) for q in picked)}/{len(picked)}" if picked else "—"
+
+        n = len(runs)
+        dev = sum(r["answer_device_bytes"] + r["answer_quantized_bytes"] for r in runs) / n / MIB
+        host = sum(r["answer_host_bytes"] for r in runs) / n / MIB
+        within = all(r["budget_unmet"] == 0 and r["peak_device_bytes"] <= r["budget_bytes"] for r in runs)
+        forward = sum(r["forward_seconds"] for r in runs)
+        overhead = 100 * sum(r["overhead_seconds"] for r in runs) / forward if forward else 0.0
+        cells = [
+            method,
+            f"{budget:g}",
+            str(n),
+            f"{100 * right / len(asked):.1f}% ({right}/{len(asked)})",
+            *(share("source", s) for s in SOURCES),
+            *(share("style", s) for s in STYLES),
+            f"{dev:.1f} / {host:.1f} / {dev + host:.1f}",
+            "yes" if within else "no",
+            f"{overhead:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def key_of(question: dict[str, Any], key: str, styles: dict[tuple[str, str], str]) -> str:
+    """A question's `source` (from its row) or `style` (from its workload)."""
+    if key == "style":
+        return styles.get((question["workload"], question["question"]), "quote")
+    return str(question[key])
+
+
+def main() -> None:
+    """Print the table of the files given."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="recall_bench.py JSON outputs")
+    print(table(load_rows(parser.parse_args().paths)))
+
+
+if __name__ == "__main__":
+    main()
