@@ -96,3 +96,95 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1))]
     return torch.cat([*parts, packed >> (bits * (per - 1))], dim=-1)
+
+
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """`unpack_codes` written straight into `out` (`[..., D]`, any float dtype, may be a view).
+
+    Each planar block of codes is converted once, on its way into its slice of `out`:
+    no `uint8 [..., D]` concatenation and no separate float copy of it.
+    """
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    width = int(packed.shape[-1])
+    for i in range(per):
+        part = packed if i == 0 else packed >> (bits * i)
+        out[..., i * width : (i + 1) * width].copy_(part & mask if i < per - 1 else part)
+
+
+KeyBlock = tuple[int, int, int, int]
+"""(first row, groups m, rows per group r, first group g): rows `first .. first + m * r` hold
+groups `g .. g + m`, r consecutive rows each."""
+
+MAX_KEY_BLOCKS = 16
+"""Beyond this many blocks a run's key statistics are gathered per row (one kernel) instead."""
+
+
+def key_blocks(groups: torch.Tensor) -> list[KeyBlock] | None:
+    """The key groups of consecutive quantized rows (`long [n]`) as a few regular blocks; None if too many.
+
+    Groups are formed over a span's tokens in order, so the rows of a group are
+    consecutive and successive groups have successive ids: a run of full groups is
+    one block (statistics broadcast over a `[m, r, D]` view, no per-row gather), a
+    partial or thinned group is a block of its own. A layout that breaks into more
+    than `MAX_KEY_BLOCKS` blocks (heavy thinning) is left to the per-row gather.
+    """
+    n = int(groups.numel())
+    if n == 0:
+        return []
+    change = ((groups[1:] != groups[:-1]).nonzero().flatten() + 1).tolist()
+    starts, ends = [0, *change], [*change, n]
+    blocks: list[KeyBlock] = []
+    for start, end, group in zip(starts, ends, groups[starts].tolist(), strict=True):
+        if blocks:
+            first, m, rows, g = blocks[-1]
+            if end - start == rows and group == g + m:
+                blocks[-1] = (first, m + 1, rows, g)
+                continue
+        if len(blocks) == MAX_KEY_BLOCKS:
+            return None
+        blocks.append((start, 1, end - start, group))
+    return blocks
+
+
+def dequantize_keys_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    stats: tuple[torch.Tensor, torch.Tensor],
+    blocks: list[KeyBlock] | None,
+    groups: torch.Tensor,
+) -> None:
+    """Keys of consecutive quantized rows into `out` `[B, H, n, D]`: code * scale + zero, in place.
+
+    `packed` `uint8 [B, H, n, D / p]`; `stats` (scales, zeros) `[B, H, Gk, D]`, already in
+    `out`'s dtype; `blocks` from `key_blocks(groups)`, or None to gather by `groups` (`long [n]`).
+    The same arithmetic as a gather of the statistics, bit for bit.
+    """
+    scales, zeros = stats
+    unpack_into(packed, bits, out)
+    if blocks is None:
+        index = groups.to(out.device)
+        torch.addcmul(zeros.index_select(2, index), out, scales.index_select(2, index), out=out)
+        return
+    for first, m, rows, g in blocks:
+        view = out[:, :, first : first + m * rows].unflatten(2, (m, rows))  # [B, H, m, r, D]
+        torch.addcmul(zeros[:, :, g : g + m, None], view, scales[:, :, g : g + m, None], out=view)
+
+
+def dequantize_values_into(
+    out: torch.Tensor, packed: torch.Tensor, bits: int, stats: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Values of quantized rows into `out` `[B, H, n, D]`; `stats` `[B, H, n, D / Gv]` in `out`'s dtype.
+
+    The statistics are repeated to one per channel first (a transient `[B, H, n, D]`
+    each, freed with the read): broadcasting a `[..., D/Gv, 1]` statistic over the
+    `Gv` channels of its group runs the kernel's inner loop over a few channels only,
+    which on a CPU costs about twice as much as the repeat and a plain pass.
+    """
+    scales, zeros = stats
+    unpack_into(packed, bits, out)
+    per_group = int(out.shape[-1]) // int(scales.shape[-1])
+    torch.addcmul(
+        zeros.repeat_interleave(per_group, dim=-1), out, scales.repeat_interleave(per_group, dim=-1), out=out
+    )
