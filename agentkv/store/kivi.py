@@ -99,17 +99,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """`unpack_codes` written straight into `out` (`[..., D]`, any float dtype, may be a view).
+    """`unpack_codes` written into `out` (`[..., D]`, any float dtype, may be a slice of a larger tensor).
 
-    Each planar block of codes is converted once, on its way into its slice of `out`:
-    no `uint8 [..., D]` concatenation and no separate float copy of it.
+    The codes are unpacked as bytes (a transient a quarter of `out`'s float32 size),
+    then converted in one contiguous pass: converting each planar block into its
+    strided slice of `out` instead costs about twice as much on a CPU (short inner
+    loops), and unpacking bytes is cheap.
     """
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    width = int(packed.shape[-1])
-    for i in range(per):
-        part = packed if i == 0 else packed >> (bits * i)
-        out[..., i * width : (i + 1) * width].copy_(part & mask if i < per - 1 else part)
+    out.copy_(unpack_codes(packed, bits))
 
 
 KeyBlock = tuple[int, int, int, int]
@@ -177,14 +174,18 @@ def dequantize_values_into(
 ) -> None:
     """Values of quantized rows into `out` `[B, H, n, D]`; `stats` `[B, H, n, D / Gv]` in `out`'s dtype.
 
-    The statistics are repeated to one per channel first (a transient `[B, H, n, D]`
-    each, freed with the read): broadcasting a `[..., D/Gv, 1]` statistic over the
-    `Gv` channels of its group runs the kernel's inner loop over a few channels only,
-    which on a CPU costs about twice as much as the repeat and a plain pass.
+    The statistics broadcast over the `Gv` channels of their group, the innermost axis.
+    A CPU kernel vectorizes a pass with one such broadcast operand but not with two
+    (`addcmul` then falls back to a scalar loop, about 4x slower), so in float32 on a
+    CPU the read multiplies, then adds: code * scale is exact in float32 (an integer
+    below 16 times a float16), so both passes round exactly as `addcmul` does. Other
+    dtypes (float16 products are not exact) and devices take the one `addcmul`.
     """
     scales, zeros = stats
     unpack_into(packed, bits, out)
-    per_group = int(out.shape[-1]) // int(scales.shape[-1])
-    torch.addcmul(
-        zeros.repeat_interleave(per_group, dim=-1), out, scales.repeat_interleave(per_group, dim=-1), out=out
-    )
+    view = out.unflatten(-1, (int(scales.shape[-1]), -1))  # [B, H, n, D/Gv, Gv]
+    scale, zero = scales.unsqueeze(-1), zeros.unsqueeze(-1)  # [B, H, n, D/Gv, 1]
+    if out.device.type == "cpu" and out.dtype == torch.float32:
+        view.mul_(scale).add_(zero)
+    else:
+        torch.addcmul(zero, view, scale, out=view)
