@@ -228,8 +228,9 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         """Every slot in physical order, `[B, H, E + Q, D]` each; None when empty.
 
         One output tensor each for K and V, written once: exact runs copied in, quantized
-        runs dequantized straight into their slices (`_read`), so a read costs little more
-        than the copy a full-precision cache makes on each append.
+        runs dequantized straight into their slices (`attended_read.read_layer`): no
+        concatenation and, with a few quantized runs (the common layouts), no intermediate
+        float tensor the size of the quantized segment.
         """
         if self.own_length == 0:
             return None

@@ -110,8 +110,8 @@ def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 
 
 KeyBlock = tuple[int, int, int, int]
-"""(first row, groups m, rows per group r, first group g): rows `first .. first + m * r` hold
-groups `g .. g + m`, r consecutive rows each."""
+"""(first row, groups m, rows per group r, first group g): the `m * r` rows from `first` hold
+groups `g` to `g + m - 1`, `r` consecutive rows each."""
 
 MAX_KEY_BLOCKS = 16
 """Beyond this many blocks a run's key statistics are gathered per row (one kernel) instead."""
