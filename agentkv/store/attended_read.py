@@ -115,13 +115,13 @@ def read_layer(layer: AttendedLayout, plan: ReadPlan) -> tuple[torch.Tensor, tor
         return out_k, out_v
     at, blocks = 0, iter(plan.blocks)
     for quant, a, n in plan.runs:
-        k, v = out_k[:, :, at : at + n], out_v[:, :, at : at + n]  # [B, H, n, D]
+        k, v = out_k.narrow(2, at, n), out_v.narrow(2, at, n)  # [B, H, n, D]
         if quant:
             _dequantize_rows(layer, k, v, a, next(blocks), stats)
         else:
             assert layer.keys is not None and layer.values is not None
-            k.copy_(layer.keys[:, :, a : a + n])
-            v.copy_(layer.values[:, :, a : a + n])
+            k.copy_(layer.keys.narrow(2, a, n))
+            v.copy_(layer.values.narrow(2, a, n))
         at += n
     return out_k, out_v
 
@@ -134,11 +134,16 @@ def _dequantize_rows(
     blocks: list[KeyBlock] | None,
     stats: tuple[_Stats, _Stats],
 ) -> None:
-    """Quantized rows `first .. first + n` (n: `out_k`'s length) into `out_k`, `out_v` `[B, H, n, D]`."""
+    """Quantized rows `first .. first + n` (n: `out_k`'s length) into `out_k`, `out_v` `[B, H, n, D]`.
+
+    `narrow`, not `[:, :, a:b]`: a read is a few dozen small views, and indexing costs
+    a few microseconds more each.
+    """
     assert layer.key_codes is not None and layer.value_codes is not None
-    rows = slice(first, first + int(out_k.shape[2]))
+    n = int(out_k.shape[2])
     key_stats, (value_scales, value_zeros) = stats
-    groups = layer.key_group[rows]
-    dequantize_keys_into(out_k, layer.key_codes[:, :, rows], layer.key_bits, key_stats, blocks, groups)
-    value_stats = (value_scales[:, :, rows], value_zeros[:, :, rows])  # [B, H, n, D/Gv]
-    dequantize_values_into(out_v, layer.value_codes[:, :, rows], layer.bits, value_stats)
+    groups = layer.key_group.narrow(0, first, n)
+    key_codes = layer.key_codes.narrow(2, first, n)  # [B, H, n, D / pk]
+    dequantize_keys_into(out_k, key_codes, layer.key_bits, key_stats, blocks, groups)
+    value_stats = (value_scales.narrow(2, first, n), value_zeros.narrow(2, first, n))  # [B, H, n, D/Gv]
+    dequantize_values_into(out_v, layer.value_codes.narrow(2, first, n), layer.bits, value_stats)

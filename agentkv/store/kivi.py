@@ -164,9 +164,11 @@ def dequantize_keys_into(
         index = groups.to(out.device)
         torch.addcmul(zeros.index_select(2, index), out, scales.index_select(2, index), out=out)
         return
+    b, h, _, d = out.shape
     for first, m, rows, g in blocks:
-        view = out[:, :, first : first + m * rows].unflatten(2, (m, rows))  # [B, H, m, r, D]
-        torch.addcmul(zeros[:, :, g : g + m, None], view, scales[:, :, g : g + m, None], out=view)
+        view = out.narrow(2, first, m * rows).view(b, h, m, rows, d)  # [B, H, m, r, D]
+        scale = scales.narrow(2, g, m).unsqueeze(3)  # [B, H, m, 1, D]
+        torch.addcmul(zeros.narrow(2, g, m).unsqueeze(3), view, scale, out=view)
 
 
 def dequantize_values_into(
@@ -183,7 +185,7 @@ def dequantize_values_into(
     """
     scales, zeros = stats
     unpack_into(packed, bits, out)
-    view = out.unflatten(-1, (int(scales.shape[-1]), -1))  # [B, H, n, D/Gv, Gv]
+    view = out.view(*out.shape[:-1], int(scales.shape[-1]), -1)  # [B, H, n, D/Gv, Gv]
     scale, zero = scales.unsqueeze(-1), zeros.unsqueeze(-1)  # [B, H, n, D/Gv, 1]
     if out.device.type == "cpu" and out.dtype == torch.float32:
         view.mul_(scale).add_(zero)
