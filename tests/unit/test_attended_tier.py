@@ -436,9 +436,7 @@ def _shaped(layout: str, bits: int, key_bits: int, dtype: torch.dtype) -> Quanti
     if layout == "interleaved":  # exact sinks, two spans (the later one quantized first), exact between
         layer.quantize(torch.arange(100, 150))
         layer.quantize(torch.arange(4, 60))
-    if (
-        layout == "many-runs"
-    ):  # more quantized runs than MAX_DIRECT_RUNS: dequantized at once, placed by index
+    if layout == "many-runs":  # more quantized runs than MAX_DIRECT_RUNS: read at once, placed by index
         for start in range(0, 200, 25):
             layer.quantize(torch.arange(start, start + 10))
     if layout == "thinned":  # a few tokens of two groups dropped: those groups become blocks of their own
