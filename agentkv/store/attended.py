@@ -32,10 +32,11 @@ Layout, N slots in physical order, each either exact or quantized:
 Attention reads the layer through `update()`, which dequantizes the quantized slots
 (one layer at a time, a transient tensor freed after the layer's attention) and
 places them with the exact ones, as transformers' `QuantizedCache` dequantizes on
-read. The last read is remembered (one layer per thread, `_LastRead`): the
-attention probe that reads the same layer right after its attention gets the same
-tensors instead of a second dequantization. The slot indices are bookkeeping on the
-CPU, like `PhysicalCache`'s.
+read (`agentkv.store.attended_read` writes each slot once, into one output). The
+last read is remembered (one layer per thread, `_LastRead`): the attention probe
+that reads the same layer right after its attention gets the same tensors instead
+of a second dequantization. The slot indices are bookkeeping on the CPU, like
+`PhysicalCache`'s.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from agentkv.store.attended_read import ReadPlan, read_layer, read_plan
 from agentkv.store.cache import SharedPrefixLayer
 from agentkv.store.kivi import (
     quantize_keys,
@@ -168,6 +170,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.out_dtype: torch.dtype | None = None
         self._layout: list[tuple[bool, int, int]] | None = None
         """Cached `_runs()`; None after any change of which slot is where."""
+        self._plan: ReadPlan | None = None
+        """What `full()` derives from the layout; valid while its `runs` is `_layout` (see `ReadPlan`)."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -222,8 +226,10 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
     def full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every slot in physical order, `[B, H, E + Q, D]` each; None when empty.
 
-        The slots form a few runs (a quantized span, exact sinks, the exact window): the
-        dequantized and exact tensors are sliced per run and concatenated, one copy.
+        One output tensor each for K and V, written once: exact runs copied in, quantized
+        runs dequantized straight into their slices (`attended_read.read_layer`): no
+        concatenation and, with a few quantized runs (the common layouts), no intermediate
+        float tensor the size of the quantized segment.
         """
         if self.own_length == 0:
             return None
@@ -233,15 +239,12 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         remembered = _LAST_READ.get(self)
         if remembered is not None:
             return remembered
-        k = self._dequantize_keys()  # [B, H, Q, D]
-        v = self._dequantize_values()  # [B, H, Q, D]
-        if self.exact_length:
-            assert self.keys is not None and self.values is not None
-            runs = self._runs()
-            k = torch.cat([(k if quant else self.keys)[:, :, a : a + n] for quant, a, n in runs], dim=-2)
-            v = torch.cat([(v if quant else self.values)[:, :, a : a + n] for quant, a, n in runs], dim=-2)
-        _LAST_READ.put(self, (k, v))
-        return k, v
+        runs = self._runs()
+        if self._plan is None or self._plan.runs is not runs:
+            self._plan = read_plan(runs, self.key_group)
+        result = read_layer(self, self._plan)
+        _LAST_READ.put(self, result)
+        return result
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor | None:
         """Keys of some slots, `[B, H, n, D]`: exact ones copied, quantized ones dequantized alone."""
@@ -456,17 +459,6 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         # Cast the few group statistics first, then one gather of both: [2, B, H, Q, D].
         stats = torch.stack([self.key_scales, self.key_zeros]).to(dtype).index_select(3, group)
         return torch.addcmul(stats[1], codes.to(dtype), stats[0])
-
-    def _dequantize_values(self) -> torch.Tensor:
-        assert self.value_codes is not None and self.value_scales is not None and self.value_zeros is not None
-        codes = unpack_codes(self.value_codes, self.bits)  # [B, H, Q, D]
-        b, h, q, d = codes.shape
-        groups = int(self.value_scales.shape[-1])
-        grouped = codes.view(b, h, q, groups, d // groups)  # [B, H, Q, D/Gv, Gv]
-        dtype = self.out_dtype or torch.float32
-        scales = self.value_scales.to(dtype).unsqueeze(-1)  # [B, H, Q, D/Gv, 1]
-        zeros = self.value_zeros.to(dtype).unsqueeze(-1)
-        return torch.addcmul(zeros, grouped.to(dtype), scales).view(b, h, q, d)
 
 
 LAYER_BATCH = 8

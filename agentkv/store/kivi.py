@@ -127,3 +127,98 @@ def token_bytes(
     groups = tokens / group_size if amortized else -(-tokens // group_size)
     key_stats = math.ceil(groups * per_group)
     return codes + value_stats + key_stats
+
+
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """`unpack_codes` written into `out` (`[..., D]`, any float dtype, may be a slice of a larger tensor).
+
+    The codes are unpacked as bytes (a transient a quarter of `out`'s float32 size),
+    then converted in one contiguous pass: converting each planar block into its
+    strided slice of `out` instead costs about twice as much on a CPU (short inner
+    loops), and unpacking bytes is cheap.
+    """
+    out.copy_(unpack_codes(packed, bits))
+
+
+KeyBlock = tuple[int, int, int, int]
+"""(first row, groups m, rows per group r, first group g): the `m * r` rows from `first` hold
+groups `g` to `g + m - 1`, `r` consecutive rows each."""
+
+MAX_KEY_BLOCKS = 16
+"""Beyond this many blocks a run's key statistics are gathered per row (one kernel) instead."""
+
+
+def key_blocks(groups: torch.Tensor) -> list[KeyBlock] | None:
+    """The key groups of consecutive quantized rows (`long [n]`) as a few regular blocks; None if too many.
+
+    Groups are formed over a span's tokens in order, so the rows of a group are
+    consecutive and successive groups have successive ids: a run of full groups is
+    one block (statistics broadcast over a `[m, r, D]` view, no per-row gather), a
+    partial or thinned group is a block of its own. A layout that breaks into more
+    than `MAX_KEY_BLOCKS` blocks (heavy thinning) is left to the per-row gather.
+    """
+    n = int(groups.numel())
+    if n == 0:
+        return []
+    change = ((groups[1:] != groups[:-1]).nonzero().flatten() + 1).tolist()
+    starts, ends = [0, *change], [*change, n]
+    blocks: list[KeyBlock] = []
+    for start, end, group in zip(starts, ends, groups[starts].tolist(), strict=True):
+        if blocks:
+            first, m, rows, g = blocks[-1]
+            if end - start == rows and group == g + m:
+                blocks[-1] = (first, m + 1, rows, g)
+                continue
+        if len(blocks) == MAX_KEY_BLOCKS:
+            return None
+        blocks.append((start, 1, end - start, group))
+    return blocks
+
+
+def dequantize_keys_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    stats: tuple[torch.Tensor, torch.Tensor],
+    blocks: list[KeyBlock] | None,
+    groups: torch.Tensor,
+) -> None:
+    """Keys of consecutive quantized rows into `out` `[B, H, n, D]`: code * scale + zero, in place.
+
+    `packed` `uint8 [B, H, n, D / p]`; `stats` (scales, zeros) `[B, H, Gk, D]`, already in
+    `out`'s dtype; `blocks` from `key_blocks(groups)`, or None to gather by `groups` (`long [n]`).
+    The same arithmetic as a gather of the statistics, bit for bit.
+    """
+    scales, zeros = stats
+    unpack_into(packed, bits, out)
+    if blocks is None:
+        index = groups.to(out.device)
+        torch.addcmul(zeros.index_select(2, index), out, scales.index_select(2, index), out=out)
+        return
+    b, h, _, d = out.shape
+    for first, m, rows, g in blocks:
+        view = out.narrow(2, first, m * rows).view(b, h, m, rows, d)  # [B, H, m, r, D]
+        scale = scales.narrow(2, g, m).unsqueeze(3)  # [B, H, m, 1, D]
+        torch.addcmul(zeros.narrow(2, g, m).unsqueeze(3), view, scale, out=view)
+
+
+def dequantize_values_into(
+    out: torch.Tensor, packed: torch.Tensor, bits: int, stats: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Values of quantized rows into `out` `[B, H, n, D]`; `stats` `[B, H, n, D / Gv]` in `out`'s dtype.
+
+    The statistics broadcast over the `Gv` channels of their group, the innermost axis.
+    A CPU kernel vectorizes a pass with one such broadcast operand but not with two
+    (`addcmul` then falls back to a scalar loop, about 4x slower), so in float32 on a
+    CPU the read multiplies, then adds: code * scale is exact in float32 (an integer
+    below 16 times a float16), so both passes round exactly as `addcmul` does. Other
+    dtypes (float16 products are not exact) and devices take the one `addcmul`.
+    """
+    scales, zeros = stats
+    unpack_into(packed, bits, out)
+    view = out.view(*out.shape[:-1], int(scales.shape[-1]), -1)  # [B, H, n, D/Gv, Gv]
+    scale, zero = scales.unsqueeze(-1), zeros.unsqueeze(-1)  # [B, H, n, D/Gv, 1]
+    if out.device.type == "cpu" and out.dtype == torch.float32:
+        view.mul_(scale).add_(zero)
+    else:
+        torch.addcmul(zero, view, scale, out=view)

@@ -21,7 +21,7 @@ from agentkv.spans import SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantize_layers
 from agentkv.store.block import tensor_bytes
 from agentkv.store.cache import SharedPrefixLayer
-from agentkv.store.kivi import value_group
+from agentkv.store.kivi import MAX_KEY_BLOCKS, key_blocks, value_group
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -379,3 +379,124 @@ def test_spans_quantized_in_one_pass_equal_the_one_by_one_demotion(
         assert torch.equal(fa[0], fb[0]) and torch.equal(fa[1], fb[1])
         assert isinstance(a, QuantizedAttendedLayer) and isinstance(b, QuantizedAttendedLayer)
         assert torch.equal(a.key_group, b.key_group) and torch.equal(a.quant_index, b.quant_index)
+
+
+# -- the read path: one output, each slot written once, equal to the straightforward formula --
+
+
+def _codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Planar codes by the definition: byte j holds channels j, j + D/p, ... at `bits` each, lowest first."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    return torch.cat([(packed.long() >> (bits * i)) & mask for i in range(per)], dim=-1)  # [B, H, Q, D]
+
+
+def _reference_read(layer: QuantizedAttendedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """code * scale + zero, statistics gathered per row, slots placed by index.
+
+    Computed in float32 and rounded once to the output dtype: what `addcmul` does for
+    float16 / bfloat16 (it computes in float32), as the read did before it wrote in place.
+    """
+    assert layer.key_codes is not None and layer.key_scales is not None and layer.key_zeros is not None
+    assert layer.value_codes is not None and layer.value_scales is not None and layer.value_zeros is not None
+    assert layer.keys is not None and layer.values is not None and layer.out_dtype is not None
+    dtype = layer.out_dtype
+    key_codes = _codes(layer.key_codes, layer.key_bits).float()
+    key_scales = layer.key_scales.float()[:, :, layer.key_group]  # [B, H, Q, D]
+    key_zeros = layer.key_zeros.float()[:, :, layer.key_group]
+    keys = (key_codes * key_scales + key_zeros).to(dtype)
+    value_codes = _codes(layer.value_codes, layer.bits).float()
+    b, h, q, d = value_codes.shape
+    per_group = d // int(layer.value_scales.shape[-1])
+    value_scales = layer.value_scales.float().repeat_interleave(per_group, dim=-1)  # [B, H, Q, D]
+    value_zeros = layer.value_zeros.float().repeat_interleave(per_group, dim=-1)
+    values = (value_codes * value_scales + value_zeros).to(dtype)
+    out_k = torch.full((b, h, layer.own_length, d), float("nan"), dtype=dtype)
+    out_v = out_k.clone()
+    out_k[:, :, layer.quant_index], out_v[:, :, layer.quant_index] = keys, values
+    out_k[:, :, layer.exact_index], out_v[:, :, layer.exact_index] = layer.keys, layer.values
+    return out_k, out_v
+
+
+def _read_equals_reference(layer: QuantizedAttendedLayer) -> bool:
+    full = layer.full()
+    assert full is not None
+    want = _reference_read(layer)
+    return torch.equal(full[0], want[0]) and torch.equal(full[1], want[1])
+
+
+def _shaped(layout: str, bits: int, key_bits: int, dtype: torch.dtype) -> QuantizedAttendedLayer:
+    """A layer (groups of 8, D = 32) quantized into one of the layouts the read path tells apart."""
+    torch.manual_seed(11)
+    layer = _layer(bits, group=8, key_bits=key_bits)
+    layer.update(torch.randn(2, 2, 200, 32, dtype=dtype), torch.randn(2, 2, 200, 32, dtype=dtype))
+    if layout in ("regular", "thinned", "thinned-heavily"):
+        layer.quantize(torch.arange(4, 164))  # 20 full key groups
+    if layout == "partial":
+        layer.quantize(torch.arange(4, 167))  # 20 full groups and one of 3
+    if layout == "interleaved":  # exact sinks, two spans (the later one quantized first), exact between
+        layer.quantize(torch.arange(100, 150))
+        layer.quantize(torch.arange(4, 60))
+    if layout == "many-runs":  # more quantized runs than MAX_DIRECT_RUNS: read at once, placed by index
+        for start in range(0, 200, 25):
+            layer.quantize(torch.arange(start, start + 10))
+    if layout == "thinned":  # a few tokens of two groups dropped: those groups become blocks of their own
+        layer.select(torch.cat([torch.arange(0, 20), torch.arange(23, 60), torch.arange(61, 200)]))
+    if layout == "thinned-heavily":  # neighbouring groups thinned to different lengths: per-row gather
+        drop = torch.tensor([4 + 8 * g + i for g in range(20) for i in range(g % 5 + 1)])
+        keep = torch.ones(200, dtype=torch.bool)
+        keep[drop] = False
+        layer.select(keep.nonzero().flatten().flip(0))  # permuted too
+    return layer
+
+
+LAYOUTS = ["regular", "partial", "interleaved", "many-runs", "thinned", "thinned-heavily"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("bits", "key_bits"), [(4, 4), (2, 2), (2, 4)])
+def test_the_read_equals_the_reference_dequantization_bit_for_bit(
+    layout: str, bits: int, key_bits: int
+) -> None:
+    layer = _shaped(layout, bits, key_bits, torch.float32)
+    assert layer.quantized_length and layer.exact_length
+    assert _read_equals_reference(layer)
+    plan = layer._plan
+    assert plan is not None
+    assert plan.direct == (layout != "many-runs")
+    assert (plan.blocks[0] is None) == (layout == "thinned-heavily")  # the per-row gather is what it reads
+    if layout == "thinned":
+        assert plan.blocks[0] is not None and len(plan.blocks[0]) > 1
+
+
+@pytest.mark.parametrize("layout", ["partial", "interleaved", "thinned-heavily"])
+def test_the_read_in_half_precision_equals_the_reference(layout: str) -> None:
+    layer = _shaped(layout, 4, 4, torch.float16)
+    full = layer.full()
+    assert full is not None and full[0].dtype == torch.float16
+    assert _read_equals_reference(layer)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_decode_append_after_quantizing_reads_correctly(layout: str) -> None:
+    layer = _shaped(layout, 4, 4, torch.float32)
+    assert _read_equals_reference(layer)
+    plan = layer._plan
+    for step in range(3):  # appends keep the plan (quantized runs unchanged) and read the new slots
+        token = torch.full((2, 2, 1, 32), float(step))
+        k, _ = layer.update(token, token + 1)
+        assert layer._plan is plan and torch.equal(k[:, :, -1:], token)
+        assert _read_equals_reference(layer)
+    assert layer.quantize(layer.exact_index[-12:-2]) == 10  # a change of layout: a new plan
+    assert _read_equals_reference(layer) and layer._plan is not plan
+    layer.update(torch.ones(2, 2, 1, 32), torch.ones(2, 2, 1, 32))
+    assert _read_equals_reference(layer)
+    layer.cut_to(layer.own_length - 5)
+    assert _read_equals_reference(layer)
+
+
+def test_key_blocks_merge_successive_full_groups_and_keep_the_others_apart() -> None:
+    groups = torch.tensor([0] * 4 + [1] * 4 + [2] * 4 + [3] * 2 + [5] * 4 + [6] * 4)
+    assert key_blocks(groups) == [(0, 3, 4, 0), (12, 1, 2, 3), (14, 2, 4, 5)]
+    assert key_blocks(torch.empty(0, dtype=torch.long)) == []
+    ragged = torch.cat([torch.full((g + 1,), g) for g in range(MAX_KEY_BLOCKS + 1)])
+    assert key_blocks(ragged) is None
