@@ -21,7 +21,7 @@ from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall_ranking import choose_within_room, rank_for_recall
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedQuantizer
+from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 
 class Recaller:
@@ -211,38 +211,38 @@ class Recaller:
         limit = self.budget.effective_limit()
         if limit is None:
             return None
-        fixed = sum(
+        fixed = [
             s.held_tokens + (s.length - s.n_computed)
             for s in self.table.spans
             if s.tier is Tier.DEVICE and (s.pinned or s.state is SpanState.ACTIVE)
-        )
-        per_token, exact_surplus = self._token_floor()
-        return max(0, int(limit * self.budget.limits.high) - fixed * per_token - exact_surplus)
+        ]
+        floor = self._floor()
+        if floor is None:
+            held = sum(fixed) * self.port.bytes_per_token
+        else:
+            held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
+        return max(0, int(limit * self.budget.limits.high) - held)
 
     def _cost(self, unit: Span | Page) -> int:
         """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""
-        per_token, _ = self._token_floor()
         if isinstance(unit, Page):
-            return len(unit.offsets) * per_token
-        tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
-        return tokens * per_token
+            tokens = len(unit.offsets)
+        else:
+            tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
+        floor = self._floor()
+        return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
 
-    def _token_floor(self) -> tuple[int, int]:
-        """(bytes a token costs at the least the budget holds it in, extra bytes of the always-exact tokens).
+    def _floor(self) -> AttendedFloor | None:
+        """What attended KV costs at the least the budget holds it in; None: full precision.
 
-        Without an attended quantized tier a token costs its full-precision bytes. With
-        one, the budget holds every span quantized in attention before it archives any,
-        so a recalled span needs room at its quantized size (the budget check after the
-        prefill quantizes lower-priority spans, then archives them, to make it); the
+        With an attended quantized tier the budget holds every span quantized in
+        attention before it archives any, so a recalled span needs room at its quantized
+        size (the budget check after the prefill quantizes lower-priority spans, then
+        archives them, to make it), and so do the pinned and active spans that stay; the
         sinks and the residual window stay full precision, which the room sets aside.
         """
         store = self.port.store
-        bytes_per_token = self.port.bytes_per_token
-        floor = store.attended_token_bytes() if isinstance(store, AttendedQuantizer) else None
-        if floor is None or not isinstance(store, AttendedQuantizer):
-            return bytes_per_token, 0
-        quantized, exact = floor
-        return quantized, store.attended_exact_tokens * max(0, exact - quantized)
+        return store.attended_floor() if isinstance(store, AttendedQuantizer) else None
 
     def _canonical(self, token: int) -> str:
         """A token's stripped, casefolded text: the key recall counts word overlap on (cached)."""

@@ -21,7 +21,7 @@ from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, TierBytes
+from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, TierBytes
 from agentkv.store.quantized import QuantizedBlock
 
 __all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
@@ -208,13 +208,11 @@ class KVStore:
         )
         return slots[exact & ~physical.quantized_mask(slots)]
 
-    def attended_token_bytes(self) -> tuple[int, int] | None:
-        """(bytes a token costs held quantized in attention, bytes it costs exact), over all layers.
+    def attended_floor(self) -> AttendedFloor | None:
+        """What attended KV costs held quantized, over all layers (see `AttendedFloor`).
 
-        The floor the budget can bring an attended span to before archiving it (key
-        statistics amortized over full groups). What recall plans with: a span it brings
-        back needs room at this size, not at full precision. None without an attended
-        quantized tier or before the first token.
+        The least the budget can bring attended spans to before archiving one: what
+        recall plans with. None without an attended quantized tier or before the first token.
         """
         if self.attended_bits is None:
             return None
@@ -226,23 +224,19 @@ class KVStore:
         if held is None:
             return None
         b, h, _, d = held.shape
-        key_bits = self.attended_bits if self.attended_key_bits is None else self.attended_key_bits
-        quantized = token_bytes(
-            b,
-            h,
-            d,
-            bits=self.attended_bits,
-            key_bits=key_bits,
-            group_size=self.group_size,
-            tokens=1,
-            amortized=True,
+        bits = self.attended_bits
+        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
+        group = self.group_size
+        spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
+        token = spec(amortized=True)
+        # A span's last key group is partial: it holds a whole group's statistics for fewer tokens.
+        one_group = spec() - token
+        return AttendedFloor(
+            token_bytes=token * len(layers),
+            exact_token_bytes=2 * b * h * d * held.element_size() * len(layers),
+            span_bytes=one_group * len(layers),
+            exact_tokens=self.attended_sink_tokens + self.attended_residual_tokens,
         )
-        return quantized * len(layers), 2 * b * h * d * held.element_size() * len(layers)
-
-    @property
-    def attended_exact_tokens(self) -> int:
-        """Tokens the attended tier never quantizes: the attention sinks and the residual window."""
-        return self.attended_sink_tokens + self.attended_residual_tokens
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""

@@ -50,6 +50,33 @@ class TierBytes:
     """Page key digests on the device for recall (`agentkv.store.digest`); the device budget counts them."""
 
 
+@dataclass(frozen=True)
+class AttendedFloor:
+    """What attended KV costs at the least the budget can hold it in (the attended quantized tier).
+
+    Bytes over all layers. Recall plans with it: under pressure every span is held quantized in attention
+    before any is archived, so a span brought back needs room at this size.
+    """
+
+    token_bytes: int
+    """A token held quantized: codes, value statistics, key statistics amortized over full groups."""
+    exact_token_bytes: int
+    """A token at full precision."""
+    span_bytes: int
+    """At most what a span adds beyond its tokens: the statistics of its last, partial key group."""
+    exact_tokens: int
+    """Tokens never quantized: the attention sinks and the residual window."""
+
+    def span_cost(self, tokens: int) -> int:
+        """Bytes a span of `tokens` takes at most, held quantized."""
+        return tokens * self.token_bytes + self.span_bytes if tokens else 0
+
+    @property
+    def exact_surplus(self) -> int:
+        """What the never-quantized tokens cost beyond their quantized size."""
+        return self.exact_tokens * max(0, self.exact_token_bytes - self.token_bytes)
+
+
 @runtime_checkable
 class KVStoreProtocol(Protocol):
     """What the lifecycle asks of "where KV lives" (one store per session)."""
@@ -120,11 +147,6 @@ class AttendedQuantizer(Protocol):
         """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
         ...
 
-    def attended_token_bytes(self) -> tuple[int, int] | None:
-        """(bytes a token costs quantized in attention, bytes exact), all layers; None without the tier."""
-        ...
-
-    @property
-    def attended_exact_tokens(self) -> int:
-        """Tokens never quantized in attention (attention sinks and the residual window)."""
+    def attended_floor(self) -> AttendedFloor | None:
+        """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
         ...

@@ -64,24 +64,24 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
     session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("t")
     session.extend(history())
     store = session.store
-    floor = store.attended_token_bytes()
+    floor = store.attended_floor()
     assert floor is not None
-    quantized, exact = floor
-    assert exact == session.runner.bytes_per_token
+    assert floor.exact_token_bytes == session.runner.bytes_per_token
+    assert floor.exact_tokens == 4 + 64  # the default sinks and residual window
     before = store.physical.nbytes()
     tool = tool_span(session)
     freed = store.quantize_attended(tool)
     n = store.attended_quantized_tokens(tool)
     assert n > 64
-    # Per token the span costs the floor, up to its last (partial) key group's statistics.
-    # (scale, zero) x kv heads x head dim x fp16 bytes, per layer
-    group_stats = 2 * 2 * 16 * 2 * tiny_model.config.num_hidden_layers
-    assert 0 <= (n * exact - freed) - n * quantized <= group_stats
+    # The span costs at least its tokens at the floor and at most that plus one key group's statistics.
+    held = n * floor.exact_token_bytes - freed
+    assert n * floor.token_bytes <= held <= floor.span_cost(n)
+    assert floor.span_cost(n) - n * floor.token_bytes == floor.span_bytes > 0
     assert store.physical.nbytes() == before - freed
     off = TransformersBackend(
         tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"quantization": {"attended_bits": None}})
     )
-    assert off.session("u").store.attended_token_bytes() is None
+    assert off.session("u").store.attended_floor() is None
 
 
 def test_recall_brings_back_a_span_that_fits_once_quantized(tiny_model, tiny_tokenizer):
