@@ -29,12 +29,23 @@ if TYPE_CHECKING:
     from agentkv.backend.session import Session
     from agentkv.spans import Span
 
-FAULT_SITES: tuple[str, ...] = ("offload", "host_limit", "quantize", "restore", "policy", "forward")
+FAULT_SITES: tuple[str, ...] = (
+    "offload",
+    "host_limit",
+    "quantize",
+    "attended",
+    "restore",
+    "policy",
+    "forward",
+)
 """Where a fault can be injected.
 
 - `offload`: moving a span to the host tier raises (e.g. pinned memory could not be allocated).
 - `host_limit`: the host tier is full: the offload raises `HostMemoryError`.
 - `quantize`: moving a span to the int8/int4 tier raises.
+- `attended`: holding spans quantized in attention fails *half way*, after the first half of
+  the layers were rewritten (an out-of-memory while building codes), so layers disagree on
+  which slots are quantized until a later demotion completes them.
 - `restore`: bringing an archived span back fails *half way*, after some layers were
   written (an out-of-memory in the middle of the copy), so the store must roll back.
 - `policy`: the policy's `score` / `select` raise (a buggy user policy).
@@ -105,6 +116,8 @@ def inject_faults(
     try:
         if where in ("offload", "host_limit", "quantize"):
             undo.append(_patch(session.store, "archive", _failing_archive(session, fault)))
+        elif where == "attended":
+            undo.append(_patch(session.store.physical, "quantize_slots", _failing_attended(session, fault)))
         elif where == "restore":
             undo.append(_patch(session.store, "restore_many", _failing_restore(session, fault)))
         elif where == "policy":
@@ -153,6 +166,25 @@ def _failing_archive(session: Session, fault: FaultInjection) -> Callable[[Span,
         original(span, tier)
 
     return archive
+
+
+def _failing_attended(session: Session, fault: FaultInjection) -> Callable[..., int]:
+    physical = session.store.physical
+    original = physical.quantize_slots
+
+    def quantize_slots(slots: Any) -> int:
+        if not fault.fire():
+            return original(slots)
+        # Quantize the first half of the layers, then fail, as an allocation failure would.
+        physical.compact_pending()
+        layers = physical.cache.managed_layers
+        if physical.ensure_quantizable():
+            layers = physical.cache.managed_layers
+            type(layers[0]).quantize_all(layers[: len(layers) // 2], slots)
+        msg = f"injected fault: quantization in attention failed half way ({len(layers)} layers)"
+        raise InjectedFault(msg)
+
+    return quantize_slots
 
 
 def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Sequence[Span]], None]:

@@ -254,15 +254,19 @@ class BudgetKeeper:
             return True
         ranked = sorted(device, key=rank)
         with self.mover.timer.timed("store_seconds"):
-            # One pass over the layers for every span the one-by-one loop below would take;
-            # the loop then only runs if the store's estimate fell short.
-            store.quantize_attended_until(ranked, usage - target)
-            usage = self.usage_bytes()
-            for span in ranked:
-                if usage <= target:
-                    return True
-                if store.quantize_attended(span):
-                    usage = self.usage_bytes()
+            try:
+                # One pass over the layers for every span the one-by-one loop below would take;
+                # the loop then only runs if the store's estimate fell short.
+                store.quantize_attended_until(ranked, usage - target)
+                usage = self.usage_bytes()
+                for span in ranked:
+                    if usage <= target:
+                        return True
+                    if store.quantize_attended(span):
+                        usage = self.usage_bytes()
+            except Exception as e:  # noqa: BLE001 - every slot is still attended: archive instead
+                self.mover.fault("quantization in attention", None, e)
+                return self.usage_bytes() <= target
         return usage <= target
 
     def _enforce_host_budget(self) -> None:

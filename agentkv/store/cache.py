@@ -485,11 +485,19 @@ class PhysicalCache:
         return type(layers[0]).quantize_all(layers, slots) if layers else 0
 
     def quantized_mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """`bool [n]`: which of `slots` are held quantized (the first layer answers for all)."""
+        """`bool [n]`: which of `slots` are held quantized in every layer.
+
+        Layers agree unless a quantization failed half way; then the slots some layers
+        still hold exact count as exact, so the next demotion quantizes them there too.
+        """
         layers = self.cache.managed_layers
-        if not layers:
-            return torch.zeros(int(slots.numel()), dtype=torch.bool)
-        return layers[0].is_quantized(slots)
+        mask = torch.zeros(int(slots.numel()), dtype=torch.bool)
+        if not layers or not self.variable_slot_bytes:
+            return mask
+        mask = layers[0].is_quantized(slots)
+        for layer in layers[1:]:
+            mask &= layer.is_quantized(slots)
+        return mask
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
         """Append a block's KV at the end of the physical cache (restore / recall)."""

@@ -26,6 +26,7 @@ from agentkv import (
 )
 from agentkv.faults import FAULT_SITES, InjectedFault, inject_faults
 from agentkv.spans import SpanKind
+from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.host import HostMemoryError
 
 TOL = 1e-4
@@ -388,3 +389,31 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     system = next(s for s in session.spans if s.kind is SpanKind.SYSTEM)
     assert system.pinned and system.tier is Tier.DEVICE
     session.check()
+
+
+def test_failed_quantization_in_attention_falls_back_and_is_completed_later(
+    tiny_model, tiny_tokenizer, caplog
+):
+    """Half the layers quantized, then a failure: recorded, the cache stays consistent, the budget
+    archives instead, and a later demotion quantizes the slots the other layers still hold exact."""
+    backend = make(tiny_model, tiny_tokenizer, archive_tier="drop", budget={"device_tokens": 120})
+    session = backend.session("t")
+    history = notes(5)
+    with caplog.at_level(logging.WARNING, logger="agentkv"), inject_faults(session, "attended") as fault:
+        for end in range(3, len(history) + 1, 2):
+            session.extend(history[:end])
+            session.check()
+    assert fault.injected == 1 and session.stats().faults == 1
+    records = fault_records(session)
+    assert len(records) == 1 and records[0]["where"] == "quantization in attention"
+    assert "kept safe" in caplog.text
+    layers = session.store.physical.cache.managed_layers
+    assert isinstance(layers[0], QuantizedAttendedLayer)
+    # Once the tier works again, later demotions bring every layer to the same quantized slots.
+    session.extend([*history, {"role": "user", "content": "and now?"}])
+    session.check()
+    quantized = [layer.quant_index for layer in session.store.physical.cache.managed_layers]
+    assert quantized[0].numel() > 0
+    assert all(torch.equal(q, quantized[0]) for q in quantized[1:])
+    assert session.stats().budget_satisfied
+    assert all(span.token_ids for span in session.spans)  # nothing the agent said is lost
