@@ -104,8 +104,9 @@ class Recaller:
             for span, score in ranked
             if score > 0 and (config.min_score is None or score >= config.min_score)
         ]
-        costs = [self._cost(pages.get(span.span_id, span)) for span, _ in ranked]
-        picked = choose_within_room(ranked, costs, self._room(), relative_floor=config.relative_floor)
+        floor = self._floor()
+        costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
+        picked = choose_within_room(ranked, costs, self._room(floor), relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
         paged: dict[int, tuple[Span, list[int], float]] = {}
         for unit, score in (ranked[i] for i in picked):
@@ -202,7 +203,7 @@ class Recaller:
         self.table.counters.page_recalled_tokens += len(keep)
         return True
 
-    def _room(self) -> int | None:
+    def _room(self, floor: AttendedFloor | None) -> int | None:
         """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
 
         Up to the high watermark, not the low one: the low watermark is where demotion
@@ -216,20 +217,18 @@ class Recaller:
             for s in self.table.spans
             if s.tier is Tier.DEVICE and (s.pinned or s.state is SpanState.ACTIVE)
         ]
-        floor = self._floor()
         if floor is None:
             held = sum(fixed) * self.port.bytes_per_token
         else:
             held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
         return max(0, int(limit * self.budget.limits.high) - held)
 
-    def _cost(self, unit: Span | Page) -> int:
+    def _cost(self, unit: Span | Page, floor: AttendedFloor | None) -> int:
         """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""
         if isinstance(unit, Page):
             tokens = len(unit.offsets)
         else:
             tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
-        floor = self._floor()
         return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
 
     def _floor(self) -> AttendedFloor | None:

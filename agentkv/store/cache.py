@@ -491,12 +491,14 @@ class PhysicalCache:
         still hold exact count as exact, so the next demotion quantizes them there too.
         """
         layers = self.cache.managed_layers
-        mask = torch.zeros(int(slots.numel()), dtype=torch.bool)
         if not layers or not self.variable_slot_bytes:
-            return mask
+            return torch.zeros(int(slots.numel()), dtype=torch.bool)
         mask = layers[0].is_quantized(slots)
-        for layer in layers[1:]:
-            mask &= layer.is_quantized(slots)
+        # Layers hold the same slots quantized (one count each to compare) unless a quantization
+        # failed half way; only then is every layer asked.
+        if len({getattr(layer, "quantized_length", 0) for layer in layers}) > 1:
+            for layer in layers[1:]:
+                mask &= layer.is_quantized(slots)
         return mask
 
     def append_block(self, span_id: int, block: KVBlock, positions: torch.Tensor) -> None:
