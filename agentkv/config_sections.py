@@ -327,6 +327,14 @@ class RecallConfig(Section):
         default=True, strict=True, description="Recompute evicted spans from their tokens when recalled."
     )
     """Recompute evicted spans from their tokens when recalled."""
+    recompute_quantized: bool = Field(
+        default=True,
+        strict=True,
+        description=(
+            "Recompute the relevant spans the budget holds quantized at full precision, when the room allows."
+        ),
+    )
+    """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
     pages: bool = Field(
         default=False,
         strict=True,

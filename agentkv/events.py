@@ -53,7 +53,7 @@ class ToolCallCompleted(Event):
 
 @dataclass(frozen=True)
 class ToolCallFailed(Event):
-    """A tool raised or returned an error: the call and its error output are released."""
+    """A tool raised or returned an error: its error output is committed like a result, the call released."""
 
     name: ClassVar[str] = "tool_call_failed"
     tool_call_id: str = ""

@@ -20,6 +20,7 @@ class Counters:
     restored_tokens: int = 0
     compressed_tokens: int = 0
     page_recalled_tokens: int = 0
+    exact_recalled_tokens: int = 0
     observed_commits: int = 0
     events_applied: int = 0
     events_noop: int = 0
@@ -56,6 +57,8 @@ class SessionStats:
     compressed_tokens: int = 0
     page_recalled_tokens: int = 0
     """Tokens brought back as pages of longer spans (page recall)."""
+    exact_recalled_tokens: int = 0
+    """Tokens of relevant spans held quantized that recall recomputed at full precision."""
     observed_commits: int = 0
     """Tool results compressed at commit by their turn's question (`commit.observe: question`)."""
     digest_bytes: int = 0

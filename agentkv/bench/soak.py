@@ -58,7 +58,7 @@ _ITEMS = ("booking", "parcel", "locker", "invoice", "ticket", "visa")
 TOOL_EVERY = 3
 """Every third turn makes a tool call."""
 FAILED_EVERY = 5
-"""Every fifth tool call fails (its call and error output are released, not committed)."""
+"""Every fifth tool call fails (its error output is committed like a result, its call released)."""
 CONFIRM_EVERY = 7
 """Every seventh turn the user confirms the answer (a pin)."""
 PIN_TURNS = 14

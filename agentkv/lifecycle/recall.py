@@ -81,7 +81,8 @@ class Recaller:
             if s.span_id in self.marks.recallable
             and (s.state is SpanState.ARCHIVED or (config.rehydrate_evicted and s.state is SpanState.EVICTED))
         ]
-        if not demoted:
+        quantized = self._quantizer() is not None and config.recompute_quantized
+        if not demoted and not quantized:
             return []
         attended = [
             s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
@@ -108,6 +109,7 @@ class Recaller:
         costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
         picked = choose_within_room(ranked, costs, self._room(floor), relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
+        protected: list[Span] = []
         paged: dict[int, tuple[Span, list[int], float]] = {}
         for unit, score in (ranked[i] for i in picked):
             page = pages.get(unit.span_id)
@@ -119,6 +121,7 @@ class Recaller:
                 paged[span.span_id] = (span, offsets + list(page.offsets), max(best, score))
             elif unit.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
                 self.marks.mark_recalled(unit.span_id, score)
+                protected.append(unit)
             elif len(chosen) + len(paged) < config.max_spans:
                 chosen.append((unit, score))
         self.mover.restore_together([span for span, _ in chosen] + [span for span, _, _ in paged.values()])
@@ -128,12 +131,80 @@ class Recaller:
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
         for span, offsets, score in paged.values():
-            if self._bring_back_pages(span, offsets):
+            if self._bring_back_holding(span, offsets, reason="page recall"):
+                self.table.counters.page_recalled_tokens += len(set(offsets) & set(span.kept_offsets))
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
-        if recalled:
-            self.table.record("recall", spans=recalled, paged=sorted(paged))
-        return recalled
+        exact = self._recompute_exact(protected, floor)
+        if recalled or exact:
+            self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
+        return recalled + exact
+
+    def _recompute_exact(self, spans: list[Span], floor: AttendedFloor | None) -> list[int]:
+        """Recompute relevant attended spans that the budget holds quantized, at full precision.
+
+        Quantization noise is small on average but not on what a question asks to quote:
+        a digit of a code or a letter of a name can flip at int4, while the same span at
+        full precision is copied exactly. Recall knows which spans the question needs, so
+        these are recomputed from their token ids (the mover evicts and rehydrates them;
+        the kept offsets stay as they were), best first, while the room allows.
+
+        The room is the low watermark minus what the device holds with every other
+        attended token at the floor of the demotion order. The budget check after the
+        prefill quantizes committed spans before recalled ones, so an upgrade that fits
+        only quantizes lower-priority spans; it never makes the budget archive a span.
+        A recomputed span attends its context as the cache holds it now (partly
+        quantized): exact up to that context, as any rehydration.
+
+        Returns:
+            Ids of the spans recomputed at full precision.
+        """
+        store = self._quantizer()
+        limit = self.budget.effective_limit()
+        if not self.config.recompute_quantized or store is None or floor is None or limit is None:
+            return []
+        room = int(limit * self.budget.limits.low) - self._floor_usage(store, floor)
+        extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
+        exact: list[int] = []
+        for span in spans:
+            if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
+                continue
+            extra = span.held_tokens * extra_per_token
+            if extra > room:
+                continue
+            offsets = span.kept_offsets
+            if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
+                continue
+            if not self._bring_back_holding(span, offsets, reason="exact recall"):
+                self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
+                continue
+            room -= extra
+            self.table.counters.exact_recalled_tokens += span.held_tokens
+            exact.append(span.span_id)
+        return exact
+
+    def _floor_usage(self, store: AttendedQuantizer, floor: AttendedFloor) -> int:
+        """Device bytes after this turn's prefill with every token the budget may quantize quantized.
+
+        What the device counts now (attended KV, quantized archives, digests), less the
+        evictable spans (the budget drops them first), less what quantizing the exact
+        tokens would free (the sinks and the residual window stay exact), plus the new
+        message's pending tokens at their quantized size.
+        """
+        usage = self.budget.usage_bytes()
+        exact_held = 0
+        pending = 0
+        for span in self.table.spans:
+            if span.tier is not Tier.DEVICE:
+                continue
+            if span.state is SpanState.EVICTABLE:
+                usage -= self.port.store.span_bytes(span)
+                continue
+            exact_held += span.held_tokens - store.attended_quantized_tokens(span)
+            pending += span.length - span.n_computed
+        quantizable = max(0, exact_held - floor.exact_tokens)
+        saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
+        return usage - saved + floor.span_cost(pending)
 
     def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
         """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
@@ -181,17 +252,18 @@ class Recaller:
         out.sort(key=lambda item: (item[1], item[0].start), reverse=True)
         return out
 
-    def _bring_back_pages(self, span: Span, offsets: list[int]) -> bool:
+    def _bring_back_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
 
         The span is attended again like any span compressed at commit: `kept` lists
-        the page offsets it holds; its token ids stay, so the rest can come back later.
+        the offsets it holds (the chosen pages, or what it held before an exact
+        recompute); its token ids stay, so the rest can come back later.
         """
-        # The pages are what the question needs: commit-time compression (which re-runs on a
-        # recomputed span) must not thin them out; the page choice is this commit's compression.
+        # The offsets are what the question needs: commit-time compression (which re-runs on a
+        # recomputed span) must not thin them out; the choice is this commit's compression.
         compressor, self.mover.compressor = self.mover.compressor, None
         try:
-            moved = self.mover.move(span, SpanState.COMMITTED, reason="page recall")
+            moved = self.mover.move(span, SpanState.COMMITTED, reason=reason)
         finally:
             self.mover.compressor = compressor
         if moved is None:
@@ -200,7 +272,6 @@ class Recaller:
         if keep and len(keep) < span.held_tokens:
             with self.timer.timed("store_seconds"):
                 self.port.store.compress(span, keep)
-        self.table.counters.page_recalled_tokens += len(keep)
         return True
 
     def _room(self, floor: AttendedFloor | None) -> int | None:
@@ -230,6 +301,13 @@ class Recaller:
         else:
             tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
         return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
+
+    def _quantizer(self) -> AttendedQuantizer | None:
+        """The store as an attended quantizer, when it holds any span quantized in attention."""
+        store = self.port.store
+        if isinstance(store, AttendedQuantizer) and store.attended_quantized_tokens():
+            return store
+        return None
 
     def _floor(self) -> AttendedFloor | None:
         """What attended KV costs at the least the budget holds it in; None: full precision.

@@ -54,7 +54,9 @@ DEFAULT_RULES: dict[str, dict[str, str]] = {
         "prompt": "release",
     },
     "tool_call_completed": {"result": "commit", "call": "release"},
-    "tool_call_failed": {"result": "release", "call": "release"},
+    # An error output is an observation the agent made ("quota exceeded for account 7A-…"): it is kept
+    # like a result; the failed call itself is released.
+    "tool_call_failed": {"result": "commit", "call": "release"},
     "user_confirmed": {"target": "pin"},
     "user_rejected": {"target": "release"},
     "branch_opened": {},

@@ -150,3 +150,7 @@ class AttendedQuantizer(Protocol):
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
         ...
+
+    def attended_quantized_tokens(self, span: Span | None = None) -> int:
+        """Slots held quantized in attention (of one span, or all)."""
+        ...

@@ -67,12 +67,15 @@ def test_tool_call_completed_commits_result_and_releases_call(tiny_model, tiny_t
     session.check()
 
 
-def test_failed_call_and_rejection_release(tiny_model, tiny_tokenizer):
+def test_failed_call_releases_the_call_and_commits_its_error(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer).session("t")
     session.extend(TOOL_TURN + FAILED_CALL)
     session.apply(ToolCallFailed("call_2", error="timeout"))
-    failed = [s for s in session.spans if s.owner == "call_2"]
-    assert failed and all(s.state is SpanState.EVICTABLE for s in failed)
+    (error,) = [s for s in session.spans if s.owner == "call_2"]
+    # The error text is what the agent observed (it may be asked about); the failed call is not.
+    assert error.kind is SpanKind.TOOL_RESULT and error.state is SpanState.COMMITTED
+    failed_call = by_kind(session, SpanKind.TOOL_CALL)[-1]
+    assert failed_call.state is SpanState.EVICTABLE
     session.generate(max_new_tokens=4, message_id="plan-1")
     session.apply(UserRejected("plan-1"))
     assert session.spans[-1].state is SpanState.EVICTABLE

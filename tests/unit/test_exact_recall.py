@@ -1,0 +1,118 @@
+"""Recall recomputes the relevant spans the budget holds quantized at full precision, when the room allows.
+
+The attended quantized tier keeps a span in view at int4; the question that asks to quote
+a code from it gets the span recomputed from its token ids instead, at full precision. With
+every token before the span exact, that is the full cache again: the logits match it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
+from agentkv.events import ToolCallCompleted
+from agentkv.spans import Span, SpanKind
+
+FILLER = "build log line ok compiled module linked fine "
+TOOL_TEXT = FILLER * 10 + "error code KX7-4471 in step nine " + FILLER * 10
+QUESTION = "Which error code KX7-4471 was in the build?"
+NOTES = [
+    f"note {k}: the release train for the {k}th team leaves on friday at the usual dock" for k in range(8)
+]
+
+
+def history() -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Please run the build and tell me how it went."},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "build", "args": {}}]},
+        {"role": "tool", "content": TOOL_TEXT, "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "The build ran."},
+    ]
+    for note in NOTES:
+        messages += [{"role": "user", "content": note}, {"role": "assistant", "content": "noted"}]
+    return messages
+
+
+def asked() -> list[dict[str, Any]]:
+    return [*history(), {"role": "user", "content": QUESTION}]
+
+
+def tool_span(session: Any) -> Span:
+    return next(s for s in session.spans if s.kind is SpanKind.TOOL_RESULT)
+
+
+def quantized_then_asked(model: Any, tokenizer: Any, budget_tokens: int, **config: Any) -> tuple[Any, Span]:
+    """The tool result committed and held at int4 in attention, then a question naming its code."""
+    data = {"budget": {"device_tokens": budget_tokens}, **config}
+    session = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(data)).session("t")
+    session.extend(history())
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    if not session.store.attended_quantized_tokens(tool):  # what budget pressure does to it
+        session.store.quantize_attended(tool)
+    assert session.store.attended_quantized_tokens(tool) > 0
+    session.extend(asked())
+    session.check()
+    return session, tool
+
+
+def full_cache_logits(model: Any, tokenizer: Any) -> torch.Tensor:
+    free = TransformersBackend(model, tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    return free.continuation_logits([5, 6, 7])
+
+
+def test_the_asked_span_is_recomputed_exact_and_the_logits_are_the_full_caches(tiny_model, tiny_tokenizer):
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=100_000)
+    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
+    assert session.store.attended_quantized_tokens(tool) == 0
+    assert session.stats().exact_recalled_tokens == tool.length
+    # Every token before the tool result was exact, so recomputing it gives back the full cache.
+    expected = full_cache_logits(tiny_model, tiny_tokenizer)
+    torch.testing.assert_close(session.continuation_logits([5, 6, 7]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_switched_off_the_span_stays_quantized_and_the_logits_differ(tiny_model, tiny_tokenizer):
+    session, tool = quantized_then_asked(
+        tiny_model, tiny_tokenizer, budget_tokens=100_000, recall={"recompute_quantized": False}
+    )
+    assert session.store.attended_quantized_tokens(tool) > 0
+    assert session.stats().exact_recalled_tokens == 0
+    expected = full_cache_logits(tiny_model, tiny_tokenizer)
+    assert not torch.allclose(session.continuation_logits([5, 6, 7]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_upgrade_quantizes_lower_priority_spans_and_archives_none(tiny_model, tiny_tokenizer):
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    total, tool_tokens = free.logical_length, tool_span(free).length
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    # Room for the tool result exact with everything else at int4, but not for the history exact.
+    at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens * (bpt - floor.token_bytes)
+    budget_tokens = int(at_floor / (low * bpt)) + 8
+    assert budget_tokens < total
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    assert session.store.attended_quantized_tokens(tool) == 0, "recomputed at full precision"
+    stats = session.stats()
+    assert stats.budget_satisfied and stats.device_bytes <= budget_tokens * bpt
+    assert stats.attended_quantized_tokens > 0, "other spans went to int4 to make the room"
+    # Only the released tool call left the device (the grace queue goes first); nothing was archived.
+    kept = [s for s in session.spans if s.state in (SpanState.COMMITTED, SpanState.ACTIVE)]
+    assert all(s.tier is Tier.DEVICE for s in kept)
+    assert not [s for s in session.spans if s.state is SpanState.ARCHIVED]
+
+
+def test_without_room_at_full_precision_the_span_stays_quantized(tiny_model, tiny_tokenizer):
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    # A limit the tool result exceeds at full precision on its own.
+    budget_tokens = tool_span(free).length // 2 + 80
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    assert session.stats().exact_recalled_tokens == 0
+    assert tool.tier is not Tier.DEVICE or session.store.attended_quantized_tokens(tool) > 0
+    assert session.stats().budget_satisfied
