@@ -146,8 +146,8 @@ class Recaller:
         Quantization noise is small on average but not on what a question asks to quote:
         a digit of a code or a letter of a name can flip at int4, while the same span at
         full precision is copied exactly. Recall knows which spans the question needs, so
-        these are recomputed from their token ids (the mover evicts and rehydrates them;
-        the kept offsets stay as they were), best first, while the room allows.
+        these are recomputed from their token ids (`_recompute`), best first, while the
+        room allows.
 
         The room is the low watermark minus what the device holds with every other
         attended token at the floor of the demotion order. The budget check after the
@@ -169,19 +169,38 @@ class Recaller:
         for span in spans:
             if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
                 continue
-            extra = span.held_tokens * extra_per_token
-            if extra > room:
-                continue
-            offsets = span.kept_offsets
-            if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
-                continue
-            if not self._bring_back_holding(span, offsets, reason="exact recall"):
-                self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
+            extra = span.length * extra_per_token
+            if extra > room or not self._recompute(span, store):
                 continue
             room -= extra
-            self.table.counters.exact_recalled_tokens += span.held_tokens
+            self.table.counters.exact_recalled_tokens += span.length
             exact.append(span.span_id)
         return exact
+
+    def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
+        """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.
+
+        An uncompressed span is recomputed lazily: its KV is dropped and its tokens join
+        the prefill that follows (the new user turn's), so the upgrade costs no forward
+        of its own over the cache. A span compressed at commit is evicted and rehydrated
+        at once, then holds the offsets it held before.
+        """
+        if span.kept is None:
+            with self.timer.timed("store_seconds"):
+                try:
+                    store.recompute_pending(span)
+                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
+                    self.mover.fault("exact recall", span, e)
+                    return False
+            self.table.counters.rehydrated_tokens += span.length
+            return True
+        offsets = span.kept_offsets
+        if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
+            return False
+        if not self._bring_back_holding(span, offsets, reason="exact recall"):
+            self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
+            return False
+        return True
 
     def _floor_usage(self, store: AttendedQuantizer, floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.

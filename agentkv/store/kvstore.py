@@ -292,6 +292,20 @@ class KVStore:
         span.tier = Tier.DROPPED
         span.kept = None
 
+    def recompute_pending(self, span: Span) -> None:
+        """Drop an attended, uncompressed span's KV, its tokens left pending: the next forward recomputes it.
+
+        The span stays attended (`Tier.DEVICE`); the session's next prefill encodes its
+        tokens at their logical positions together with whatever else is pending (a new
+        user turn), so recomputing it costs no forward of its own.
+        """
+        self._require(span, Tier.DEVICE, "recompute")
+        if span.kept is not None:
+            msg = f"cannot recompute span {span.span_id} lazily: it was compressed at commit"
+            raise ValueError(msg)
+        self.physical.remove(self.physical.slots_of(span.span_id))
+        span.n_computed = 0
+
     def restore(self, span: Span) -> None:
         """Bring an archived span back into the attended cache (appended at the physical end)."""
         self.restore_many([span])

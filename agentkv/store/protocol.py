@@ -154,3 +154,7 @@ class AttendedQuantizer(Protocol):
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""
         ...
+
+    def recompute_pending(self, span: Span) -> None:
+        """Drop an attended, uncompressed span's KV, its tokens pending: the next forward recomputes them."""
+        ...

@@ -44,7 +44,9 @@ def tool_span(session: Any) -> Span:
     return next(s for s in session.spans if s.kind is SpanKind.TOOL_RESULT)
 
 
-def quantized_then_asked(model: Any, tokenizer: Any, budget_tokens: int, **config: Any) -> tuple[Any, Span]:
+def quantized_then_asked(
+    model: Any, tokenizer: Any, budget_tokens: int, on_ask: Any = None, **config: Any
+) -> tuple[Any, Span]:
     """The tool result committed and held at int4 in attention, then a question naming its code."""
     data = {"budget": {"device_tokens": budget_tokens}, **config}
     session = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(data)).session("t")
@@ -54,6 +56,8 @@ def quantized_then_asked(model: Any, tokenizer: Any, budget_tokens: int, **confi
     if not session.store.attended_quantized_tokens(tool):  # what budget pressure does to it
         session.store.quantize_attended(tool)
     assert session.store.attended_quantized_tokens(tool) > 0
+    if on_ask is not None:
+        on_ask(session)
     session.extend(asked())
     session.check()
     return session, tool
@@ -65,11 +69,30 @@ def full_cache_logits(model: Any, tokenizer: Any) -> torch.Tensor:
     return free.continuation_logits([5, 6, 7])
 
 
-def test_the_asked_span_is_recomputed_exact_and_the_logits_are_the_full_caches(tiny_model, tiny_tokenizer):
-    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=100_000)
+def test_the_asked_span_is_recomputed_exact_and_the_logits_are_the_full_caches(
+    tiny_model, tiny_tokenizer, monkeypatch
+):
+    forwards: list[int] = []
+
+    def counted(runner_forward: Any) -> Any:
+        def forward(cache: Any, feed: Any, **kwargs: Any) -> Any:
+            forwards.append(len(feed))
+            return runner_forward(cache, feed, **kwargs)
+
+        return forward
+
+    session, tool = quantized_then_asked(
+        tiny_model,
+        tiny_tokenizer,
+        budget_tokens=100_000,
+        on_ask=lambda s: monkeypatch.setattr(s.backend.runner, "forward", counted(s.backend.runner.forward)),
+    )
     assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
     assert session.store.attended_quantized_tokens(tool) == 0
     assert session.stats().exact_recalled_tokens == tool.length
+    # The recompute joined the question's prefill: one forward for both.
+    (fed,) = forwards
+    assert fed == tool.length + session.spans[-1].length
     # Every token before the tool result was exact, so recomputing it gives back the full cache.
     expected = full_cache_logits(tiny_model, tiny_tokenizer)
     torch.testing.assert_close(session.continuation_logits([5, 6, 7]), expected, rtol=1e-4, atol=1e-4)
@@ -116,3 +139,21 @@ def test_without_room_at_full_precision_the_span_stays_quantized(tiny_model, tin
     assert session.stats().exact_recalled_tokens == 0
     assert tool.tier is not Tier.DEVICE or session.store.attended_quantized_tokens(tool) > 0
     assert session.stats().budget_satisfied
+
+
+def test_a_span_compressed_at_commit_is_recomputed_holding_the_same_tokens(tiny_model, tiny_tokenizer):
+    config = {"budget": {"device_tokens": 100_000}, "commit": {"keep_ratio": {"tool_result": 0.5}}}
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(config)).session("t")
+    session.extend(history()[:4])  # through the tool result, encoded
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    kept = tool.kept
+    assert kept is not None and len(kept) < tool.length, "compressed at commit"
+    session.extend(history())
+    session.store.quantize_attended(tool)
+    assert session.store.attended_quantized_tokens(tool) > 0
+    session.extend(asked())
+    session.check()
+    assert session.store.attended_quantized_tokens(tool) == 0
+    assert tool.kept == kept, "the recompute holds what the span held"
+    assert session.stats().exact_recalled_tokens == tool.length
