@@ -169,12 +169,14 @@ class BudgetKeeper:
         """Demote whole spans until device usage is at most `target` bytes.
 
         Order: the grace queue (evictable spans, oldest first), then committed spans on
-        the device, lowest score first, then quantized archives. Spans recalled for this
-        turn go last, least relevant first, and only as far as the limit itself (the high
-        watermark, not `target`): recall chose them for the question being answered, but
-        the budget is a limit and the turn's own new content (a long tool result arriving
-        after the recall) must fit. Pinned and active spans are never demoted. Usage is
-        re-read only after a move (`usage_bytes` sums every block).
+        the device, least relevant to this turn's user message first (recall ranks every
+        attended span against it; the commit score breaks ties), then quantized archives.
+        Spans recalled for this turn go last, least relevant first, and only as far as
+        the limit itself (the high watermark, not `target`): recall chose them for the
+        question being answered, but the budget is a limit and the turn's own new content
+        (a long tool result arriving after the recall) must fit. Pinned and active spans
+        are never demoted. Usage is re-read only after a move (`usage_bytes` sums every
+        block).
         """
         spans = self.table.spans
         marks = self.marks
@@ -200,9 +202,12 @@ class BudgetKeeper:
                 usage = self.usage_bytes()
             return usage <= goal
 
+        question = marks.question_relevance
+
         def by_score(state: SpanState, tier: Tier) -> list[Span]:
+            # What this turn's user message needs least goes first, then the lowest commit score.
             chosen = (s for s in spans if s.state is state and s.tier is tier)
-            return sorted(chosen, key=lambda s: (s.score, s.start))
+            return sorted(chosen, key=lambda s: (question.get(s.span_id, 0.0), s.score, s.start))
 
         # 1. The grace queue: evictable spans go first, oldest first.
         evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
@@ -229,10 +234,11 @@ class BudgetKeeper:
     def _quantize_attended(self, target: int) -> bool:
         """Quantize device spans in attention, lowest priority first, until usage <= `target`.
 
-        Priority, lowest first (the lifecycle's own order): committed spans by score,
-        spans recalled for this turn by relevance, the current turn's active spans
-        oldest first, pinned spans last. The store keeps the attention sinks and the
-        residual window in full precision. Returns whether usage is at `target`.
+        Priority, lowest first (the lifecycle's own order): committed spans by relevance to
+        this turn's user message, then by score; spans recalled for this turn by relevance;
+        the current turn's active spans oldest first; pinned spans last. The store keeps
+        the attention sinks and the residual window in full precision. Returns whether
+        usage is at `target`.
         """
         store = self.port.store
         if not isinstance(store, AttendedQuantizer):
@@ -240,14 +246,16 @@ class BudgetKeeper:
         marks = self.marks
         device = [s for s in self.table.spans if s.tier is Tier.DEVICE and s.state is not SpanState.EVICTABLE]
 
-        def rank(span: Span) -> tuple[int, float, int]:
+        question = marks.question_relevance
+
+        def rank(span: Span) -> tuple[int, float, float, int]:
             if span.pinned:
-                return (3, 0.0, span.start)
+                return (3, 0.0, 0.0, span.start)
             if span.state is SpanState.ACTIVE:
-                return (2, 0.0, span.start)
+                return (2, 0.0, 0.0, span.start)
             if span.span_id in marks.recalled:
-                return (1, marks.relevance.get(span.span_id, 0.0), span.start)
-            return (0, span.score, span.start)
+                return (1, marks.relevance.get(span.span_id, 0.0), 0.0, span.start)
+            return (0, question.get(span.span_id, 0.0), span.score, span.start)
 
         usage = self.usage_bytes()
         if usage <= target:

@@ -68,6 +68,11 @@ class Recaller:
         result at tight budgets, precisely where it matters. `max_spans` bounds the spans
         brought back; protecting an attended span only spends budget room.
 
+        Every attended span's relevance to the message is kept for the turn
+        (`RecallMarks.question_relevance`): under pressure the budget demotes what the
+        message needs least first, so recall runs under any budget, not only once
+        something was archived.
+
         Returns:
             Ids of the spans brought back to the device (restored or recomputed).
         """
@@ -81,9 +86,8 @@ class Recaller:
             if s.span_id in self.marks.recallable
             and (s.state is SpanState.ARCHIVED or (config.rehydrate_evicted and s.state is SpanState.EVICTED))
         ]
-        quantized = self._quantizer() is not None and config.recompute_quantized
-        if not demoted and not quantized:
-            return []
+        if not demoted and self.budget.effective_limit() is None:
+            return []  # nothing to bring back, and nothing the budget will demote
         attended = [
             s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
         ]
@@ -100,6 +104,10 @@ class Recaller:
             )
             if self.pages.enabled:
                 ranked = self._add_attention(ranked, pages, demoted + attended)
+        attended_ids = {s.span_id for s in attended}
+        self.marks.question_relevance = {
+            span.span_id: score for span, score in ranked if span.span_id in attended_ids
+        }
         ranked = [
             (span, score)
             for span, score in ranked
