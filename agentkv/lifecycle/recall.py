@@ -174,15 +174,16 @@ class Recaller:
         room = int(limit * self.budget.limits.low) - self._floor_usage(store, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         exact: list[int] = []
-        for span in spans:
-            if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
-                continue
-            extra = span.length * extra_per_token
-            if extra > room or not self._recompute(span, store):
-                continue
-            room -= extra
-            self.table.counters.exact_recalled_tokens += span.length
-            exact.append(span.span_id)
+        with self.port.store.deferred_removal():  # one compaction for every span dropped here
+            for span in spans:
+                if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
+                    continue
+                extra = span.length * extra_per_token
+                if extra > room or not self._recompute(span, store):
+                    continue
+                room -= extra
+                self.table.counters.exact_recalled_tokens += span.length
+                exact.append(span.span_id)
         return exact
 
     def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:

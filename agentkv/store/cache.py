@@ -302,7 +302,9 @@ class PhysicalCache:
         self.slot_window_attention = torch.cat([self.slot_window_attention, new])
         self.slot_heavy_attention = torch.cat([self.slot_heavy_attention, new])
         if self._pending is not None:
-            self._pending = torch.cat([self._pending, torch.zeros(int(span_ids.numel()), dtype=torch.bool)])
+            with torch.inference_mode(False):  # appends run in a forward; the mask is written in place later
+                grown = torch.zeros(int(span_ids.numel()), dtype=torch.bool)
+                self._pending = torch.cat([self._pending, grown])
         self._check_lengths()
 
     def _check_lengths(self) -> None:
@@ -400,7 +402,8 @@ class PhysicalCache:
         if pending is None or not bool(pending.any()):
             return
         self._select((~pending).nonzero().flatten())
-        self._pending = torch.zeros(self.length, dtype=torch.bool)
+        with torch.inference_mode(False):  # a forward inside the block compacts under inference mode
+            self._pending = torch.zeros(self.length, dtype=torch.bool)
 
     def permute(self, order: torch.Tensor) -> None:
         """Reorder physical slots (tests use this to prove order does not matter)."""
