@@ -82,6 +82,28 @@ class Mover:
         )
         return Transition(span.span_id, before, target, span.tier, reason)
 
+    def move_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
+        """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
+
+        The span is attended again like any span compressed at commit: `kept` lists
+        the offsets it holds (recall's chosen pages, or what it held before an exact
+        recompute); its token ids stay, so the rest can come back later. Commit-time
+        compression (which re-runs on a recomputed span) must not thin the offsets out:
+        they are this commit's choice.
+        """
+        compressor, self.compressor = self.compressor, None
+        try:
+            moved = self.move(span, SpanState.COMMITTED, reason=reason)
+        finally:
+            self.compressor = compressor
+        if moved is None:
+            return False
+        keep = sorted(set(offsets) & set(span.kept_offsets))
+        if keep and len(keep) < span.held_tokens:
+            with self.timer.timed("store_seconds"):
+                self.port.store.compress(span, keep)
+        return True
+
     def restore_together(self, spans: Sequence[Span]) -> None:
         """Restore archived spans with one append, before their moves (which then find them attended).
 

@@ -5,6 +5,8 @@ no forward pass); this module chooses within the budget room and moves the
 chosen spans back through the mover. With `recall.pages`, long demoted spans are
 ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
 attention bound on each page's key digest) and come back holding only the chosen pages.
+Relevant attended spans the budget holds at int4 are recomputed at full precision when
+the room allows (`agentkv.lifecycle.exact_recall`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.budget import BudgetKeeper
+from agentkv.lifecycle.exact_recall import ExactRecall
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
@@ -48,6 +51,8 @@ class Recaller:
         self.timer = timer
         self.pages = pages
         """Page digests and scores (page recall, `recall.pages`)."""
+        self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
+        """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
         self.enabled = enabled and config.enabled
         self._token_keys: dict[int, str] = {}
         self._memo: dict[Any, Any] = {}
@@ -139,100 +144,14 @@ class Recaller:
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
         for span, offsets, score in paged.values():
-            if self._bring_back_holding(span, offsets, reason="page recall"):
+            if self.mover.move_holding(span, offsets, reason="page recall"):
                 self.table.counters.page_recalled_tokens += len(set(offsets) & set(span.kept_offsets))
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
-        exact = self._recompute_exact(protected, floor)
+        exact = self.exact.recompute(protected, floor)
         if recalled or exact:
             self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
         return recalled + exact
-
-    def _recompute_exact(self, spans: list[Span], floor: AttendedFloor | None) -> list[int]:
-        """Recompute relevant attended spans that the budget holds quantized, at full precision.
-
-        Quantization noise is small on average but not on what a question asks to quote:
-        a digit of a code or a letter of a name can flip at int4, while the same span at
-        full precision is copied exactly. Recall knows which spans the question needs, so
-        these are recomputed from their token ids (`_recompute`), best first, while the
-        room allows.
-
-        The room is the low watermark minus what the device holds with every other
-        attended token at the floor of the demotion order. The budget check after the
-        prefill quantizes committed spans before recalled ones, so an upgrade that fits
-        only quantizes lower-priority spans; it never makes the budget archive a span.
-        A recomputed span attends its context as the cache holds it now (partly
-        quantized): exact up to that context, as any rehydration.
-
-        Returns:
-            Ids of the spans recomputed at full precision.
-        """
-        store = self._quantizer()
-        limit = self.budget.effective_limit()
-        if not self.config.recompute_quantized or store is None or floor is None or limit is None:
-            return []
-        room = int(limit * self.budget.limits.low) - self._floor_usage(store, floor)
-        extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
-        exact: list[int] = []
-        with self.port.store.deferred_removal():  # one compaction for every span dropped here
-            for span in spans:
-                if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
-                    continue
-                extra = span.length * extra_per_token
-                if extra > room or not self._recompute(span, store):
-                    continue
-                room -= extra
-                self.table.counters.exact_recalled_tokens += span.length
-                exact.append(span.span_id)
-        return exact
-
-    def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
-        """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.
-
-        An uncompressed span is recomputed lazily: its KV is dropped and its tokens join
-        the prefill that follows (the new user turn's), so the upgrade costs no forward
-        of its own over the cache. A span compressed at commit is evicted and rehydrated
-        at once, then holds the offsets it held before.
-        """
-        if span.kept is None:
-            with self.timer.timed("store_seconds"):
-                try:
-                    store.recompute_pending(span)
-                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
-                    self.mover.fault("exact recall", span, e)
-                    return False
-            self.table.counters.rehydrated_tokens += span.length
-            return True
-        offsets = span.kept_offsets
-        if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
-            return False
-        if not self._bring_back_holding(span, offsets, reason="exact recall"):
-            self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
-            return False
-        return True
-
-    def _floor_usage(self, store: AttendedQuantizer, floor: AttendedFloor) -> int:
-        """Device bytes after this turn's prefill with every token the budget may quantize quantized.
-
-        What the device counts now (attended KV, quantized archives, digests), less the
-        evictable spans (the budget drops them first), less what quantizing the exact
-        tokens would free (the sinks and the residual window stay exact), plus the new
-        message's pending tokens at their quantized size.
-        """
-        usage = self.budget.usage_bytes()
-        exact_held = 0
-        pending = 0
-        for span in self.table.spans:
-            if span.tier is not Tier.DEVICE:
-                continue
-            if span.state is SpanState.EVICTABLE:
-                usage -= self.port.store.span_bytes(span)
-                continue
-            exact_held += span.held_tokens - store.attended_quantized_tokens(span)
-            pending += span.length - span.n_computed
-        quantizable = max(0, exact_held - floor.exact_tokens)
-        saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
-        return usage - saved + floor.span_cost(pending)
 
     def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
         """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
@@ -280,28 +199,6 @@ class Recaller:
         out.sort(key=lambda item: (item[1], item[0].start), reverse=True)
         return out
 
-    def _bring_back_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
-        """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
-
-        The span is attended again like any span compressed at commit: `kept` lists
-        the offsets it holds (the chosen pages, or what it held before an exact
-        recompute); its token ids stay, so the rest can come back later.
-        """
-        # The offsets are what the question needs: commit-time compression (which re-runs on a
-        # recomputed span) must not thin them out; the choice is this commit's compression.
-        compressor, self.mover.compressor = self.mover.compressor, None
-        try:
-            moved = self.mover.move(span, SpanState.COMMITTED, reason=reason)
-        finally:
-            self.mover.compressor = compressor
-        if moved is None:
-            return False
-        keep = sorted(set(offsets) & set(span.kept_offsets))
-        if keep and len(keep) < span.held_tokens:
-            with self.timer.timed("store_seconds"):
-                self.port.store.compress(span, keep)
-        return True
-
     def _room(self, floor: AttendedFloor | None) -> int | None:
         """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
 
@@ -329,13 +226,6 @@ class Recaller:
         else:
             tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
         return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
-
-    def _quantizer(self) -> AttendedQuantizer | None:
-        """The store as an attended quantizer, when it holds any span quantized in attention."""
-        store = self.port.store
-        if isinstance(store, AttendedQuantizer) and store.attended_quantized_tokens():
-            return store
-        return None
 
     def _floor(self) -> AttendedFloor | None:
         """What attended KV costs at the least the budget holds it in; None: full precision.

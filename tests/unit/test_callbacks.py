@@ -127,7 +127,7 @@ def test_tool_outcome_waits_for_the_next_model_call_of_the_session(backend, hand
     assert result.state is SpanState.COMMITTED
 
 
-def test_raised_tool_error_releases_call_and_output(backend, handler):
+def test_raised_tool_error_is_a_failure_whose_output_is_kept(backend, handler):
     session = backend.session("t")
     session.extend(HISTORY)
 
@@ -142,7 +142,7 @@ def test_raised_tool_error_releases_call_and_output(backend, handler):
     assert "no data" in event.error
     assert ended == ("t", TurnEnded())
     result = next(s for s in session.spans if s.owner == "call_1")
-    assert result.state is SpanState.EVICTABLE
+    assert result.state is SpanState.COMMITTED  # the error text is an observation; the call is released
 
 
 def test_error_tool_message_is_a_failure(backend, handler):

@@ -72,7 +72,7 @@ def test_error_tool_message_input_becomes_tool_call_failed(backend):
     events = graph.agentkv.handler.events_for("t")
     assert ToolCallFailed(tool_call_id="call_1", error="boom: service down") in events
     result = next(s for s in backend.get("t").spans if s.owner == "call_1")
-    assert result.state.value == "evictable"  # the default rules release a failed call's output
+    assert result.state.value == "committed"  # the default rules keep a failed call's output (its call goes)
     # The same history again (next turn) does not report the failure twice.
     graph.invoke({"messages": [HumanMessage("And now?")]}, {"configurable": {"thread_id": "t"}})
     failed = [e for e in graph.agentkv.handler.events_for("t") if isinstance(e, ToolCallFailed)]

@@ -1,0 +1,122 @@
+"""Exact recall: a relevant span the budget holds quantized is recomputed at full precision.
+
+Quantization noise is small on average but not on what a question asks to quote: a
+digit of a code or a letter of a name can flip at int4, while the same span at full
+precision is copied exactly. Recall knows which attended spans the new user message
+needs (`agentkv.lifecycle.recall`); those the attended quantized tier holds at int4
+are recomputed from their token ids, best first, while the room allows.
+
+The room is the low watermark minus what the device would hold with every other
+attended token at the floor of the demotion order (`AttendedFloor`). The budget
+check after the prefill quantizes committed spans before recalled ones, so an
+upgrade that fits only quantizes lower-priority spans: it never makes the budget
+archive anything. A recomputed span attends its context as the cache holds it now
+(partly quantized): exact up to that context, as any rehydration.
+"""
+
+from __future__ import annotations
+
+from agentkv.lifecycle.budget import BudgetKeeper
+from agentkv.lifecycle.marks import RecallMarks
+from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.timing import SectionTimer
+from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
+
+
+class ExactRecall:
+    """Recomputes the relevant spans held quantized in attention at full precision."""
+
+    def __init__(
+        self,
+        port: SessionPort,
+        budget: BudgetKeeper,
+        mover: Mover,
+        marks: RecallMarks,
+        timer: SectionTimer,
+        *,
+        enabled: bool,
+    ) -> None:
+        self.port = port
+        self.table = port.table
+        self.budget = budget
+        self.mover = mover
+        self.marks = marks
+        self.timer = timer
+        self.enabled = enabled
+
+    def recompute(self, spans: list[Span], floor: AttendedFloor | None) -> list[int]:
+        """Recompute `spans` (relevant, attended, best first) that are held quantized, while the room allows.
+
+        Returns:
+            Ids of the spans recomputed at full precision.
+        """
+        store = self.port.store
+        limit = self.budget.effective_limit()
+        if not self.enabled or floor is None or limit is None or not isinstance(store, AttendedQuantizer):
+            return []
+        if not store.attended_quantized_tokens():
+            return []
+        room = int(limit * self.budget.limits.low) - self._floor_usage(store, floor)
+        extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
+        exact: list[int] = []
+        with store.deferred_removal():  # one compaction for every span dropped here
+            for span in spans:
+                if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
+                    continue
+                extra = span.length * extra_per_token
+                if extra > room or not self._recompute(span, store):
+                    continue
+                room -= extra
+                self.table.counters.exact_recalled_tokens += span.length
+                exact.append(span.span_id)
+        return exact
+
+    def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
+        """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.
+
+        An uncompressed span is recomputed lazily: its KV is dropped and its tokens join
+        the prefill that follows (the new user turn's), so the upgrade costs no forward
+        of its own over the cache. A span compressed at commit is evicted and rehydrated
+        at once, then holds the offsets it held before.
+        """
+        if span.kept is None:
+            with self.timer.timed("store_seconds"):
+                try:
+                    store.recompute_pending(span)
+                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
+                    self.mover.fault("exact recall", span, e)
+                    return False
+            self.table.counters.rehydrated_tokens += span.length
+            return True
+        offsets = span.kept_offsets
+        if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
+            return False
+        if not self.mover.move_holding(span, offsets, reason="exact recall"):
+            self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
+            return False
+        return True
+
+    def _floor_usage(self, store: AttendedQuantizer, floor: AttendedFloor) -> int:
+        """Device bytes after this turn's prefill with every token the budget may quantize quantized.
+
+        What the device counts now (attended KV, quantized archives, digests), less the
+        evictable spans (the budget drops them first), less what quantizing the exact
+        tokens would free (the sinks and the residual window stay exact), plus the new
+        message's pending tokens at their quantized size.
+        """
+        usage = self.budget.usage_bytes()
+        exact_held = 0
+        pending = 0
+        for span in self.table.spans:
+            if span.tier is not Tier.DEVICE:
+                continue
+            if span.state is SpanState.EVICTABLE:
+                usage -= self.port.store.span_bytes(span)
+                continue
+            exact_held += span.held_tokens - store.attended_quantized_tokens(span)
+            pending += span.length - span.n_computed
+        quantizable = max(0, exact_held - floor.exact_tokens)
+        saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
+        return usage - saved + floor.span_cost(pending)
