@@ -219,9 +219,10 @@ def run_mode(
     lock = threading.Lock()
 
     def agent(i: int) -> None:
-        got, took, waited = _tool_agent(
-            backend, f"{mode}-{nonce}-{i}", workloads[i % len(workloads)], turns, max_tokens
-        )
+        session_id = f"{mode}-{nonce}-{i}"
+        got, took, waited = _tool_agent(backend, session_id, workloads[i % len(workloads)], turns, max_tokens)
+        if backend.gate is not None:  # the conversation is over: its place goes to the next in line
+            backend.gate.release(session_id)  # (the session stays open until the end, as in every mode)
         with lock:
             answers.update(got)
             latencies.extend(took)
