@@ -31,9 +31,10 @@ The policy, in one place:
   and the conversation keeps its place in line. Correctness never depends on the gate:
   the prompt carries the whole truth, the gate only decides *when* a call goes out.
 
-`on_change` hears the new order (residents in admission order, then the line) after
-every change: the fleet's pin planner grants its room in that order, so pins go to the
-residents first and then to the next in line.
+`on_change` hears the new order (residents in admission order, then the line) and the
+residents' working sets after every change: the fleet's pin planner grants its room in
+that order, reserving each resident's working set, so pins go to the residents first and
+then to the next in line.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,7 +106,8 @@ class AdmissionGate:
         wait_s: most seconds one `acquire` waits; then it proceeds unadmitted.
         tool_ttl_s: idle seconds between the calls of a turn before others may take the place.
         park_ttl_s: idle seconds after a turn ended before others may take the place.
-        on_change: told the order (residents in admission order, then the line) after a change.
+        on_change: told the order (residents in admission order, then the line) and the
+            residents' working sets after a change (`EnginePinPlanner.prioritize`).
         clock: monotonic seconds (tests pass a fake one to expire TTLs without sleeping).
     """
 
@@ -114,7 +116,7 @@ class AdmissionGate:
     wait_s: float = 300.0
     tool_ttl_s: float = 60.0
     park_ttl_s: float = 10.0
-    on_change: Callable[[Sequence[str]], None] | None = None
+    on_change: Callable[[Sequence[str], Mapping[str, int]], None] | None = None
     clock: Callable[[], float] = time.monotonic
     stats: AdmissionStats = field(default_factory=AdmissionStats)
     _residents: dict[str, _Resident] = field(default_factory=dict, init=False, repr=False)
@@ -257,7 +259,8 @@ class AdmissionGate:
             changed = True
         if changed:
             if self.on_change is not None:
-                self.on_change([*self._residents, *self._line])
+                reserve = {owner: r.tokens for owner, r in self._residents.items()}
+                self.on_change([*self._residents, *self._line], reserve)
             self._cond.notify_all()
 
     def _revoke_idle(self) -> bool:

@@ -24,7 +24,7 @@ after the residents goes to the next ones to be admitted.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class EnginePinPlanner:
@@ -65,15 +65,18 @@ class EnginePinPlanner:
         with self._lock:
             self._wanted.pop(owner, None)
 
-    def prioritize(self, owners: Sequence[str]) -> None:
+    def prioritize(self, owners: Sequence[str], reserve: Mapping[str, int] | None = None) -> None:
         """Grant room to `owners` first, in this order; the others keep their order after them.
 
-        The admission gate calls it with its residents, then its line: pins go to the
-        conversations that will call next. An owner not known yet takes its place now
-        (wanting nothing until it asks).
+        The admission gate calls it with its residents, then its line, and reserves each
+        resident's working set (`reserve`: it wants at least that much, even before its
+        first pin): the room goes to the conversations that call now, and a conversation
+        that gave up its place shrinks its pin at once. An owner not known yet takes its
+        place now (wanting nothing until it asks, unless reserved).
         """
+        reserve = reserve or {}
         with self._lock:
-            first = {owner: self._wanted.get(owner, 0) for owner in owners}
+            first = {owner: max(self._wanted.get(owner, 0), reserve.get(owner, 0)) for owner in owners}
             rest = {owner: wanted for owner, wanted in self._wanted.items() if owner not in first}
             self._wanted = {**first, **rest}
 
