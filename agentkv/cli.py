@@ -269,6 +269,8 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         device_tokens=args.device_tokens,
         l2_quota_gb=args.l2_quota_gb,
         fleet_l2_gb=args.fleet_l2_gb,
+        admission_tokens=args.admission_tokens,
+        admission_quantum_turns=args.admission_quantum_turns,
         out_dir=out,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         progress=lambda line: console.log(line),
@@ -315,6 +317,10 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
             f"vllm / {mode}: {summary[f'computed_ratio_vllm_over_{mode}']:.2f}x; "
             f"answers identical (lru vs {mode}): {summary[f'answers_identical_{mode}']}"
         )
+        if m.get("gate"):
+            console.print(
+                f"{mode}: waits p50 / p95 {m['wait_p50']:.2f} / {m['wait_p95']:.2f} s; gate {m['gate']}"
+            )
     console.print(f"results in {out}/")
     return 0
 
@@ -420,9 +426,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine: one LMCache L2 budget for all (planner pins whole histories)",
     )
     bench.add_argument(
+        "--admission-tokens",
+        type=int,
+        help="engine: events-gated capacity in working-set tokens (default: the fleet L2 budget)",
+    )
+    bench.add_argument(
+        "--admission-quantum-turns",
+        type=int,
+        default=4,
+        help="engine: events-gated turns a resident keeps its place while others wait (4)",
+    )
+    bench.add_argument(
         "--modes",
         default="lru,events",
-        help="engine: runs besides vllm (lru, events = same prompts with hints, events+budget)",
+        help="engine: runs besides vllm (lru, events = same prompts with hints, events-gated, events+budget)",
     )
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"

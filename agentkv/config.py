@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from agentkv.config_engine import EngineConfig
 from agentkv.config_sections import (
     ALLOWED_POLICIES,
     CUSTOM_EVENT_PREFIX,
@@ -31,7 +32,6 @@ from agentkv.config_sections import (
     BudgetConfig,
     CallbacksConfig,
     CommitConfig,
-    EngineConfig,
     ForgetConfig,
     PolicyConfig,
     QuantizationConfig,

@@ -23,6 +23,11 @@ Modes, run one after the other on the same stack, each from cold caches:
   answer the scripted one replaces) are deleted, a conversation that ended its turn gives
   up its L1 copy of what L2 keeps pinned, and its next call prefetches it back first.
   Answers must equal `lru`'s: only where KV lives differs.
+- `events-gated` (optional, `modes=`): `events` behind an admission gate
+  (`engine.admission_tokens`, `agentkv.engines.admission`): only as many conversations
+  call as whose working sets fit the cache (by default the fleet L2 budget); the others
+  wait their turn, and pins go to the residents first. Same prompts, same answers; the
+  waits count in its latency (reported apart as well).
 - `events+budget` (optional, `modes=`): the default lifecycle rules and a device budget
   also decide the prompt (released and archived spans leave it), so prompts and answers
   differ from `lru`; it shows what the budget adds on top.
@@ -56,8 +61,8 @@ from agentkv.engines.store import common_prefix as _common_prefix
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
 
-MODES: tuple[str, ...] = ("vllm", "lru", "events", "events+budget")
-RUN_MODES: tuple[str, ...] = ("lru", "events", "events+budget")
+MODES: tuple[str, ...] = ("vllm", "lru", "events", "events-gated", "events+budget")
+RUN_MODES: tuple[str, ...] = ("lru", "events", "events-gated", "events+budget")
 
 
 @dataclass
@@ -83,16 +88,25 @@ class ModeResult:
     hint_failures: int = 0
     hints: dict[str, int] = field(default_factory=dict)
     """What the sessions asked of LMCache: pins, deleted / demoted chunks, prefetches completed."""
+    wait_p50: float = 0.0
+    wait_p95: float = 0.0
+    """Seconds calls waited for residency (events-gated; included in the latencies above)."""
+    gate: dict[str, float] = field(default_factory=dict)
+    """The admission gate's counters (`AdmissionStats`), events-gated only."""
 
 
 def _tool_agent(
     backend: EngineBackend, session_id: str, workload: Workload, turns: int, max_tokens: int
-) -> tuple[dict[str, str], list[float]]:
-    """Play one workload as a tool agent; returns the generated text per turn and each call's latency."""
+) -> tuple[dict[str, str], list[float], list[float]]:
+    """Play one workload as a tool agent: the generated text per turn, each call's latency and wait.
+
+    A call's latency includes its wait for residency at the admission gate (0 without one).
+    """
     session = backend.session(session_id)
     history: list[dict[str, Any]] = [{"role": "system", "content": workload.system}]
     answers: dict[str, str] = {}
     latencies: list[float] = []
+    waits: list[float] = []
     for t, turn in enumerate(workload.turns[:turns]):
         history.append({"role": "user", "content": turn.user})
         events: list[Any] = []
@@ -106,12 +120,13 @@ def _tool_agent(
         started = time.perf_counter()
         answers[f"{session_id.rsplit('-', 1)[-1]}:{t}"] = session.generate(max_tokens)
         latencies.append(time.perf_counter() - started)
+        waits.append(0.0 if session.last_admission is None else session.last_admission.waited_s)
         for event in events:
             session.apply(event)
         history.append({"role": "assistant", "content": turn.assistant})
         session.extend(history)  # the scripted answer replaces the generated one: same history in every mode
         session.apply(TurnEnded())
-    return answers, latencies
+    return answers, latencies, waits
 
 
 def _mode_config(
@@ -123,6 +138,8 @@ def _mode_config(
     *,
     fleet_salt: str | None = None,
     fleet_pin_tokens: int | None = None,
+    admission_tokens: int | None = None,
+    admission_quantum_turns: int = 4,
 ) -> AgentKVConfig:
     engine: dict[str, Any] = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
     if fleet_salt is not None:  # one L2 budget for the fleet: every conversation shares the run's salt
@@ -132,6 +149,17 @@ def _mode_config(
         hinted["fleet_pin_budget_tokens"] = fleet_pin_tokens
     if mode == "events":  # same prompts as lru: the lifecycle only decides where KV lives
         return AgentKVConfig.model_validate({"engine": hinted, "policy": "full"})
+    if mode == "events-gated":  # and only the conversations whose working sets fit call
+        if admission_tokens is None:
+            msg = "events-gated: expected admission_tokens (or fleet_l2_gb, its default), got none"
+            raise ValueError(msg)
+        gated = {
+            **hinted,
+            "admission_tokens": admission_tokens,
+            "admission_quantum_turns": admission_quantum_turns,
+            "admission_wait_s": 1800.0,  # the bench measures the gate: a wait should not time out
+        }
+        return AgentKVConfig.model_validate({"engine": gated, "policy": "full"})
     if mode == "events+budget":
         return AgentKVConfig.model_validate({"engine": hinted, "budget": {"device_tokens": device_tokens}})
     if mode != "lru":
@@ -160,9 +188,11 @@ def run_mode(
     chunk_size: int,
     device_tokens: int,
     fleet_l2_tokens: int | None = None,
+    admission_tokens: int | None = None,
+    admission_quantum_turns: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> ModeResult:
-    """Run `lru` or `events` once, from cold caches (`fleet_l2_tokens`: one L2 budget for all)."""
+    """Run one mode once, from cold caches (`fleet_l2_tokens`: one L2 budget for all)."""
     nonce = time.strftime("%H%M%S")
     config = _mode_config(
         mode,
@@ -172,6 +202,8 @@ def run_mode(
         device_tokens,
         fleet_salt=None if fleet_l2_tokens is None else f"{mode}-{nonce}",
         fleet_pin_tokens=fleet_l2_tokens,
+        admission_tokens=admission_tokens,
+        admission_quantum_turns=admission_quantum_turns,
     )
     backend = EngineBackend.from_config(config)
     # The LMCache stack is there in both modes; only the events mode sends it hints.
@@ -183,15 +215,18 @@ def run_mode(
     started = time.perf_counter()
     answers: dict[str, str] = {}
     latencies: list[float] = []
+    waits: list[float] = []
     lock = threading.Lock()
 
     def agent(i: int) -> None:
-        got, took = _tool_agent(
-            backend, f"{mode}-{nonce}-{i}", workloads[i % len(workloads)], turns, max_tokens
-        )
+        session_id = f"{mode}-{nonce}-{i}"
+        got, took, waited = _tool_agent(backend, session_id, workloads[i % len(workloads)], turns, max_tokens)
+        if backend.gate is not None:  # the conversation is over: its place goes to the next in line
+            backend.gate.release(session_id)  # (the session stays open until the end, as in every mode)
         with lock:
             answers.update(got)
             latencies.extend(took)
+            waits.extend(waited)
         if progress is not None:
             progress(f"{mode}: agent {i} done")
 
@@ -212,6 +247,7 @@ def run_mode(
     for session in list(backend.sessions()):
         backend.close(session.session_id)
     ordered = sorted(latencies)
+    gate = {} if backend.gate is None else {k: float(v) for k, v in asdict(backend.gate.stats).items()}
     return ModeResult(
         mode=mode,
         requests=len(latencies),
@@ -221,14 +257,23 @@ def run_mode(
         local_hits=delta.prefix_cache_hits,
         lmcache_hits=delta.external_hits,
         latency_p50=statistics.median(ordered) if ordered else 0.0,
-        latency_p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0,
+        latency_p95=_quantile(latencies, 0.95),
         requests_per_s=len(latencies) / seconds if seconds else 0.0,
         lmcache_bytes=usage,
         engine_device_bytes=_device_capacity(backend),
         answers=answers,
         hint_failures=failures,
         hints=hints,
+        wait_p50=_quantile(waits, 0.5),
+        wait_p95=_quantile(waits, 0.95),
+        gate=gate,
     )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The `q` quantile by rank (the bench's p95 convention); 0 for no values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def _device_capacity(backend: EngineBackend) -> int:
@@ -312,6 +357,8 @@ def run_engine_bench(
     device_tokens: int = 768,
     l2_quota_gb: float | None = None,
     fleet_l2_gb: float | None = None,
+    admission_tokens: int | None = None,
+    admission_quantum_turns: int = 4,
     out_dir: str | Path = "runs",
     modes: tuple[str, ...] = ("lru", "events"),
     progress: Callable[[str], None] | None = None,
@@ -335,6 +382,11 @@ def run_engine_bench(
         from agentkv.models import converted_model_dir
 
         fleet_l2_tokens = int(fleet_l2_gb * GIB) // kv_bytes_per_token(converted_model_dir())
+    if admission_tokens is None:  # the gate's default capacity: the L2 the fleet's pins may hold
+        admission_tokens = fleet_l2_tokens
+    if "events-gated" in modes and admission_tokens is None:
+        msg = "modes: events-gated needs admission_tokens or fleet_l2_gb (its default), got neither"
+        raise ValueError(msg)
     quota = l2_quota_gb if fleet_l2_gb is None else fleet_l2_gb  # a run's shared salt: fleet-wide
     if quota is not None:
         CoordinatorClient(coordinator_url, "-").set_default_quota(quota)
@@ -347,6 +399,8 @@ def run_engine_bench(
         chunk_size=chunk_size,
         device_tokens=device_tokens,
         fleet_l2_tokens=fleet_l2_tokens,
+        admission_tokens=admission_tokens,
+        admission_quantum_turns=admission_quantum_turns,
         progress=progress,
     )
     lru = run_mode("lru", **common)  # type: ignore[arg-type]
@@ -362,6 +416,8 @@ def run_engine_bench(
             "l2_quota_gb": l2_quota_gb,
             "fleet_l2_gb": fleet_l2_gb,
             "fleet_pin_budget_tokens": fleet_l2_tokens,
+            "admission_tokens": admission_tokens,
+            "admission_quantum_turns": admission_quantum_turns,
         },
         "modes": [asdict(m) for m in rows],
         "prefill_floor": prefill_floor(

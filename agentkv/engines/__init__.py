@@ -1,9 +1,11 @@
 """Served engines behind the same lifecycle: vLLM + LMCache over HTTP (see docs/scale-out.md).
 
 `EngineBackend` is the counterpart of `TransformersBackend`: the same sessions, events,
-rules and budgets, with "where KV lives" carried out by the engine (`EngineStore`).
+rules and budgets, with "where KV lives" carried out by the engine (`EngineStore`);
+`AdmissionGate` decides which conversations may call while the cache cannot hold them all.
 """
 
+from agentkv.engines.admission import Admission, AdmissionGate, AdmissionStats
 from agentkv.engines.backend import EngineBackend, kv_bytes_per_token
 from agentkv.engines.http import (
     EngineError,
@@ -18,6 +20,9 @@ from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import Completion, EngineMetrics, VLLMClient
 
 __all__ = [
+    "Admission",
+    "AdmissionGate",
+    "AdmissionStats",
     "Completion",
     "CoordinatorClient",
     "EngineBackend",

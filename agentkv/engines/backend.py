@@ -5,6 +5,10 @@ session table API (`session`, `get`, `fork`, `close`, `apply`), the same config
 (with an `engine:` block), the same lifecycle per session. The backend only needs
 the model's tokenizer (to build the prompts as token ids) and its KV size per token.
 
+With `engine.admission_tokens`, an `AdmissionGate` lets only as many conversations call
+as whose working sets fit the engine's cache (the others wait their turn), and the pin
+planner serves the residents first.
+
 Routing is sticky: every session of this backend lands on one LMCache instance (the
 first the coordinator lists), because deletes and prefetches act on one instance.
 """
@@ -20,7 +24,8 @@ from typing import Any
 
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
-from agentkv.config_sections import EngineConfig
+from agentkv.config_engine import EngineConfig
+from agentkv.engines.admission import AdmissionGate
 from agentkv.engines.http import EngineError, Transport
 from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.planner import EnginePinPlanner
@@ -91,6 +96,19 @@ class EngineBackend:
             else EnginePinPlanner(engine.fleet_pin_budget_tokens, engine.chunk_size)
         )
         """The fleet's pin planner (`engine.fleet_pin_budget_tokens`), shared by every session."""
+        self.gate = (
+            None
+            if engine.admission_tokens is None
+            else AdmissionGate(
+                engine.admission_tokens,
+                quantum_turns=engine.admission_quantum_turns,
+                wait_s=engine.admission_wait_s,
+                tool_ttl_s=engine.admission_tool_ttl_s,
+                park_ttl_s=engine.admission_park_ttl_s,
+                on_change=None if self.planner is None else self.planner.prioritize,
+            )
+        )
+        """Load control by working set (`engine.admission_tokens`): who may call now; None = everyone."""
         self._target: EngineTarget | None = None
         self._target_lock = threading.Lock()
         self._sessions: dict[str, EngineSession] = {}

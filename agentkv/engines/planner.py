@@ -15,11 +15,16 @@ spent; later ones pin nothing. A conversation that closes gives its room back an
 next ones move up. Grants are recomputed when a conversation asks (at its own `sync`),
 so a conversation that lost room to an earlier one's growth shrinks its pin at its
 next call: until then the fleet can hold more than the budget by that growth.
+
+With an admission gate (`agentkv.engines.admission`), the order is the gate's: the
+residents first (in order of admission), then the conversations in line; the room left
+after the residents goes to the next ones to be admitted.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 
 
 class EnginePinPlanner:
@@ -59,6 +64,21 @@ class EnginePinPlanner:
         """The conversation closed: its room goes to the ones after it (unknown owner: no-op)."""
         with self._lock:
             self._wanted.pop(owner, None)
+
+    def prioritize(self, owners: Sequence[str], reserve: Mapping[str, int] | None = None) -> None:
+        """Grant room to `owners` first, in this order; the others keep their order after them.
+
+        The admission gate calls it with its residents, then its line, and reserves each
+        resident's working set (`reserve`: it wants at least that much, even before its
+        first pin): the room goes to the conversations that call now, and a conversation
+        that gave up its place shrinks its pin at once. An owner not known yet takes its
+        place now (wanting nothing until it asks, unless reserved).
+        """
+        reserve = reserve or {}
+        with self._lock:
+            first = {owner: max(self._wanted.get(owner, 0), reserve.get(owner, 0)) for owner in owners}
+            rest = {owner: wanted for owner, wanted in self._wanted.items() if owner not in first}
+            self._wanted = {**first, **rest}
 
     def shares(self) -> dict[str, int]:
         """Every known owner's grant as of the last requests (for stats and tests)."""

@@ -20,6 +20,7 @@ from agentkv.backend.contracts import ExtendResult, SessionClosedError
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
+from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
@@ -39,6 +40,7 @@ class EngineHost(Protocol):
     tokenizer: Any
     bytes_per_token: int
     vllm: VLLMClient
+    gate: AdmissionGate | None
 
     def salt_for(self, session_id: str) -> str:
         """The conversation's `cache_salt`."""
@@ -154,6 +156,10 @@ class EngineSession:
         self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
         self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
+        self.conversation_id: str = parent.conversation_id if parent is not None else session_id
+        """The root conversation: branches share its residency at the admission gate."""
+        self.last_admission: Admission | None = None
+        """What the admission gate answered for the last call (None without a gate)."""
         if parent is None:
             self.table = SpanTable(session_id)
             shared: list[int] = []
@@ -298,16 +304,23 @@ class EngineSession:
             span.message_index = len(self.messages)
             self.manager.on_span_created(span)
             prompt = self.store.prompt()
-            self.store.sync(prompt)
+            gate = self.backend.gate
+            if gate is not None:  # waits while the residents' working sets fill the cache (bounded)
+                self.last_admission = gate.acquire(self.conversation_id, len(prompt))
             try:
+                self.store.sync(prompt)
                 done = self.backend.vllm.complete(
                     prompt, max_tokens=max_new_tokens, cache_salt=self.cache_salt or None, stop=stops or None
                 )
             except BaseException:
                 self.table.remove(span)  # no answer was started: spans and messages stay aligned
                 self.manager.on_span_removed(span)
+                if gate is not None:
+                    gate.call_done(self.conversation_id, len(prompt))
                 raise
             produced = [t for t in done.token_ids if t not in self.format.stop_token_ids()]
+            if gate is not None:
+                gate.call_done(self.conversation_id, len(prompt) + len(produced))
             span.token_ids.extend(produced)
             span.n_computed = span.length
             self.store.completed(prompt + produced)
@@ -353,13 +366,20 @@ class EngineSession:
         """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
 
         `TurnEnded` also parks the conversation (`EngineStore.park`): the chunks its pin keeps
-        on L2 give up their L1 copy until the next call prefetches them back.
+        on L2 give up their L1 copy until the next call prefetches them back. With an
+        admission gate, a conversation that stays resident is not parked (it calls again
+        soon: its L1 copies are what that call reads); one that gives its place up also
+        shrinks its pin to its new share (the residents' room).
         """
         with self.lock:
             self._check_open()
             result = self.manager.apply(event)
             if isinstance(event, TurnEnded):
-                self.store.park()  # the conversation now waits for its user: L1 room goes to others
+                gate = self.backend.gate
+                if gate is None or not gate.turn_ended(self.conversation_id, len(self.store.prompt())):
+                    if gate is not None:
+                        self.store.refit_pins()
+                    self.store.park()  # the conversation now waits: L1 room goes to others
             return result
 
     def pin(
@@ -417,3 +437,6 @@ class EngineSession:
             self.store.close()
             self.table.clear()
             self.closed = True
+            gate = self.backend.gate
+            if gate is not None and self.parent is None:  # a branch shares its root's residency
+                gate.release(self.conversation_id)

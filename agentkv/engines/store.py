@@ -263,6 +263,17 @@ class EngineStore:
             self.stats.demoted_chunks += result.affected
             self._parked = True
 
+    def refit_pins(self) -> None:
+        """Fit the commit pin to this session's share now, not at its next call.
+
+        A conversation that gave up its residency (`AdmissionGate.turn_ended`) may not call
+        again for a while; the fleet planner now ranks it behind the residents, so its pin
+        shrinks at once and the room goes to them (pins are exempt from L2 eviction).
+        """
+        if self.target is None:
+            return
+        self._move_commit_pin(self.prompt()[: self.committed_length()])
+
     def select(self) -> None:
         """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""
         if self.target is None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import agentkv.config as config_module
+import agentkv.config_engine as config_engine
 import agentkv.config_sections as config_sections
 from agentkv.config import (
     ALLOWED_POLICIES,
@@ -593,13 +594,17 @@ def _config_models() -> list[type[BaseModel]]:
         cls
         for _, cls in inspect.getmembers(config_module, inspect.isclass)
         if issubclass(cls, BaseModel)
-        and cls.__module__ in (config_module.__name__, config_sections.__name__)
+        and cls.__module__ in (config_module.__name__, config_sections.__name__, config_engine.__name__)
         and cls is not config_sections.Section
     ]
 
 
 def test_every_field_is_described_and_its_docstring_matches() -> None:
-    source = inspect.getsource(config_module) + inspect.getsource(config_sections)
+    source = (
+        inspect.getsource(config_module)
+        + inspect.getsource(config_sections)
+        + inspect.getsource(config_engine)
+    )
     tree = ast.parse(source)
     docstrings: dict[tuple[str, str], str] = {}
     for node in tree.body:

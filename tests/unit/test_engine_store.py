@@ -513,7 +513,9 @@ def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
     assert events.engine is not None and events.engine.coordinator_url == COORD
     assert events.policy.name == lru.policy.name == "full"  # no budget: no span leaves the prompt
     assert budgeted.policy.name != "full" and budgeted.budget.device_tokens == 384
-    with pytest.raises(ValueError, match="mode: expected one of lru, events, events\\+budget, got 'lfu'"):
+    with pytest.raises(
+        ValueError, match="mode: expected one of lru, events, events-gated, events\\+budget, got 'lfu'"
+    ):
         _mode_config("lfu", "http://v:1", COORD, CHUNK, 384)
     with pytest.raises(ValueError, match="modes: expected some of"):
         run_engine_bench(vllm_url="http://v:1", coordinator_url=COORD, modes=("lru", "mru"))
