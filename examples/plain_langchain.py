@@ -4,7 +4,7 @@ One agent turn is a `RunnableLambda` that calls the model, runs the tools it ask
 for and calls the model again. `KVLifecycleCallbackHandler` is passed in the run's
 `callbacks`; every call inside the turn inherits it (and the `thread_id` metadata
 that picks the session). The handler sees the tool runs and the end of the turn:
-a tool result is committed and its call released; a failed call is released; the
+a tool result is committed and its call released (a failed call too: its error text is kept); the
 end of the top-level run ends the turn. Run `python examples/plain_langchain.py`.
 """
 

@@ -31,7 +31,8 @@ def test_tool_assistant_commits_results_and_releases_calls(example, tiny_backend
     for call_id in completed:
         assert by_owner[call_id]["kind"] == "tool_result"
         assert by_owner[call_id]["state"] == "committed"
-    assert by_owner[failed[0]]["state"] in RELEASED
+    # The failed lookup's error text is kept like a result (an observation); its call is released.
+    assert by_owner[failed[0]]["kind"] == "tool_result" and by_owner[failed[0]]["state"] == "committed"
     calls = [s for s in result["spans"] if s["kind"] == "tool_call"]
     assert len(calls) == len(tool_turns)
     assert all(s["state"] in RELEASED for s in calls)
@@ -177,9 +178,11 @@ def test_plain_langchain_handler_without_langgraph(example, tiny_backend):
     result = example.main(tiny_backend, max_new_tokens=6)
     by_owner = spans_by_owner(result)
     assert set(result["tool_calls"].values()) == {"ok", "failed"}
-    for call_id, outcome in result["tool_calls"].items():
-        expected = "committed" if outcome == "ok" else "evictable"
-        assert by_owner[call_id]["state"] == expected
+    for call_id in result["tool_calls"]:
+        # A failed call's error text is kept like a result; every call itself is released (below).
+        assert by_owner[call_id]["kind"] == "tool_result" and by_owner[call_id]["state"] == "committed"
+    failed = [t for _, name, t in result["events"] if name == "ToolCallFailed"]
+    assert failed == [c for c, outcome in result["tool_calls"].items() if outcome == "failed"]
     assert sum(1 for _, name, _ in result["events"] if name == "TurnEnded") == len(example.SCRIPT)
     assert result["stats"]["tokens_by_state"]["active"] == 0
     assert result["handler_errors"] == 0
