@@ -58,12 +58,15 @@ class ExactRecall:
             return []
         if not store.attended_quantized_tokens():
             return []
-        room = int(limit * self.budget.limits.low) - self._floor_usage(store, floor)
+        quantized = {
+            s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
+        }
+        room = int(limit * self.budget.limits.low) - self._floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         exact: list[int] = []
         with store.deferred_removal():  # one compaction for every span dropped here
             for span in spans:
-                if span.tier is not Tier.DEVICE or not store.attended_quantized_tokens(span):
+                if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
                     continue
                 extra = span.length * extra_per_token
                 if extra > room or not self._recompute(span, store):
@@ -98,13 +101,14 @@ class ExactRecall:
             return False
         return True
 
-    def _floor_usage(self, store: AttendedQuantizer, floor: AttendedFloor) -> int:
+    def _floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
         What the device counts now (attended KV, quantized archives, digests), less the
         evictable spans (the budget drops them first), less what quantizing the exact
         tokens would free (the sinks and the residual window stay exact), plus the new
-        message's pending tokens at their quantized size.
+        message's pending tokens at their quantized size. `quantized`: each device span's
+        slots held quantized now.
         """
         usage = self.budget.usage_bytes()
         exact_held = 0
@@ -115,7 +119,7 @@ class ExactRecall:
             if span.state is SpanState.EVICTABLE:
                 usage -= self.port.store.span_bytes(span)
                 continue
-            exact_held += span.held_tokens - store.attended_quantized_tokens(span)
+            exact_held += span.held_tokens - quantized[span.span_id]
             pending += span.length - span.n_computed
         quantizable = max(0, exact_held - floor.exact_tokens)
         saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
