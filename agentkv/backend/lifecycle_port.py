@@ -138,6 +138,12 @@ class SessionServices:
         """One token's text."""
         return str(self.session.backend.tokenizer.decode([token]))
 
+    def background_logprobs(self) -> Any:
+        """The model's next-token log-probs `[V]` after a newline alone (recall's word weights)."""
+        session = self.session
+        with session.backend.model_lock:
+            return session.runner.background_logprobs(session.format.encode("\n"))
+
     def token_embeddings(self) -> Any:
         """The model's input embedding module, or None."""
         get = getattr(self.session.runner.model, "get_input_embeddings", None)

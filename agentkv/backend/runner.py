@@ -88,6 +88,24 @@ class ModelRunner:
         """Full-precision KV bytes one token costs across all layers (keys and values)."""
         self.forward_seconds = 0.0
         self.forward_tokens = 0
+        self._background: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def background_logprobs(self, context: list[int]) -> torch.Tensor:
+        """The model's next-token log-probabilities after `context` alone, `[V]` on the CPU (cached).
+
+        With a bare newline as the context this is the model's own estimate of how common
+        each token is at the start of a line: recall weighs a word by how surprising it is
+        there, so "what", "the" and "?" count for little next to "insurance" or a code.
+        """
+        key = tuple(context)
+        cached = self._background.get(key)
+        if cached is None:
+            ids = torch.tensor([context], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, -1]  # [V]
+            cached = torch.log_softmax(logits.float(), dim=-1).cpu()
+            self._background[key] = cached
+        return cached
 
     @torch.inference_mode()
     def forward(

@@ -110,6 +110,10 @@ class EngineServices:
         """One token's text."""
         return str(self.session.backend.tokenizer.decode([token]))
 
+    def background_logprobs(self) -> Any:
+        """No model here: recall weighs words by their rarity in the session alone."""
+        return None
+
     def token_embeddings(self) -> Any:
         """No model weights here: recall ranks by words only."""
         return None

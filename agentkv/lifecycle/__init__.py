@@ -10,6 +10,7 @@ Modules (each owns one idea; see docs/architecture.md):
 - `compression`: commit-time compression and token-mode eviction (policy work)
 - `rehydration`: recomputing a dropped span from its token ids
 - `budget`: the one place a token budget becomes bytes; relieving pressure
+- `demotion`: the order pressure demotes committed spans in (value per byte)
 - `recall` / `recall_ranking`: bringing relevant spans back before an answer
 - `invariants`: what must always hold
 - `manager`: one per session, wiring the above

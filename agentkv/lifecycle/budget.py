@@ -7,9 +7,10 @@ the store's host limit and the manager's checks both read that one result.
 Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
 - *span mode* (agentkv's `lifecycle` policy, and `full`): pressure demotes whole
   spans — evictable first; then, with an attended quantized tier, spans are held
-  quantized and still attended (lowest priority first: committed by score, then
-  recalled, then the current turn, then pinned); then the lowest-scored committed
-  ones are archived, then quantized archives are evicted. Demotion order: full
+  quantized and still attended (lowest priority first: committed spans in the
+  demotion order of `agentkv.lifecycle.demotion`, then recalled, then the current
+  turn, then pinned); then committed spans are archived in that order, then
+  quantized archives are evicted. Demotion order: full
   precision -> attended quantized -> archived -> evicted. Spans were compressed
   once, at commit.
 - *token mode* (generic baselines: window, StreamingLLM, H2O, SnapKV, …): pressure
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from agentkv.config import BudgetConfig
 from agentkv.lifecycle.compression import Compressor
+from agentkv.lifecycle.demotion import demotion_key, demotion_order
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.port import SessionPort
@@ -169,8 +171,8 @@ class BudgetKeeper:
         """Demote whole spans until device usage is at most `target` bytes.
 
         Order: the grace queue (evictable spans, oldest first), then committed spans on
-        the device, least relevant to this turn's user message first (recall ranks every
-        attended span against it; the commit score breaks ties), then quantized archives.
+        the device in the demotion order (`agentkv.lifecycle.demotion`: what this turn's
+        user message needs last, the least value per byte first), then quantized archives.
         Spans recalled for this turn go last, least relevant first, and only as far as
         the limit itself (the high watermark, not `target`): recall chose them for the
         question being answered, but the budget is a limit and the turn's own new content
@@ -202,12 +204,9 @@ class BudgetKeeper:
                 usage = self.usage_bytes()
             return usage <= goal
 
-        question = marks.question_relevance
-
-        def by_score(state: SpanState, tier: Tier) -> list[Span]:
-            # What this turn's user message needs least goes first, then the lowest commit score.
-            chosen = (s for s in spans if s.state is state and s.tier is tier)
-            return sorted(chosen, key=lambda s: (question.get(s.span_id, 0.0), s.score, s.start))
+        def in_order(state: SpanState, tier: Tier) -> list[Span]:
+            # What this turn's user message does not need first, least value per byte first.
+            return demotion_order((s for s in spans if s.state is state and s.tier is tier), marks)
 
         # 1. The grace queue: evictable spans go first, oldest first.
         evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
@@ -217,11 +216,11 @@ class BudgetKeeper:
         if self._quantize_attended(target):
             return
         usage = self.usage_bytes()
-        # 3. Committed spans on the device, lowest score first (whole spans: never re-scored).
-        if demote(by_score(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
+        # 3. Committed spans on the device, least value per byte first (whole spans: never re-scored).
+        if demote(in_order(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
             return
-        # 4. Quantized archives still count on the device: the lowest-scored go.
-        if demote(by_score(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
+        # 4. Quantized archives still count on the device: the least value per byte goes.
+        if demote(in_order(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
             return
         # 5. Last resort: what recall brought in for this turn, least relevant first.
         relevance = marks.relevance
@@ -234,8 +233,8 @@ class BudgetKeeper:
     def _quantize_attended(self, target: int) -> bool:
         """Quantize device spans in attention, lowest priority first, until usage <= `target`.
 
-        Priority, lowest first (the lifecycle's own order): committed spans by relevance to
-        this turn's user message, then by score; spans recalled for this turn by relevance;
+        Priority, lowest first (the lifecycle's own order): committed spans in the demotion
+        order (`agentkv.lifecycle.demotion`); spans recalled for this turn by relevance;
         the current turn's active spans oldest first; pinned spans last. The store keeps
         the attention sinks and the residual window in full precision. Returns whether
         usage is at `target`.
@@ -246,16 +245,14 @@ class BudgetKeeper:
         marks = self.marks
         device = [s for s in self.table.spans if s.tier is Tier.DEVICE and s.state is not SpanState.EVICTABLE]
 
-        question = marks.question_relevance
-
-        def rank(span: Span) -> tuple[int, float, float, int]:
+        def rank(span: Span) -> tuple[int, bool, float, int]:
             if span.pinned:
-                return (3, 0.0, 0.0, span.start)
+                return (3, False, 0.0, span.start)
             if span.state is SpanState.ACTIVE:
-                return (2, 0.0, 0.0, span.start)
+                return (2, False, 0.0, span.start)
             if span.span_id in marks.recalled:
-                return (1, marks.relevance.get(span.span_id, 0.0), 0.0, span.start)
-            return (0, question.get(span.span_id, 0.0), span.score, span.start)
+                return (1, False, marks.relevance.get(span.span_id, 0.0), span.start)
+            return (0, *demotion_key(span, marks))
 
         usage = self.usage_bytes()
         if usage <= target:

@@ -296,6 +296,7 @@ class LifecycleManager:
     def after_operation(self) -> None:
         """Enforce the budgets after an extend, a generate or an event."""
         with self.timer.timed("lifecycle_seconds"):
+            self.mover.commit_computed()
             self.budget.enforce()
 
     def recall(self, message: ChatMessage) -> list[int]:

@@ -15,14 +15,14 @@ class RecallMarks:
     """Spans recall made attended (or protected) for this turn: demoted last."""
     relevance: dict[int, float] = field(default_factory=dict)
     """Recall score of each span recalled this turn (the least relevant goes first under pressure)."""
-    question_relevance: dict[int, float] = field(default_factory=dict)
-    """Relevance to this turn's user message of every attended span recall ranked (absent = none)."""
+    needed: set[int] = field(default_factory=set)
+    """Attended spans recall counts as relevant to this turn's user message: demoted after the rest."""
 
     def new_turn(self) -> None:
         """A new user turn: last turn's recall protections lapse."""
         self.recalled = set()
         self.relevance = {}
-        self.question_relevance = {}
+        self.needed = set()
 
     def mark_recalled(self, span_id: int, score: float) -> None:
         """Protect a span for this turn, with the relevance recall gave it."""

@@ -56,9 +56,12 @@ class Mover:
                 if span.tier is not Tier.DEVICE and not self._bring_back(span):
                     self._settle_failed_bring_back(span)
                     return None
-                if not span.frozen and self.compressor is not None:
+                if self.compressor is None:
+                    span.frozen = True
+                elif not span.frozen and span.n_computed == span.length:
                     self.compressor.compress_at_commit(span)
-                span.frozen = True
+                # A span committed before its KV is computed (a history sent in one call, a lazily
+                # recomputed span) is scored once the prefill computed it (`commit_computed`).
             elif target is SpanState.ARCHIVED:
                 if span.tier is Tier.DEVICE and not self._archive(span):
                     return None
@@ -81,6 +84,28 @@ class Mover:
             reason,
         )
         return Transition(span.span_id, before, target, span.tier, reason)
+
+    def commit_computed(self) -> int:
+        """Score and compress, once, the committed spans whose KV a prefill has just computed.
+
+        Commit-time scoring reads the span's own keys and attention, so a span committed
+        while its tokens were still pending is scored here, after the forward that
+        computed them, instead of being frozen with no score. Returns how many.
+        """
+        if self.compressor is None:
+            return 0
+        late = [
+            s
+            for s in self.table.spans
+            if s.state is SpanState.COMMITTED
+            and not s.frozen
+            and s.tier is Tier.DEVICE
+            and s.n_computed == s.length
+        ]
+        with self.timer.timed("store_seconds"):
+            for span in late:
+                self.compressor.compress_at_commit(span)
+        return len(late)
 
     def move_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.

@@ -66,6 +66,10 @@ class SessionPort(Protocol):
         """One token's text (recall counts word overlap on it)."""
         ...
 
+    def background_logprobs(self) -> Any:
+        """The model's next-token log-probs `[V]` after a newline alone, or None (recall's word weights)."""
+        ...
+
     def token_embeddings(self) -> Any:
         """The model's input embedding module, or None (recall's embedding signal)."""
         ...

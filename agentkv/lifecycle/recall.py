@@ -21,7 +21,7 @@ from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.recall_ranking import choose_within_room, rank_for_recall
+from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
@@ -54,7 +54,10 @@ class Recaller:
         self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
         self.enabled = enabled and config.enabled
-        self._token_keys: dict[int, str] = {}
+        self._token_texts: dict[int, str] = {}
+        self._logprobs: Any = None
+        """The model's background log-probs `[V]` once asked (False: the port has none)."""
+        self._word_information: dict[str, float] = {}
         self._memo: dict[Any, Any] = {}
         """Per-span recall features and embeddings, computed once (`rank_for_recall(memo=...)`)."""
 
@@ -73,10 +76,9 @@ class Recaller:
         result at tight budgets, precisely where it matters. `max_spans` bounds the spans
         brought back; protecting an attended span only spends budget room.
 
-        Every attended span's relevance to the message is kept for the turn
-        (`RecallMarks.question_relevance`): under pressure the budget demotes what the
-        message needs least first, so recall runs under any budget, not only once
-        something was archived.
+        The attended spans relevant to the message are kept for the turn
+        (`RecallMarks.needed`): under pressure the budget demotes them after the rest,
+        so recall runs under any budget, not only once something was archived.
 
         Returns:
             Ids of the spans brought back to the device (restored or recomputed).
@@ -97,27 +99,25 @@ class Recaller:
             s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
         ]
         with self.timer.timed("policy_seconds"):
-            query = self.port.encode_text(message.content)
             units, pages = self._units(demoted, attended)
             ranked = rank_for_recall(
-                query,
+                message.content,
                 units,
                 spans,
+                text_of=self._text,
+                query_ids=self.port.encode_text(message.content),
+                information=self._information(),
                 embed=self.port.token_embeddings(),
-                canonical=self._canonical,
                 memo=self._memo,
             )
             if self.pages.enabled:
                 ranked = self._add_attention(ranked, pages, demoted + attended)
-        attended_ids = {s.span_id for s in attended}
-        self.marks.question_relevance = {
-            span.span_id: score for span, score in ranked if span.span_id in attended_ids
-        }
         ranked = [
             (span, score)
             for span, score in ranked
             if score > 0 and (config.min_score is None or score >= config.min_score)
         ]
+        self.marks.needed = self._needed(ranked, attended)
         floor = self._floor()
         costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
         picked = choose_within_room(ranked, costs, self._room(floor), relative_floor=config.relative_floor)
@@ -152,6 +152,17 @@ class Recaller:
         if recalled or exact:
             self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
         return recalled + exact
+
+    def _needed(self, ranked: list[tuple[Span, float]], attended: list[Span]) -> set[int]:
+        """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
+
+        The budget demotes them after every other committed span (`agentkv.lifecycle.demotion`).
+        """
+        if not ranked:
+            return set()
+        floor = ranked[0][1] * self.config.relative_floor
+        ids = {s.span_id for s in attended}
+        return {span.span_id for span, score in ranked if span.span_id in ids and score >= floor}
 
     def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
         """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
@@ -239,10 +250,37 @@ class Recaller:
         store = self.port.store
         return store.attended_floor() if isinstance(store, AttendedQuantizer) else None
 
-    def _canonical(self, token: int) -> str:
-        """A token's stripped, casefolded text: the key recall counts word overlap on (cached)."""
-        key = self._token_keys.get(token)
-        if key is None:
-            key = self.port.token_text(token).strip().casefold()
-            self._token_keys[token] = key
-        return key
+    def _text(self, span: Span) -> str:
+        """A span's text, from its tokens' texts (cached per token; `rank_for_recall` caches per span)."""
+        pieces = self._token_texts
+        out = []
+        for token in span.token_ids:
+            text = pieces.get(token)
+            if text is None:
+                text = pieces[token] = self.port.token_text(token)
+            out.append(text)
+        return "".join(out)
+
+    def _information(self) -> Information | None:
+        """A word's surprisal under the model with no context but a newline (None: no local model).
+
+        The word is looked up by its first token with a leading space, the way it
+        appears inside a sentence; the model's distribution is computed once per backend.
+        """
+        if self._logprobs is None:
+            self._logprobs = self.port.background_logprobs()
+            if self._logprobs is None:
+                self._logprobs = False
+        logprobs = self._logprobs
+        if logprobs is False:
+            return None
+        cache = self._word_information
+
+        def information(word: str) -> float:
+            value = cache.get(word)
+            if value is None:
+                ids = self.port.encode_text(" " + word)
+                value = cache[word] = float(-logprobs[ids[0]]) if ids else 0.0
+            return value
+
+        return information

@@ -128,7 +128,11 @@ class FakePort:
         return [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]
 
     def token_text(self, token: int) -> str:
-        return next(word for word, i in self.vocabulary.items() if i == token)
+        # Each simulated token is one word; like byte-level BPE, it carries its leading space.
+        return " " + next(word for word, i in self.vocabulary.items() if i == token)
+
+    def background_logprobs(self) -> Any:
+        return None
 
     def token_embeddings(self) -> Any:
         return None
