@@ -148,7 +148,11 @@ class Recaller:
                 self.table.counters.page_recalled_tokens += len(set(offsets) & set(span.kept_offsets))
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
-        exact = self.exact.recompute(protected, floor)
+        # Room left after the protected spans goes to the next most relevant attended spans.
+        protected_ids = {s.span_id for s in protected}
+        attended_ids = {s.span_id for s in attended}
+        others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
+        exact = self.exact.recompute(protected + others, floor)
         if recalled or exact:
             self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
         return recalled + exact
