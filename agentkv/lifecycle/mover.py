@@ -58,10 +58,10 @@ class Mover:
                     return None
                 if self.compressor is None:
                     span.frozen = True
-                elif not span.frozen and span.n_computed == span.length:
-                    self.compressor.compress_at_commit(span)
-                # A span committed before its KV is computed (a history sent in one call, a lazily
-                # recomputed span) is scored once the prefill computed it (`commit_computed`).
+                elif not span.frozen and span.n_computed > 0:
+                    self.compressor.compress_at_commit(span)  # a pending tail joins `kept` later
+                # A span committed before any of its KV is computed (a history sent in one call, a
+                # lazily recomputed span) is scored once the prefill computed it (`commit_computed`).
             elif target is SpanState.ARCHIVED:
                 if span.tier is Tier.DEVICE and not self._archive(span):
                     return None
