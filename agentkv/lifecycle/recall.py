@@ -117,7 +117,8 @@ class Recaller:
             for span, score in ranked
             if score > 0 and (config.min_score is None or score >= config.min_score)
         ]
-        self.marks.needed = self._needed(ranked, attended)
+        attended_ids = {s.span_id for s in attended}
+        self.marks.needed = self._needed(ranked, attended_ids)
         floor = self._floor()
         costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
         picked = choose_within_room(ranked, costs, self._room(floor), relative_floor=config.relative_floor)
@@ -150,14 +151,13 @@ class Recaller:
                 self.marks.mark_recalled(span.span_id, score)
         # Room left after the protected spans goes to the next most relevant attended spans.
         protected_ids = {s.span_id for s in protected}
-        attended_ids = {s.span_id for s in attended}
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
         exact = self.exact.recompute(protected + others, floor)
         if recalled or exact:
             self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
         return recalled + exact
 
-    def _needed(self, ranked: list[tuple[Span, float]], attended: list[Span]) -> set[int]:
+    def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
         """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
 
         The budget demotes them after every other committed span (`agentkv.lifecycle.demotion`).
@@ -165,8 +165,7 @@ class Recaller:
         if not ranked:
             return set()
         floor = ranked[0][1] * self.config.relative_floor
-        ids = {s.span_id for s in attended}
-        return {span.span_id for span, score in ranked if span.span_id in ids and score >= floor}
+        return {span.span_id for span, score in ranked if span.span_id in attended_ids and score >= floor}
 
     def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
         """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
