@@ -88,6 +88,31 @@ class SessionServices:
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
 
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+        """Recompute some of an attended span's tokens in full precision, replacing the KV held for them.
+
+        The tokens are run at their logical positions over the cache as it is, their old
+        (quantized) copies masked out; the old copies are removed only once the forward
+        succeeded, so a failure leaves the span as it was. Exact page recall uses it
+        (`agentkv.lifecycle.exact_recall`).
+
+        Raises:
+            ValueError: some offset is not held in the attended cache.
+        """
+        physical = self.session.store.physical
+        physical.compact_pending()
+        wanted = sorted(set(offsets))
+        old = physical.slots_of(span.span_id, wanted)
+        if int(old.numel()) != len(wanted):
+            msg = f"span {span.span_id}: {len(wanted) - int(old.numel())} of the offsets are not attended"
+            raise ValueError(msg)
+        positions = [span.start + o for o in wanted]
+        feed = Feed([span.token_ids[o] for o in wanted], positions, [span.span_id] * len(wanted), wanted)
+        mask = self.session.runner.logical_mask(physical, positions, hidden=old)
+        with self.session.backend.model_lock:
+            self.session.forward(feed, logits="none", attention_mask=mask)
+        physical.remove(old)
+
     def question_queries(self) -> tuple[torch.Tensor, ...] | None:
         """Per layer, the RoPE'd queries `[H_q, m, D]` of the last pending span; the cache is unchanged."""
         pending = [s for s in self.session.table.spans if s.n_computed < s.length]

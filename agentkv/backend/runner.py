@@ -199,11 +199,14 @@ class ModelRunner:
         cache.observe_window(attention, probe.heavy_attention() if heavy else None)
         return logits
 
-    def logical_mask(self, cache: PhysicalCache, positions: list[int]) -> torch.Tensor:
+    def logical_mask(
+        self, cache: PhysicalCache, positions: list[int], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.
 
         Used to recompute (rehydrate) a span in the middle of the logical sequence: it
-        must not see tokens that came after it in the conversation.
+        must not see tokens that came after it in the conversation. `hidden` (`long`,
+        physical slots) are masked out as well: the old copies of tokens being recomputed.
 
         Transformers hands a 4D mask to the attention function as it is, and the
         functions read it differently: SDPA takes a bool mask (True = attend), while
@@ -220,6 +223,8 @@ class ModelRunner:
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
         keys = torch.cat([past, new])  # [S + n]
         allowed = (keys[None, :] <= new[:, None])[None, None]  # [1, 1, n, S + n], True = attend
+        if hidden is not None and hidden.numel():
+            allowed[..., hidden.to(self.device)] = False
         implementation = self.attention_implementation
         if implementation == "sdpa":
             return allowed
@@ -232,8 +237,8 @@ class ModelRunner:
             raise ValueError(msg)
         # eager, flex and other kernels that add the mask: 0 = attend, dtype min = hidden,
         # in the model's dtype, as transformers' own `eager_mask` builds it.
-        hidden = torch.finfo(self.dtype).min
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, hidden)
+        lowest = torch.finfo(self.dtype).min
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)
 
     @property
     def attention_implementation(self) -> str:

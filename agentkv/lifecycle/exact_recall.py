@@ -6,6 +6,12 @@ precision is copied exactly. Recall knows which attended spans the new user mess
 needs (`agentkv.lifecycle.recall`); those the attended quantized tier holds at int4
 are recomputed from their token ids, best first, while the room allows.
 
+A relevant span too long for the room is recomputed in part: its pages
+(`agentkv.lifecycle.exact_pages`) that the caller ranks as relevant are recomputed
+in full precision, best first, while the room allows; the rest of the span stays
+attended at int4. A page is recomputed over the cache as it is (the span's own
+earlier tokens at int4 included) and replaces the quantized KV of its tokens.
+
 The room is the low watermark minus what the device would hold with every other
 attended token at the floor of the demotion order (`AttendedFloor`). The budget
 check after the prefill quantizes committed spans before recalled ones, so an
@@ -16,6 +22,8 @@ archive anything. A recomputed span attends its context as the cache holds it no
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
@@ -23,6 +31,9 @@ from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
+
+RankedPages = Callable[[Span, list[int]], list[tuple[int, ...]]]
+"""`(span, offsets held quantized) -> [page offsets]`: the pages worth recomputing, best first."""
 
 
 class ExactRecall:
@@ -46,11 +57,16 @@ class ExactRecall:
         self.timer = timer
         self.enabled = enabled
 
-    def recompute(self, spans: list[Span], floor: AttendedFloor | None) -> list[int]:
+    def recompute(
+        self, spans: list[Span], floor: AttendedFloor | None, pages: RankedPages | None = None
+    ) -> list[int]:
         """Recompute `spans` (relevant, attended, best first) that are held quantized, while the room allows.
 
+        A span that does not fit whole has its best pages recomputed instead, when
+        `pages` ranks them and the session can recompute single tokens.
+
         Returns:
-            Ids of the spans recomputed at full precision.
+            Ids of the spans recomputed at full precision, whole or in part.
         """
         store = self.port.store
         limit = self.budget.effective_limit()
@@ -63,18 +79,61 @@ class ExactRecall:
         }
         room = int(limit * self.budget.limits.low) - self._floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
-        exact: list[int] = []
-        with store.deferred_removal():  # one compaction for every span dropped here
-            for span in spans:
-                if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
-                    continue
-                extra = span.length * extra_per_token
-                if extra > room or not self._recompute(span, store):
-                    continue
+        recompute_offsets: Callable[..., None] | None = getattr(self.port, "recompute_offsets", None)
+        if not callable(recompute_offsets):
+            pages = None
+        whole: list[Span] = []
+        parts: list[tuple[Span, list[int]]] = []
+        for span in spans:
+            if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
+                continue
+            extra = span.length * extra_per_token
+            if extra <= room:
+                whole.append(span)
                 room -= extra
-                self.table.counters.exact_recalled_tokens += span.length
-                exact.append(span.span_id)
+            elif pages is not None and room >= extra_per_token:
+                relevant = pages(span, store.quantized_offsets(span))
+                offsets, room = self._pages_within(relevant, room, extra_per_token)
+                if offsets:
+                    parts.append((span, offsets))
+        exact: list[int] = []
+        # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
+        # in the conversation must attend it.
+        with store.deferred_removal():  # one compaction for every span dropped here
+            for span, offsets in parts:
+                assert recompute_offsets is not None
+                if self._recompute_offsets(span, offsets, recompute_offsets):
+                    exact.append(span.span_id)
+            for span in whole:
+                if self._recompute(span, store):
+                    self.table.counters.exact_recalled_tokens += span.length
+                    exact.append(span.span_id)
         return exact
+
+    @staticmethod
+    def _pages_within(
+        pages: Sequence[tuple[int, ...]], room: int, extra_per_token: int
+    ) -> tuple[list[int], int]:
+        """Offsets of the pages that fit, taken best first, and the room left."""
+        chosen: list[int] = []
+        for offsets in pages:
+            cost = len(offsets) * extra_per_token
+            if cost <= room:
+                chosen.extend(offsets)
+                room -= cost
+        return sorted(chosen), room
+
+    def _recompute_offsets(self, span: Span, offsets: list[int], recompute: Callable[..., None]) -> bool:
+        """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
+        with self.timer.timed("store_seconds"):
+            try:
+                recompute(span, offsets)
+            except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
+                self.mover.fault("exact page recall", span, e)
+                return False
+        self.table.counters.exact_recalled_tokens += len(offsets)
+        self.table.counters.rehydrated_tokens += len(offsets)
+        return True
 
     def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
         """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.

@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 class SessionPort(Protocol):
     """The services a session offers its lifecycle manager.
 
-    Two optional services are looked up by name, so stores without a model (the
+    Three optional services are looked up by name, so stores without a model (the
     simulated tests, a served engine) need not offer them: `question_queries()`
     (per layer, the RoPE'd queries `[H_q, m, D]` of the pending user message over
-    the attended cache; page recall) and `window_attention(token_ids)` (`[S]`
+    the attended cache; page recall), `window_attention(token_ids)` (`[S]`
     attention the attended slots get from tokens read after the conversation's end;
-    question-observed compression). Both leave the cache as it was.
+    question-observed compression), both leaving the cache as it was, and
+    `recompute_offsets(span, offsets)` (some of an attended span's tokens recomputed
+    in full precision in place of their quantized KV; exact page recall).
     """
 
     @property

@@ -16,7 +16,8 @@ from typing import Any
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.budget import BudgetKeeper
-from agentkv.lifecycle.exact_recall import ExactRecall
+from agentkv.lifecycle.exact_pages import PageNames, text_pages
+from agentkv.lifecycle.exact_recall import ExactRecall, RankedPages
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
@@ -51,7 +52,14 @@ class Recaller:
         self.timer = timer
         self.pages = pages
         """Page digests and scores (page recall, `recall.pages`)."""
-        self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
+        self.exact = ExactRecall(
+            port,
+            budget,
+            mover,
+            marks,
+            timer,
+            enabled=config.recompute_quantized,
+        )
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
@@ -60,6 +68,8 @@ class Recaller:
         self._word_information: dict[str, float] = {}
         self._memo: dict[Any, Any] = {}
         """Per-span recall features and embeddings, computed once (`rank_for_recall(memo=...)`)."""
+        self._page_names = PageNames()
+        """Stand-ins for the pages exact recall ranks (ids of their own, so the memo never mixes them)."""
 
     def recall(self, message: ChatMessage) -> list[int]:
         """Before answering a new user turn, make the spans most relevant to it attended.
@@ -100,12 +110,13 @@ class Recaller:
         ]
         with self.timer.timed("policy_seconds"):
             units, pages = self._units(demoted, attended)
+            query_ids = self.port.encode_text(message.content)
             ranked = rank_for_recall(
                 message.content,
                 units,
                 spans,
                 text_of=self._text,
-                query_ids=self.port.encode_text(message.content),
+                query_ids=query_ids,
                 information=self._information(),
                 embed=self.port.token_embeddings(),
                 memo=self._memo,
@@ -152,10 +163,43 @@ class Recaller:
         # Room left after the protected spans goes to the next most relevant attended spans.
         protected_ids = {s.span_id for s in protected}
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
-        exact = self.exact.recompute(protected + others, floor)
+        pages_of = self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0)
+        exact = self.exact.recompute(protected + others, floor, pages_of)
         if recalled or exact:
             self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
         return recalled + exact
+
+    def _ranked_pages(self, message: ChatMessage, query_ids: list[int], best: float) -> RankedPages:
+        """Exact recall's pages: a span's quantized offsets cut into pages, ranked like spans.
+
+        A page is worth recomputing when it is at least `relative_floor` times as relevant
+        as the best unit recall ranked (`best`), the rule by which spans compete for recall:
+        the page holding the words the question asks about, not a line of a weakly matching
+        span that shares only "on" with it.
+        """
+
+        def ranked_pages(span: Span, offsets: list[int]) -> list[tuple[int, ...]]:
+            texts = [self._token_text(span.token_ids[o]) for o in offsets]
+            stand_ins = [
+                (self._page_names.stand_in(span, page), page)
+                for page in text_pages(offsets, texts, self.config.page_tokens)
+            ]
+            page_of = {stand_in.span_id: page for stand_in, page in stand_ins}
+            with self.timer.timed("policy_seconds"):
+                ranked = rank_for_recall(
+                    message.content,
+                    [stand_in for stand_in, _ in stand_ins],
+                    self.table.spans,
+                    text_of=self._text,
+                    query_ids=query_ids,
+                    information=self._information(),
+                    embed=self.port.token_embeddings(),
+                    memo=self._memo,
+                )
+            least = self.config.relative_floor * best
+            return [page_of[unit.span_id] for unit, score in ranked if score > 0 and score >= least]
+
+        return ranked_pages
 
     def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
         """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
@@ -255,14 +299,14 @@ class Recaller:
 
     def _text(self, span: Span) -> str:
         """A span's text, from its tokens' texts (cached per token; `rank_for_recall` caches per span)."""
-        pieces = self._token_texts
-        out = []
-        for token in span.token_ids:
-            text = pieces.get(token)
-            if text is None:
-                text = pieces[token] = self.port.token_text(token)
-            out.append(text)
-        return "".join(out)
+        return "".join(self._token_text(token) for token in span.token_ids)
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, cached."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.port.token_text(token)
+        return text
 
     def _information(self) -> Information | None:
         """A word's surprisal under the model with no context but a newline (None: no local model).

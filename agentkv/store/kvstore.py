@@ -244,6 +244,12 @@ class KVStore:
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
         return int(physical.quantized_mask(slots).sum())
 
+    def quantized_offsets(self, span: Span) -> list[int]:
+        """Offsets of the span's tokens held quantized in attention, sorted."""
+        physical = self.physical
+        slots = physical.slots_of(span.span_id)
+        return sorted(physical.slot_offset[slots[physical.quantized_mask(slots)]].tolist())
+
     def compress(self, span: Span, keep_offsets: list[int]) -> int:
         """Keep only some of a device span's tokens (commit-time compression). Returns tokens dropped."""
         self._require(span, Tier.DEVICE, "compress")

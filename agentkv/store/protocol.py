@@ -155,6 +155,10 @@ class AttendedQuantizer(Protocol):
         """Slots held quantized in attention (of one span, or all)."""
         ...
 
+    def quantized_offsets(self, span: Span) -> list[int]:
+        """Offsets of the span's tokens held quantized in attention, sorted."""
+        ...
+
     def recompute_pending(self, span: Span) -> None:
         """Drop an attended, uncompressed span's KV, its tokens pending: the next forward recomputes them."""
         ...

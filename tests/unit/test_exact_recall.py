@@ -174,3 +174,86 @@ def test_room_left_after_the_protected_spans_goes_to_the_next_relevant_one(
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=100_000)
     assert session.store.attended_quantized_tokens(tool) == 0, "recomputed at full precision"
     assert session.stats().exact_recalled_tokens >= tool.length
+
+
+def page_of_code(session: Any, tool: Span) -> list[int]:
+    """Offsets of the tool result's tokens that spell the error code."""
+    texts = [session.backend.tokenizer.decode([t]) for t in tool.token_ids]
+    ends = [len("".join(texts[: i + 1])) for i in range(len(texts))]
+    start = "".join(texts).index("KX7-4471")
+    return [i for i, end in enumerate(ends) if start < end <= start + len("KX7-4471") + len(texts[i])]
+
+
+def test_a_span_too_long_for_the_room_gets_the_page_the_question_quotes_recomputed(tiny_model, tiny_tokenizer):
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    total, tool_tokens = free.logical_length, tool_span(free).length
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    # Room at the floor for a quarter of the tool result in full precision, not for all of it.
+    at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
+    budget_tokens = int(at_floor / (low * bpt)) + 8
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    assert tool.tier is Tier.DEVICE and tool.kept is None
+    quantized = set(session.store.quantized_offsets(tool))
+    code = page_of_code(session, tool)
+    assert not quantized & set(code), "the page holding the asked-for code is in full precision"
+    assert quantized, "the rest of the tool result stays attended at int4"
+    recomputed = session.stats().exact_recalled_tokens
+    assert len(code) <= recomputed < tool.length
+    assert session.stats().budget_satisfied
+
+
+def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_model, tiny_tokenizer):
+    """Recomputing tokens in place replaces their int4 KV by exactly what the full cache holds there.
+
+    The first page of the tool result attends only exact tokens (everything before the
+    tool result, and its own page), so its recomputed keys and values are the full cache's.
+    """
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(history())
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("t")
+    session.extend(history())
+    tool = tool_span(session)
+    session.store.quantize_attended(tool)
+    page = session.store.quantized_offsets(tool)[:24]
+    assert page and page == list(range(page[0], page[0] + 24))
+    before = session.store.physical.length
+    session.manager.port.recompute_offsets(tool, page)
+    session.check()
+    assert session.store.physical.length == before, "the page replaced its old copies"
+    assert not set(page) & set(session.store.quantized_offsets(tool))
+    physical, reference = session.store.physical, free.store.physical
+    got = physical.slots_of(tool.span_id, page)
+    want = reference.slots_of(tool_span(free).span_id, page)
+    for layer in range(physical.num_layers):
+        torch.testing.assert_close(
+            physical.layer_keys_at(layer, got), reference.layer_keys_at(layer, want), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantized(
+    tiny_model, tiny_tokenizer, monkeypatch
+):
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    total, tool_tokens = free.logical_length, tool_span(free).length
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
+    budget_tokens = int(at_floor / (low * bpt)) + 8
+
+    def broken(span: Span, offsets: Any) -> None:
+        raise RuntimeError("device lost")
+
+    session, tool = quantized_then_asked(
+        tiny_model,
+        tiny_tokenizer,
+        budget_tokens=budget_tokens,
+        on_ask=lambda s: monkeypatch.setattr(s.manager.port, "recompute_offsets", broken),
+    )
+    assert session.stats().faults >= 1
+    assert set(page_of_code(session, tool)) <= set(session.store.quantized_offsets(tool))
+    assert tool.tier is Tier.DEVICE and tool.state is SpanState.COMMITTED
