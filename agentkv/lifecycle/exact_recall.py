@@ -9,8 +9,11 @@ are recomputed from their token ids, best first, while the room allows.
 A relevant span too long for the room is recomputed in part: its pages
 (`agentkv.lifecycle.exact_pages`) that the caller ranks as relevant are recomputed
 in full precision, best first, while the room allows; the rest of the span stays
-attended at int4. A page is recomputed over the cache as it is (the span's own
-earlier tokens at int4 included) and replaces the quantized KV of its tokens.
+attended at int4. The pages next to the chosen ones come next (the following page
+first), before any less relevant span: a log entry or a table row often continues
+on the line after the one the question's words match. A page is
+recomputed over the cache as it is (the span's own earlier tokens at int4 included)
+and replaces the quantized KV of its tokens.
 
 The room is the low watermark minus what the device would hold with every other
 attended token at the floor of the demotion order (`AttendedFloor`). The budget
@@ -22,7 +25,8 @@ archive anything. A recomputed span attends its context as the cache holds it no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.marks import RecallMarks
@@ -32,8 +36,29 @@ from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
-RankedPages = Callable[[Span, list[int]], list[tuple[int, ...]]]
-"""`(span, offsets held quantized) -> [page offsets]`: the pages worth recomputing, best first."""
+
+@dataclass(frozen=True)
+class SpanPages:
+    """A quantized span cut into pages, and which of them the question needs."""
+
+    pages: list[tuple[int, ...]]
+    """Each page's span offsets, in text order."""
+    relevant: list[int]
+    """Indices into `pages` of the pages worth recomputing, best first."""
+
+    def context(self, chosen: Iterable[int]) -> list[int]:
+        """The pages next to the `chosen` ones (the following page first), not chosen themselves."""
+        taken = set(chosen)
+        out: list[int] = []
+        for i in sorted(taken):
+            for j in (i + 1, i - 1):
+                if 0 <= j < len(self.pages) and j not in taken and j not in out:
+                    out.append(j)
+        return out
+
+
+RankedPages = Callable[[Span, list[int]], SpanPages]
+"""`(span, offsets held quantized) -> SpanPages`: the caller's cut and ranking of a span's pages."""
 
 
 class ExactRecall:
@@ -83,7 +108,7 @@ class ExactRecall:
         if not callable(recompute_offsets):
             pages = None
         whole: list[Span] = []
-        parts: list[tuple[Span, list[int]]] = []
+        parts: list[tuple[Span, SpanPages, list[int]]] = []
         for span in spans:
             if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
                 continue
@@ -92,16 +117,18 @@ class ExactRecall:
                 whole.append(span)
                 room -= extra
             elif pages is not None and room >= extra_per_token:
-                relevant = pages(span, store.quantized_offsets(span))
-                offsets, room = self._pages_within(relevant, room, extra_per_token)
-                if offsets:
-                    parts.append((span, offsets))
+                cut = pages(span, store.quantized_offsets(span))
+                chosen, room = self._fit(cut, cut.relevant, room, extra_per_token)
+                if chosen:
+                    more, room = self._fit(cut, cut.context(chosen), room, extra_per_token)
+                    parts.append((span, cut, chosen + more))
         exact: list[int] = []
         # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
-            for span, offsets in parts:
+            for span, cut, chosen in parts:
                 assert recompute_offsets is not None
+                offsets = sorted(o for i in chosen for o in cut.pages[i])
                 if self._recompute_offsets(span, offsets, recompute_offsets):
                     exact.append(span.span_id)
             for span in whole:
@@ -111,17 +138,15 @@ class ExactRecall:
         return exact
 
     @staticmethod
-    def _pages_within(
-        pages: Sequence[tuple[int, ...]], room: int, extra_per_token: int
-    ) -> tuple[list[int], int]:
-        """Offsets of the pages that fit, taken best first, and the room left."""
+    def _fit(cut: SpanPages, indices: list[int], room: int, extra_per_token: int) -> tuple[list[int], int]:
+        """The pages among `indices` that fit, taken in that order, and the room left."""
         chosen: list[int] = []
-        for offsets in pages:
-            cost = len(offsets) * extra_per_token
+        for i in indices:
+            cost = len(cut.pages[i]) * extra_per_token
             if cost <= room:
-                chosen.extend(offsets)
+                chosen.append(i)
                 room -= cost
-        return sorted(chosen), room
+        return chosen, room
 
     def _recompute_offsets(self, span: Span, offsets: list[int], recompute: Callable[..., None]) -> bool:
         """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""

@@ -17,7 +17,7 @@ from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.exact_pages import PageNames, text_pages
-from agentkv.lifecycle.exact_recall import ExactRecall, RankedPages
+from agentkv.lifecycle.exact_recall import ExactRecall, RankedPages, SpanPages
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
@@ -52,14 +52,7 @@ class Recaller:
         self.timer = timer
         self.pages = pages
         """Page digests and scores (page recall, `recall.pages`)."""
-        self.exact = ExactRecall(
-            port,
-            budget,
-            mover,
-            marks,
-            timer,
-            enabled=config.recompute_quantized,
-        )
+        self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
@@ -178,17 +171,15 @@ class Recaller:
         span that shares only "on" with it.
         """
 
-        def ranked_pages(span: Span, offsets: list[int]) -> list[tuple[int, ...]]:
+        def ranked_pages(span: Span, offsets: list[int]) -> SpanPages:
             texts = [self._token_text(span.token_ids[o]) for o in offsets]
-            stand_ins = [
-                (self._page_names.stand_in(span, page), page)
-                for page in text_pages(offsets, texts, self.config.page_tokens)
-            ]
-            page_of = {stand_in.span_id: page for stand_in, page in stand_ins}
+            cut = text_pages(offsets, texts, self.config.page_tokens)
+            stand_ins = [self._page_names.stand_in(span, page) for page in cut]
+            index_of = {stand_in.span_id: i for i, stand_in in enumerate(stand_ins)}
             with self.timer.timed("policy_seconds"):
                 ranked = rank_for_recall(
                     message.content,
-                    [stand_in for stand_in, _ in stand_ins],
+                    stand_ins,
                     self.table.spans,
                     text_of=self._text,
                     query_ids=query_ids,
@@ -197,7 +188,8 @@ class Recaller:
                     memo=self._memo,
                 )
             least = self.config.relative_floor * best
-            return [page_of[unit.span_id] for unit, score in ranked if score > 0 and score >= least]
+            relevant = [index_of[unit.span_id] for unit, score in ranked if score > 0 and score >= least]
+            return SpanPages(cut, relevant)
 
         return ranked_pages
 

@@ -184,7 +184,7 @@ def page_of_code(session: Any, tool: Span) -> list[int]:
     return [i for i, end in enumerate(ends) if start < end <= start + len("KX7-4471") + len(texts[i])]
 
 
-def test_a_span_too_long_for_the_room_gets_the_page_the_question_quotes_recomputed(tiny_model, tiny_tokenizer):
+def test_a_span_too_long_for_the_room_gets_the_quoted_page_recomputed(tiny_model, tiny_tokenizer):
     free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
     free.extend(asked())
     floor = free.store.attended_floor()
