@@ -108,6 +108,15 @@ METHODS: dict[str, Method] = {
             events=True,
             extra={"quantization": {"attended_bits": 2, "attended_key_bits": 4}},
         ),
+        # Keys at 8 bits in two 4-bit planes (agentkv.store.key_planes), values at 4: under more pressure
+        # a span's keys drop to 4 bits before any span is archived.
+        Method(
+            "agentkv-k8",
+            "lifecycle",
+            archive_tier=NOHOST_TIER,
+            events=True,
+            extra={"quantization": {"attended_bits": 4, "attended_key_bits": 8}},
+        ),
         # Lever 2: archived spans recalled by pages (Quest digests + word overlap), nothing on host.
         Method("agentkv-pages", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=PAGES),
         # Lever 3: tool results compressed at commit by their turn's question (SnapKV window).

@@ -11,7 +11,8 @@ Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`)
   demotion order of `agentkv.lifecycle.demotion`, then recalled, then the current
   turn, then pinned); then committed spans are archived in that order, then
   quantized archives are evicted. Demotion order: full
-  precision -> attended quantized -> archived -> evicted. Spans were compressed
+  precision -> attended quantized (keys at 8 bits, then at 4, when the tier holds
+  8-bit keys) -> archived -> evicted. Spans were compressed
   once, at commit.
 - *token mode* (generic baselines: window, StreamingLLM, H2O, SnapKV, …): pressure
   re-scores every attended token and keeps the top ones, as those methods do.
@@ -236,8 +237,10 @@ class BudgetKeeper:
         Priority, lowest first (the lifecycle's own order): committed spans in the demotion
         order (`agentkv.lifecycle.demotion`); spans recalled for this turn by relevance;
         the current turn's active spans oldest first; pinned spans last. The store keeps
-        the attention sinks and the residual window in full precision. Returns whether
-        usage is at `target`.
+        the attention sinks and the residual window in full precision. With 8-bit keys,
+        every candidate is quantized before any span's keys drop to 4 bits (in the same
+        order): a span's keys go to 4 bits only when quantizing all of them did not
+        suffice. Returns whether usage is at `target`.
         """
         store = self.port.store
         if not isinstance(store, AttendedQuantizer):
@@ -269,6 +272,9 @@ class BudgetKeeper:
                         return True
                     if store.quantize_attended(span):
                         usage = self.usage_bytes()
+                if usage > target:  # 8-bit keys: hold them at 4 bits, same order, before archiving
+                    store.coarsen_attended_until(ranked, usage - target)
+                    usage = self.usage_bytes()
             except Exception as e:  # noqa: BLE001 - every slot is still attended: archive instead
                 self.mover.fault("quantization in attention", None, e)
                 return self.usage_bytes() <= target

@@ -189,12 +189,16 @@ class ExactRecall:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
         What the device counts now (attended KV, quantized archives, digests), less the
-        evictable spans (the budget drops them first), less what quantizing the exact
+        evictable spans (the budget drops them first), less the fine planes of 8-bit keys
+        (the budget drops them before archiving anything), less what quantizing the exact
         tokens would free (the sinks and the residual window stay exact), plus the new
         message's pending tokens at their quantized size. `quantized`: each device span's
         slots held quantized now.
         """
+        store = self.port.store
         usage = self.budget.usage_bytes()
+        if isinstance(store, AttendedQuantizer):
+            usage -= store.fine_key_bytes()
         exact_held = 0
         pending = 0
         for span in self.table.spans:

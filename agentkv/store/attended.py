@@ -50,6 +50,7 @@ import torch
 
 from agentkv.store.attended_read import ReadPlan, read_layer, read_plan
 from agentkv.store.cache import SharedPrefixLayer
+from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, add_fine, coarse_stats, split_planes
 from agentkv.store.kivi import (
     quantize_keys,
     quantize_values,
@@ -60,12 +61,16 @@ from agentkv.store.kivi import (
 ATTENDED_BITS: tuple[int, ...] = (4, 2)
 """Bit widths the attended quantized tier supports."""
 
+ATTENDED_KEY_BITS: tuple[int, ...] = (PLANE_KEY_BITS, *ATTENDED_BITS)
+"""Key bit widths: 8-bit keys are held in two 4-bit planes (`agentkv.store.key_planes`)."""
+
 _LONG = torch.long
 
 _HELD = (
     "keys",
     "values",
     "key_codes",
+    "key_fine",
     "key_scales",
     "key_zeros",
     "value_codes",
@@ -103,7 +108,7 @@ class _LastRead(threading.local):
 
 def _held(layer: QuantizedAttendedLayer) -> tuple[torch.Tensor | None, ...]:
     """The tensors the layer's contents are in, and where its quantized slots sit."""
-    return (*(getattr(layer, name) for name in _HELD), layer.quant_index)
+    return (*(getattr(layer, name) for name in _HELD), layer.quant_index, layer.fine_index)
 
 
 _LAST_READ = _LastRead()
@@ -113,9 +118,12 @@ def check_attended_spec(
     bits: int, group_size: int, residual_tokens: int, head_dim: int | None = None, key_bits: int | None = None
 ) -> None:
     """Validate the attended tier's settings; raise `ValueError` naming expected, actual and allowed."""
-    for name, value in (("bits", bits), ("key_bits", bits if key_bits is None else key_bits)):
-        if isinstance(value, bool) or value not in ATTENDED_BITS:
-            msg = f"attended quantization {name}: expected one of {list(ATTENDED_BITS)}, got {value!r}"
+    for name, value, allowed in (
+        ("bits", bits, ATTENDED_BITS),
+        ("key_bits", bits if key_bits is None else key_bits, ATTENDED_KEY_BITS),
+    ):
+        if isinstance(value, bool) or value not in allowed:
+            msg = f"attended quantization {name}: expected one of {list(allowed)}, got {value!r}"
             raise ValueError(msg)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         msg = f"attended quantization group_size: expected an int >= 1, got {group_size!r}"
@@ -124,7 +132,7 @@ def check_attended_spec(
         msg = f"attended quantization residual_tokens: expected an int >= 0, got {residual_tokens!r}"
         raise ValueError(msg)
     if head_dim is not None:
-        for b in {bits, bits if key_bits is None else key_bits}:
+        for b in {bits, PLANE_BITS if key_bits == PLANE_KEY_BITS else (key_bits or bits)}:
             if head_dim % (8 // b):
                 msg = (
                     f"attended quantization: head_dim must be a multiple of {8 // b} "
@@ -142,6 +150,9 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
     - `keys`, `values`: exact slots, `[B, H, E, D]`; `exact_index`: `long [E]`, sorted;
     - `key_codes`: `uint8 [B, H, Q, D / pk]`; `key_scales`, `key_zeros`: `[B, H, Gk, D]`;
       `key_group`: `long [Q]`, the key group of each quantized slot;
+    - with 8-bit keys (`planes`), `key_codes` is the coarse plane (pk = 2) and `key_fine`
+      `uint8 [B, H, F, D / 2]` the fine plane of the slots `fine_index` (`long [F]`, sorted
+      physical slots, a subset of `quant_index`; `agentkv.store.key_planes`);
     - `value_codes`: `uint8 [B, H, Q, D / pv]`; `value_scales`, `value_zeros`: `[B, H, Q, D / Gv]`;
     - `quant_index`: `long [Q]`, sorted: the physical slot of each quantized token.
     """
@@ -162,6 +173,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.quant_index = torch.empty(0, dtype=_LONG)
         self.key_group = torch.empty(0, dtype=_LONG)
         self.key_codes: torch.Tensor | None = None
+        self.key_fine: torch.Tensor | None = None
+        self.fine_index = torch.empty(0, dtype=_LONG)
         self.key_scales: torch.Tensor | None = None
         self.key_zeros: torch.Tensor | None = None
         self.value_codes: torch.Tensor | None = None
@@ -174,6 +187,34 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         """What `full()` derives from the layout; valid while its `runs` is `_layout` (see `ReadPlan`)."""
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def planes(self) -> bool:
+        """Keys held at 8 bits in two 4-bit planes (the fine one can be dropped per slot)."""
+        return self.key_bits == PLANE_KEY_BITS
+
+    @property
+    def key_code_bits(self) -> int:
+        """Bits of each code in `key_codes` (the coarse plane's 4 with planes)."""
+        return PLANE_BITS if self.planes else self.key_bits
+
+    @property
+    def fine_length(self) -> int:
+        """Quantized slots whose keys are held at 8 bits (their fine plane is held)."""
+        return int(self.fine_index.numel())
+
+    def key_read_stats(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, zeros) `[B, H, Gk, D]` in `dtype` of the grid `key_codes` are read on."""
+        assert self.key_scales is not None and self.key_zeros is not None
+        if self.planes:
+            return coarse_stats(self.key_scales, self.key_zeros, dtype)
+        return self.key_scales.to(dtype), self.key_zeros.to(dtype)
+
+    def fine_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the fine plane goes: its slots and their key groups (`long [F]` each, on the device)."""
+        rows = torch.searchsorted(self.quant_index, self.fine_index)
+        device = self.key_codes.device if self.key_codes is not None else None
+        return self.fine_index.to(device), self.key_group[rows].to(device)
 
     @property
     def quantized_length(self) -> int:
@@ -241,7 +282,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
             return remembered
         runs = self._runs()
         if self._plan is None or self._plan.runs is not runs:
-            self._plan = read_plan(runs, self.key_group)
+            fine = self.fine_targets() if self.fine_length else None
+            self._plan = read_plan(runs, self.key_group, fine)
         result = read_layer(self, self._plan)
         _LAST_READ.put(self, result)
         return result
@@ -262,6 +304,24 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         out[:, :, ~quant] = self.keys.index_select(-2, exact_rows)
         out[:, :, quant] = self._dequantize_keys(torch.searchsorted(self.quant_index, slots[quant]))
         return out
+
+    def drop_fine(self, slots: torch.Tensor) -> int:
+        """Hold the keys of `slots` (physical) at 4 bits: drop their fine plane. Returns rows dropped."""
+        if not self.fine_length:
+            return 0
+        drop = torch.isin(self.fine_index, slots.to("cpu", _LONG))
+        dropped = int(drop.sum())
+        if dropped:
+            assert self.key_fine is not None
+            keep = (~drop).nonzero().flatten()
+            self.fine_index = self.fine_index[keep]
+            self.key_fine = self.key_fine.index_select(2, keep.to(self.key_fine.device))
+            self._plan = None
+        return dropped
+
+    def is_fine(self, slots: torch.Tensor) -> torch.Tensor:
+        """`bool [n]`: which of `slots` have their keys held at 8 bits."""
+        return torch.isin(slots, self.fine_index)
 
     def _runs(self) -> list[tuple[bool, int, int]]:
         """Maximal runs of slots of one kind in physical order: (quantized, start in its segment, length)."""
@@ -307,6 +367,10 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if not self.quantized_length:
             return
         q_take, self.quant_index = _surviving(new_of_old, self.quant_index)
+        if self.fine_length:
+            assert self.key_fine is not None
+            f_take, self.fine_index = _surviving(new_of_old, self.fine_index)
+            self.key_fine = self.key_fine.index_select(2, f_take.to(self.key_fine.device))
         if not self.quantized_length:
             self._clear_quantized()
             return
@@ -341,9 +405,16 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         return pos[self.exact_index[pos] == slots]
 
     def _hold_quantized(
-        self, pos: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]
+        self,
+        pos: torch.Tensor,
+        keys: tuple[torch.Tensor, ...],
+        values: tuple[torch.Tensor, ...],
+        fine: torch.Tensor | None = None,
     ) -> None:
-        """Move exact rows `pos` to the quantized segment: `keys` (codes, scales, zeros, group), `values`."""
+        """Move exact rows `pos` to the quantized segment: `keys` (codes, scales, zeros, group), `values`.
+
+        `fine`: the rows' fine key plane (8-bit keys), in the order of `pos`.
+        """
         assert self.keys is not None and self.values is not None
         kc, ks, kz, groups = keys
         vc, vs, vz = values
@@ -362,11 +433,21 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.value_scales = _cat(self.value_scales, vs)
         self.value_zeros = _cat(self.value_zeros, vz)
         self.key_group = torch.cat([self.key_group, groups + offset])
+        if fine is not None:
+            self._hold_fine(new_index, fine)
         index = torch.cat([self.quant_index, new_index])
         order = torch.argsort(index)
         self.quant_index = index[order]
         if not torch.equal(order, torch.arange(int(order.numel()))):
             self._take_rows(order)
+
+    def _hold_fine(self, slots: torch.Tensor, fine: torch.Tensor) -> None:
+        """Add the fine key plane `fine` `[B, H, n, D / 2]` of `slots` (`long [n]`), kept in slot order."""
+        index = torch.cat([self.fine_index, slots])
+        planes = fine if self.key_fine is None else torch.cat([self.key_fine, fine], dim=2)
+        order = torch.argsort(index)
+        self.fine_index = index[order]
+        self.key_fine = planes.index_select(2, order.to(planes.device))
 
     def is_quantized(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized."""
@@ -386,6 +467,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
             setattr(self, name, t.clone() if isinstance(t, torch.Tensor) else t)
         self.exact_index = other.exact_index.clone()
         self.quant_index = other.quant_index.clone()
+        self.fine_index = other.fine_index.clone()
         self.key_group = other.key_group.clone()
         self._layout = None
 
@@ -401,6 +483,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         """Codes, statistics and the exact slots: every device tensor this layer holds."""
         for t in (
             self.key_codes,
+            self.key_fine,
             self.key_scales,
             self.key_zeros,
             self.value_codes,
@@ -425,6 +508,8 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         self.value_codes = self.value_scales = self.value_zeros = None
         self.quant_index = torch.empty(0, dtype=_LONG)
         self.key_group = torch.empty(0, dtype=_LONG)
+        self.key_fine = None
+        self.fine_index = torch.empty(0, dtype=_LONG)
 
     def _take_rows(self, order: torch.Tensor) -> None:
         """Keep the quantized slots' rows at `order`, in that order (group statistics untouched)."""
@@ -452,13 +537,22 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         assert self.key_codes is not None and self.key_scales is not None and self.key_zeros is not None
         dtype = self.out_dtype or torch.float32
         packed, group = self.key_codes, self.key_group
-        if rows is not None:
-            packed, group = packed.index_select(2, rows.to(packed.device)), group[rows]
-        codes = unpack_codes(packed, self.key_bits)  # [B, H, Q, D]
+        if rows is None:
+            rows = torch.arange(self.quantized_length, dtype=_LONG)
+        packed, group = packed.index_select(2, rows.to(packed.device)), group[rows]
+        codes = unpack_codes(packed, self.key_code_bits)  # [B, H, r, D]
         group = group.to(codes.device)
-        # Cast the few group statistics first, then one gather of both: [2, B, H, Q, D].
-        stats = torch.stack([self.key_scales, self.key_zeros]).to(dtype).index_select(3, group)
-        return torch.addcmul(stats[1], codes.to(dtype), stats[0])
+        scales, zeros = self.key_read_stats(dtype)  # [B, H, Gk, D]
+        keys = torch.addcmul(zeros.index_select(2, group), codes.to(dtype), scales.index_select(2, group))
+        if self.fine_length:
+            assert self.key_fine is not None
+            slots = self.quant_index[rows]
+            refined = torch.isin(slots, self.fine_index)
+            at = refined.nonzero().flatten()
+            fine_rows = torch.searchsorted(self.fine_index, slots[refined])
+            fine = self.key_fine.index_select(2, fine_rows.to(self.key_fine.device))
+            add_fine(keys, fine, self.key_scales.to(dtype), at.to(keys.device), group[at.to(group.device)])
+        return keys
 
 
 LAYER_BATCH = 8
@@ -499,21 +593,27 @@ def quantize_layers(
         chunk = layers[start : start + LAYER_BATCH]
         key_parts: list[tuple[torch.Tensor, ...]] = []
         value_parts: list[tuple[torch.Tensor, ...]] = []
+        fine_parts: list[torch.Tensor] = []
         offset = 0
         for rows in rows_per_set:
             dev = rows.to(first.keys.device)
             k = torch.cat([layer.keys.index_select(-2, dev) for layer in chunk if layer.keys is not None])
             v = torch.cat([layer.values.index_select(-2, dev) for layer in chunk if layer.values is not None])
             kc, ks, kz, groups = quantize_keys(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
+            if first.planes:
+                kc, fine_part = split_planes(kc)  # 8-bit codes as coarse and fine 4-bit planes
+                fine_parts.append(fine_part)
             key_parts.append((kc, ks, kz, groups + offset))
             value_parts.append(quantize_values(v, first.bits, first.group_size))
             offset += int(ks.shape[2])
         kc, ks, kz = (torch.cat([p[i] for p in key_parts], dim=2) for i in range(3))
         groups = torch.cat([p[3] for p in key_parts])
         vc, vs, vz = (torch.cat([p[i] for p in value_parts], dim=2) for i in range(3))
+        kf = torch.cat(fine_parts, dim=2) if fine_parts else None
         for i, layer in enumerate(chunk):
             b = slice(i * batch, (i + 1) * batch)
-            layer._hold_quantized(pos, (kc[b], ks[b], kz[b], groups), (vc[b], vs[b], vz[b]))
+            fine = None if kf is None else kf[b]
+            layer._hold_quantized(pos, (kc[b], ks[b], kz[b], groups), (vc[b], vs[b], vz[b]), fine)
     return int(pos.numel())
 
 

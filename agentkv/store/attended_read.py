@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from agentkv.store.key_planes import add_fine
 from agentkv.store.kivi import KeyBlock, dequantize_keys_into, dequantize_values_into, key_blocks
 
 Runs = list[tuple[bool, int, int]]
@@ -33,6 +34,7 @@ class AttendedLayout(Protocol):
     keys: torch.Tensor | None
     values: torch.Tensor | None
     key_codes: torch.Tensor | None
+    key_fine: torch.Tensor | None
     key_scales: torch.Tensor | None
     key_zeros: torch.Tensor | None
     value_codes: torch.Tensor | None
@@ -48,6 +50,13 @@ class AttendedLayout(Protocol):
     @property
     def own_length(self) -> int:
         """Slots held."""
+
+    @property
+    def key_code_bits(self) -> int:
+        """Bits of each code in `key_codes`."""
+
+    def key_read_stats(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, zeros) of the grid `key_codes` are read on."""
 
     @property
     def quantized_length(self) -> int:
@@ -71,9 +80,13 @@ class ReadPlan(NamedTuple):
     """Quantized runs dequantized in place (else the whole segment, then placed by index)."""
     blocks: list[list[KeyBlock] | None]
     """Key blocks of each quantized run read (`kivi.key_blocks`; None: gather per row)."""
+    fine: tuple[torch.Tensor, torch.Tensor] | None = None
+    """8-bit keys: the slots the fine plane refines and their key groups (`long [F]`, on the device)."""
 
 
-def read_plan(runs: Runs, key_group: torch.Tensor) -> ReadPlan:
+def read_plan(
+    runs: Runs, key_group: torch.Tensor, fine: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> ReadPlan:
     """The plan of a layer whose slots form `runs` and whose quantized rows are in key groups `key_group`.
 
     With more than `MAX_DIRECT_RUNS` quantized runs (many spans interleaved with exact
@@ -84,7 +97,7 @@ def read_plan(runs: Runs, key_group: torch.Tensor) -> ReadPlan:
     direct = len(quant_runs) <= MAX_DIRECT_RUNS
     if not direct:
         quant_runs = [(0, int(key_group.numel()))]
-    return ReadPlan(runs, direct, [key_blocks(key_group[a : a + n]) for a, n in quant_runs])
+    return ReadPlan(runs, direct, [key_blocks(key_group[a : a + n]) for a, n in quant_runs], fine)
 
 
 def read_layer(layer: AttendedLayout, plan: ReadPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +110,7 @@ def read_layer(layer: AttendedLayout, plan: ReadPlan) -> tuple[torch.Tensor, tor
     out_k = layer.key_scales.new_empty(shape, dtype=dtype)  # [B, H, N, D]
     out_v = layer.key_scales.new_empty(shape, dtype=dtype)
     stats = (
-        (layer.key_scales.to(dtype), layer.key_zeros.to(dtype)),  # [B, H, Gk, D]: the few group statistics
+        layer.key_read_stats(dtype),  # [B, H, Gk, D]: the few group statistics
         (layer.value_scales.to(dtype), layer.value_zeros.to(dtype)),  # [B, H, Q, D/Gv]
     )
     if not plan.direct:
@@ -112,6 +125,7 @@ def read_layer(layer: AttendedLayout, plan: ReadPlan) -> tuple[torch.Tensor, tor
             index = layer.exact_index.to(out_k.device)
             out_k.index_copy_(2, index, layer.keys)
             out_v.index_copy_(2, index, layer.values)
+        _refine(layer, plan, out_k, dtype)
         return out_k, out_v
     at, blocks = 0, iter(plan.blocks)
     for quant, a, n in plan.runs:
@@ -123,7 +137,17 @@ def read_layer(layer: AttendedLayout, plan: ReadPlan) -> tuple[torch.Tensor, tor
             k.copy_(layer.keys.narrow(2, a, n))
             v.copy_(layer.values.narrow(2, a, n))
         at += n
+    _refine(layer, plan, out_k, dtype)
     return out_k, out_v
+
+
+def _refine(layer: AttendedLayout, plan: ReadPlan, out_k: torch.Tensor, dtype: torch.dtype) -> None:
+    """Add the fine key plane (8-bit keys) to the coarse keys read into `out_k` (physical order)."""
+    if plan.fine is None or layer.key_fine is None:
+        return
+    assert layer.key_scales is not None
+    slots, groups = plan.fine
+    add_fine(out_k, layer.key_fine, layer.key_scales.to(dtype), slots, groups)
 
 
 def _dequantize_rows(
@@ -144,6 +168,6 @@ def _dequantize_rows(
     key_stats, (value_scales, value_zeros) = stats
     groups = layer.key_group.narrow(0, first, n)
     key_codes = layer.key_codes.narrow(2, first, n)  # [B, H, n, D / pk]
-    dequantize_keys_into(out_k, key_codes, layer.key_bits, key_stats, blocks, groups)
+    dequantize_keys_into(out_k, key_codes, layer.key_code_bits, key_stats, blocks, groups)
     value_stats = (value_scales.narrow(2, first, n), value_zeros.narrow(2, first, n))  # [B, H, n, D/Gv]
     dequantize_values_into(out_v, layer.value_codes.narrow(2, first, n), layer.bits, value_stats)

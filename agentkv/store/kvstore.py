@@ -20,6 +20,7 @@ from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
+from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
 from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, TierBytes
 from agentkv.store.quantized import QuantizedBlock
@@ -193,6 +194,46 @@ class KVStore:
         physical.quantize_slots(chosen)
         return before - physical.nbytes()
 
+    def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+        """Hold the keys of `spans` at 4 bits, not 8, in order, until `free_bytes` are freed; bytes freed.
+
+        The demotion between quantizing a span in attention and archiving one, for a tier
+        with 8-bit keys (`agentkv.store.key_planes`): a span's fine key plane is dropped,
+        its coarse codes and statistics are kept bit for bit. 0 without such a tier.
+        """
+        if self.attended_key_bits != PLANE_KEY_BITS:
+            return 0
+        physical = self.physical
+        physical.compact_pending()
+        layers = [x for x in physical.cache.managed_layers if isinstance(x, QuantizedAttendedLayer)]
+        before = freed = physical.nbytes()
+        for span in spans:
+            if before - freed >= free_bytes:
+                break
+            if span.tier is not Tier.DEVICE:
+                continue
+            slots = physical.slots_of(span.span_id)
+            if slots.numel() and sum(layer.drop_fine(slots) for layer in layers):
+                freed = physical.nbytes()
+        return before - freed
+
+    def fine_key_bytes(self) -> int:
+        """Bytes of the fine key planes held (what holding every quantized key at 4 bits would free)."""
+        return sum(
+            tensor_bytes(layer.key_fine)
+            for layer in self.physical.cache.managed_layers
+            if isinstance(layer, QuantizedAttendedLayer) and layer.key_fine is not None
+        )
+
+    def fine_key_tokens(self, span: Span | None = None) -> int:
+        """Slots whose keys are held at 8 bits in attention (of one span, or all)."""
+        physical = self.physical
+        layers = physical.cache.managed_layers
+        if not layers or not isinstance(layers[0], QuantizedAttendedLayer):
+            return 0
+        slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
+        return int(layers[0].is_fine(slots).sum())
+
     def _attended_candidates(self, span: Span) -> torch.Tensor:
         """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
         physical = self.physical
@@ -226,6 +267,7 @@ class KVStore:
         b, h, _, d = held.shape
         bits = self.attended_bits
         key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
+        key_bits = PLANE_BITS if key_bits == PLANE_KEY_BITS else key_bits  # the floor: fine planes dropped
         group = self.group_size
         spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
         token = spec(amortized=True)

@@ -147,6 +147,14 @@ class AttendedQuantizer(Protocol):
         """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
         ...
 
+    def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+        """Hold the spans' keys at 4 bits instead of 8 (8-bit key tiers), in order, until `free_bytes`."""
+        ...
+
+    def fine_key_bytes(self) -> int:
+        """Bytes of the 8-bit keys' fine planes held (freed by holding every quantized key at 4 bits)."""
+        ...
+
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
         ...

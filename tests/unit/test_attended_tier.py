@@ -303,8 +303,10 @@ def test_bad_attended_spec_names_allowed_values() -> None:
         check_attended_spec(4, 0, 8)
     with pytest.raises(ValueError, match="head_dim must be a multiple of 4 for 2-bit codes, got 6"):
         check_attended_spec(2, 32, 8, head_dim=6)
-    with pytest.raises(ValueError, match=r"key_bits: expected one of \[4, 2\], got 8"):
-        check_attended_spec(4, 32, 8, key_bits=8)
+    with pytest.raises(ValueError, match=r"key_bits: expected one of \[8, 4, 2\], got 3"):
+        check_attended_spec(4, 32, 8, key_bits=3)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 2 for 4-bit codes, got 5"):
+        check_attended_spec(4, 32, 8, head_dim=5, key_bits=8)  # 8-bit keys are two 4-bit planes
 
 
 def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenizer: Any) -> None:

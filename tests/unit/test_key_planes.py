@@ -1,0 +1,187 @@
+"""8-bit keys in two 4-bit planes (`agentkv.store.key_planes`): read, dropped per span, demoted by the budget.
+
+Tolerances, and why: an 8-bit key is within half a step of its group's range / 255;
+with the fine plane dropped it reads the middle of its 16-code bucket, at most 8
+steps (range / 31.9) away, about the error of a round-to-nearest 4-bit key
+(range / 30). The float16 statistics add a few ulps, hence the 1% and 1e-4 margins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.spans import SpanState, Tier
+from agentkv.store.attended import QuantizedAttendedLayer
+from agentkv.store.block import tensor_bytes
+from agentkv.store.key_planes import coarse_stats, split_planes
+from agentkv.store.kivi import unpack_codes
+
+GROUP = 16
+
+
+def _group_range(k: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Per channel, each token's key-group range (groups of `GROUP` tokens from `first`): `[B, H, n, D]`."""
+    part = k[:, :, first:last]
+    b, h, n, d = part.shape
+    grouped = part.reshape(b, h, n // GROUP, GROUP, d)
+    spread = grouped.amax(dim=3, keepdim=True) - grouped.amin(dim=3, keepdim=True)
+    return spread.expand(-1, -1, -1, GROUP, -1).reshape(b, h, n, d)
+
+
+def _planes_layer(k: torch.Tensor, v: torch.Tensor) -> QuantizedAttendedLayer:
+    layer = QuantizedAttendedLayer(4, GROUP, 0, key_bits=8)
+    layer.update(k, v)
+    return layer
+
+
+def _read(layer: QuantizedAttendedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    full = layer.full()
+    assert full is not None
+    return full
+
+
+def test_split_planes_recombine_to_the_8_bit_codes() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    coarse, fine = split_planes(codes)
+    assert coarse.shape == fine.shape == (4, 32)
+    assert torch.equal(unpack_codes(coarse, 4).int() * 16 + unpack_codes(fine, 4).int(), codes.int())
+
+
+def test_coarse_grid_reads_the_middle_of_each_bucket() -> None:
+    scales, zeros = torch.tensor([0.5], dtype=torch.float16), torch.tensor([-3.0], dtype=torch.float16)
+    s, z = coarse_stats(scales, zeros, torch.float32)
+    # Fine codes 16 * hi .. 16 * hi + 15 read as 16 * hi + 7.5 on the 8-bit grid.
+    assert float(s) == 8.0 and float(z + 2 * s) == -3.0 + (32 + 7.5) * 0.5
+
+
+def test_8_bit_keys_within_half_a_step_and_4_bit_once_the_fine_plane_is_dropped() -> None:
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    layer = _planes_layer(k, v)
+    assert layer.quantize(torch.arange(20, 84)) == 64
+    assert layer.fine_length == 64
+    got_k, got_v = _read(layer)
+    step = _group_range(k, 20, 84) / 255
+    assert bool(((got_k[:, :, 20:84] - k[:, :, 20:84]).abs() <= step / 2 * 1.01 + 1e-4).all())
+    assert torch.equal(got_k[:, :, :20], k[:, :, :20]) and torch.equal(got_k[:, :, 84:], k[:, :, 84:])
+    codes, scales = layer.key_codes, layer.key_scales
+    assert layer.drop_fine(torch.arange(20, 52)) == 32 and layer.fine_length == 32
+    assert layer.key_codes is codes and layer.key_scales is scales  # nothing re-quantized
+    coarse_k, coarse_v = _read(layer)
+    assert torch.equal(coarse_v, got_v)  # values untouched
+    assert torch.equal(coarse_k[:, :, 52:], got_k[:, :, 52:])  # the slots that keep their fine plane
+    err = (coarse_k[:, :, 20:52] - k[:, :, 20:52]).abs()
+    assert bool((err <= step[:, :, :32] * 8 * 1.01 + 1e-4).all())
+    assert float(err.max()) > float(step.max()) / 2  # really coarser than 8 bits
+    assert layer.drop_fine(torch.arange(20, 52)) == 0  # already coarse
+
+
+def test_dropping_the_fine_plane_frees_half_a_byte_per_key_element() -> None:
+    torch.manual_seed(1)
+    k, v = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    layer = _planes_layer(k, v)
+    layer.quantize(torch.arange(0, 80))
+    held = sum(tensor_bytes(t) for t in layer.own_tensors())
+    layer.drop_fine(torch.arange(0, 40))
+    assert held - sum(tensor_bytes(t) for t in layer.own_tensors()) == 40 * 2 * 16 // 2  # n * H * D / 2
+
+
+def test_keys_at_selection_and_fork_keep_the_fine_plane_with_its_slots() -> None:
+    torch.manual_seed(2)
+    k, v = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    layer = _planes_layer(k, v)
+    layer.quantize(torch.arange(0, 40))
+    layer.quantize(torch.arange(50, 80))
+    layer.drop_fine(torch.arange(16, 32))
+    before, _ = _read(layer)
+    assert torch.equal(layer.keys_at(torch.tensor([70, 3, 20, 90])), before[:, :, [70, 3, 20, 90]])
+    fork = QuantizedAttendedLayer(4, GROUP, 0, key_bits=8)
+    fork.copy_from(layer)
+    assert torch.equal(_read(fork)[0], before)
+    keep = torch.cat([torch.arange(8, 24), torch.arange(60, 96)]).flip(0)
+    layer.select(keep)
+    assert torch.equal(_read(layer)[0], before[:, :, keep])
+    assert layer.fine_length == 8 + 20  # slots 8-15 and 60-79 had their fine plane
+    layer.update(k[:, :, :1], v[:, :, :1])  # a decode append after the selection
+    assert torch.equal(_read(layer)[0][:, :, :-1], before[:, :, keep])
+
+
+def _session(tiny_model: Any, tiny_tokenizer: Any, device_tokens: int | None, key_bits: int) -> Any:
+    data: dict[str, Any] = {
+        "policy": "lifecycle",
+        "archive_tier": "drop",
+        "quantization": {
+            "attended_bits": 4,
+            "attended_key_bits": key_bits,
+            "group_size": GROUP,
+            "attended_residual_tokens": 16,
+        },
+    }
+    if device_tokens is not None:
+        data["budget"] = {"device_tokens": device_tokens}
+    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
+
+
+def _history() -> list[dict[str, Any]]:
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    for turn in range(5):
+        history.append({"role": "user", "content": f"lorem ipsum dolor {turn} sit amet " * 8})
+    return history
+
+
+def _walk(history: list[dict[str, Any]], session: Any) -> None:
+    for i in range(2, len(history) + 1):
+        session.extend(history[:i])
+        session.check()
+
+
+def test_budget_drops_fine_planes_before_archiving_and_keeps_them_when_there_is_room(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    history = _history()
+    sizing = _session(tiny_model, tiny_tokenizer, None, 8)
+    sizing.extend(history)
+    logical = sizing.stats().logical_tokens
+    # Roomy: everything fits at 8-bit keys once quantized (K8V4 is ~22% of fp32 here plus the window).
+    roomy = _session(tiny_model, tiny_tokenizer, int(logical * 0.6), 8)
+    _walk(history, roomy)
+    store = roomy.store
+    assert roomy.stats().budget_satisfied and store.attended_quantized_tokens() > 0
+    assert store.fine_key_tokens() == store.attended_quantized_tokens()  # no key went to 4 bits
+    # Tight: every key at 8 bits does not fit, every key at 4 bits does.
+    tight = _session(tiny_model, tiny_tokenizer, int(logical * 0.37), 8)
+    _walk(history, tight)
+    stats, store = tight.stats(), tight.store
+    assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing archived
+    assert all(s.tier is Tier.DEVICE for s in tight.spans)
+    assert 0 <= store.fine_key_tokens() < store.attended_quantized_tokens()
+    assert stats.device_bytes == sum(tensor_bytes(t) for t in store.physical.tensors())
+    # Tighter still: spans are archived only once no quantized key is left at 8 bits.
+    tighter = _session(tiny_model, tiny_tokenizer, 40, 8)
+    _walk(history, tighter)
+    archived = [s for s in tighter.spans if s.state in (SpanState.ARCHIVED, SpanState.EVICTED)]
+    assert archived and tighter.store.fine_key_tokens() == 0
+    assert tighter.generate(max_new_tokens=3) is not None
+
+
+def test_8_bit_keys_give_logits_closer_to_full_precision_than_4_bit_keys(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    history = _history()
+    plain = _session(tiny_model, tiny_tokenizer, None, 4)
+    plain.extend(history)
+    prompt = plain.format.generation_prompt_ids(plain.messages)
+    full = plain.continuation_logits(prompt)[-1]
+    errors = {}
+    for key_bits in (4, 8):
+        session = _session(tiny_model, tiny_tokenizer, None, key_bits)
+        session.extend(history)
+        assert torch.equal(session.continuation_logits(prompt)[-1], full)  # nothing quantized: exact
+        for span in session.spans:
+            session.store.quantize_attended(span)
+        session.check()
+        errors[key_bits] = float((session.continuation_logits(prompt)[-1] - full).abs().max())
+    assert 0 < errors[8] < errors[4]
