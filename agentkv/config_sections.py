@@ -218,16 +218,10 @@ class QuantizationConfig(Section):
     attended_key_bits: Literal[8, 4, 2] | None = Field(
         default=None,
         description=(
-            "Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits. "
-            "8 = two 4-bit planes: under more pressure a span's keys drop to 4 bits "
-            "before any span is archived."
+            "Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."
         ),
     )
-    """Bits of the attended tier's keys (keys are the sensitive side); null = attended_bits.
-
-    8 holds keys in two 4-bit planes (`agentkv.store.key_planes`): under more pressure a
-    span's low plane is dropped (its keys are then at 4 bits) before any span is archived.
-    """
+    """Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."""
     attended_residual_tokens: int = Field(
         default=64,
         ge=0,

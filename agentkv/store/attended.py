@@ -33,7 +33,7 @@ Attention reads the layer through `update()`, which dequantizes the quantized sl
 (one layer at a time, a transient tensor freed after the layer's attention) and
 places them with the exact ones, as transformers' `QuantizedCache` dequantizes on
 read (`agentkv.store.attended_read` writes each slot once, into one output). The
-last read is remembered (one layer per thread, `_LastRead`): the attention probe
+last read is remembered (one layer per thread, `agentkv.store.attended_memo`): the attention probe
 that reads the same layer right after its attention gets the same tensors instead
 of a second dequantization. The slot indices are bookkeeping on the CPU, like
 `PhysicalCache`'s.
@@ -41,13 +41,12 @@ of a second dequantization. The slot indices are bookkeeping on the CPU, like
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from agentkv.store.attended_memo import HELD, LAST_READ
 from agentkv.store.attended_read import ReadPlan, read_layer, read_plan
 from agentkv.store.cache import SharedPrefixLayer
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, add_fine, coarse_stats, split_planes
@@ -65,53 +64,6 @@ ATTENDED_KEY_BITS: tuple[int, ...] = (PLANE_KEY_BITS, *ATTENDED_BITS)
 """Key bit widths: 8-bit keys are held in two 4-bit planes (`agentkv.store.key_planes`)."""
 
 _LONG = torch.long
-
-_HELD = (
-    "keys",
-    "values",
-    "key_codes",
-    "key_fine",
-    "key_scales",
-    "key_zeros",
-    "value_codes",
-    "value_scales",
-    "value_zeros",
-)
-"""The tensors a layer's contents live in: every change replaces one of them (none is written in place)."""
-
-
-class _LastRead(threading.local):
-    """The last dequantized read of one thread: which layer, the tensors it was read from, the result.
-
-    Only weak references to the layer and its tensors, and only one layer's transient
-    K/V (what its attention needed anyway): a memo that never holds a cache alive.
-    """
-
-    def __init__(self) -> None:
-        self.layer: weakref.ref[QuantizedAttendedLayer] | None = None
-        self.source: tuple[weakref.ref[torch.Tensor] | None, ...] = ()
-        self.result: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, layer: QuantizedAttendedLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.layer is None or self.layer() is not layer:
-            return None
-        # Identity, not `==` (a weak reference compares its referents, and tensors compare elementwise).
-        for ref, tensor in zip(self.source, _held(layer), strict=True):
-            if (ref is None) != (tensor is None) or (ref is not None and ref() is not tensor):
-                return None
-        return self.result
-
-    def put(self, layer: QuantizedAttendedLayer, result: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.layer, self.result = weakref.ref(layer), result
-        self.source = tuple(None if t is None else weakref.ref(t) for t in _held(layer))
-
-
-def _held(layer: QuantizedAttendedLayer) -> tuple[torch.Tensor | None, ...]:
-    """The tensors the layer's contents are in, and where its quantized slots sit."""
-    return (*(getattr(layer, name) for name in _HELD), layer.quant_index, layer.fine_index)
-
-
-_LAST_READ = _LastRead()
 
 
 def check_attended_spec(
@@ -277,7 +229,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if not self.quantized_length:
             assert self.keys is not None and self.values is not None
             return self.keys, self.values  # exact_index is 0..E-1: the tensors as they are
-        remembered = _LAST_READ.get(self)
+        remembered = LAST_READ.get(self)
         if remembered is not None:
             return remembered
         runs = self._runs()
@@ -285,7 +237,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
             fine = self.fine_targets() if self.fine_length else None
             self._plan = read_plan(runs, self.key_group, fine)
         result = read_layer(self, self._plan)
-        _LAST_READ.put(self, result)
+        LAST_READ.put(self, result)
         return result
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -462,7 +414,7 @@ class QuantizedAttendedLayer(SharedPrefixLayer):
         if other.is_initialized:
             self.device = other.device
         self.out_dtype = other.out_dtype
-        for name in _HELD:
+        for name in HELD:
             t = getattr(other, name, None)
             setattr(self, name, t.clone() if isinstance(t, torch.Tensor) else t)
         self.exact_index = other.exact_index.clone()
