@@ -57,6 +57,17 @@ def fq_tok(v, bits, g=G):  # per token, groups of g channels
     return fq_along(x, bits, -1).reshape(b, h, n, d)
 
 
+def fq_tok_high_crumb(v, g=G):  # per token, groups of g channels
+    """4-bit value codes read from their top 2 bits alone, at the middle of each 4-code bucket."""
+    b, h, n, d = v.shape
+    x = v.reshape(b, h, n, d // g, g)
+    lo = x.amin(dim=-1, keepdim=True).half().float()
+    scale = ((x.amax(dim=-1, keepdim=True) - lo) / 15).clamp_min(1e-8)
+    q = torch.round((x - lo) / scale).clamp(0, 15)
+    coarse = torch.div(q, 4, rounding_mode="floor") * 4 + 1.5
+    return (coarse * scale + lo).reshape(b, h, n, d)
+
+
 def hadamard(d):
     """The normalized `d x d` Hadamard matrix (d a power of two)."""
     H = torch.ones(1, 1)
@@ -85,6 +96,10 @@ def variant_fn(name, cos, sin):
             return fq_keys_channel(k, 4), fq_tok(v, 8)
         if name == "k8v4":
             return fq_keys_channel(k, 8), fq_tok(v, 4)
+        if name == "k4v2":
+            return fq_keys_channel(k, 4), fq_tok(v, 2)
+        if name == "k4v2-plane":
+            return fq_keys_channel(k, 4), fq_tok_high_crumb(v)
         if name == "k2v2":
             return fq_keys_channel(k, 2), fq_tok(v, 2)
         if name == "k4v4-hv":
