@@ -73,3 +73,10 @@ def add_fine(
     if not int(slots.numel()):
         return
     out.index_add_(2, slots, fine_correction(fine, scales.index_select(2, groups)))
+
+
+def fine_row_bytes(fine: torch.Tensor | None) -> int:
+    """Bytes one slot's fine plane takes in a layer's `fine` `uint8 [B, H, F, D / 2]` (0 when none held)."""
+    if fine is None or not int(fine.shape[2]):
+        return 0
+    return fine.element_size() * int(fine.shape[0] * fine.shape[1] * fine.shape[3])

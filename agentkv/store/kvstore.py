@@ -20,7 +20,7 @@ from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
-from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
+from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
 from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, TierBytes
 from agentkv.store.quantized import QuantizedBlock
@@ -199,23 +199,39 @@ class KVStore:
 
         The demotion between quantizing a span in attention and archiving one, for a tier
         with 8-bit keys (`agentkv.store.key_planes`): a span's fine key plane is dropped,
-        its coarse codes and statistics are kept bit for bit. 0 without such a tier.
+        its coarse codes and statistics are kept bit for bit. As `quantize_attended_until`,
+        one pass over the layers: each span's saving is known before anything is dropped
+        (its fine rows times a fine row's bytes in every layer), spans are taken in order
+        until the savings reach `free_bytes`, and their planes are dropped together, so the
+        cache ends as dropping them one span at a time would leave it. 0 without such a tier.
         """
         if self.attended_key_bits != PLANE_KEY_BITS:
             return 0
         physical = self.physical
         physical.compact_pending()
         layers = [x for x in physical.cache.managed_layers if isinstance(x, QuantizedAttendedLayer)]
-        before = freed = physical.nbytes()
+        row_bytes = sum(fine_row_bytes(layer.key_fine) for layer in layers)
+        if not layers or not row_bytes:
+            return 0
+        chosen: list[torch.Tensor] = []
+        planned = 0
         for span in spans:
-            if before - freed >= free_bytes:
+            if planned >= free_bytes:
                 break
             if span.tier is not Tier.DEVICE:
                 continue
             slots = physical.slots_of(span.span_id)
-            if slots.numel() and sum(layer.drop_fine(slots) for layer in layers):
-                freed = physical.nbytes()
-        return before - freed
+            fine = slots[layers[0].is_fine(slots)] if slots.numel() else slots
+            if fine.numel():
+                chosen.append(fine)
+                planned += int(fine.numel()) * row_bytes
+        if not chosen:
+            return 0
+        before = physical.nbytes()
+        drop = torch.cat(chosen)
+        for layer in layers:
+            layer.drop_fine(drop)
+        return before - physical.nbytes()
 
     def fine_key_bytes(self) -> int:
         """Bytes of the fine key planes held (what holding every quantized key at 4 bits would free)."""

@@ -185,3 +185,37 @@ def test_8_bit_keys_give_logits_closer_to_full_precision_than_4_bit_keys(
         session.check()
         errors[key_bits] = float((session.continuation_logits(prompt)[-1] - full).abs().max())
     assert 0 < errors[8] < errors[4]
+
+
+def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_time(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    history = _history()
+    together, alone = (_session(tiny_model, tiny_tokenizer, None, 8) for _ in range(2))
+    for session in (together, alone):
+        session.extend(history)
+        for span in session.spans:
+            session.store.quantize_attended(span)
+    spans = [s for s in alone.spans if alone.store.fine_key_tokens(s)]
+    assert len(spans) >= 3
+    # Ask for one byte more than the first span's fine planes: exactly the first two spans go.
+    store = alone.store
+    first = store.physical.nbytes()
+    layers = [x for x in store.physical.cache.managed_layers if isinstance(x, QuantizedAttendedLayer)]
+    for layer in layers:
+        layer.drop_fine(store.physical.slots_of(spans[0].span_id))
+    wanted = first - store.physical.nbytes() + 1
+    for layer in layers:
+        layer.drop_fine(store.physical.slots_of(spans[1].span_id))
+    freed = together.store.coarsen_attended_until(list(together.spans), wanted)
+    assert freed == first - store.physical.nbytes() >= wanted
+    assert together.store.fine_key_tokens() == store.fine_key_tokens() > 0
+    merged = [
+        x for x in together.store.physical.cache.managed_layers if isinstance(x, QuantizedAttendedLayer)
+    ]
+    for a, b in zip(merged, layers, strict=True):
+        assert torch.equal(a.fine_index, b.fine_index) and a.key_fine is not None and b.key_fine is not None
+        assert torch.equal(a.key_fine, b.key_fine)
+    assert (
+        together.store.coarsen_attended_until(list(together.spans), 0) == 0
+    )  # nothing asked: nothing dropped
