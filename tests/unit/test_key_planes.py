@@ -219,3 +219,29 @@ def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_t
     assert (
         together.store.coarsen_attended_until(list(together.spans), 0) == 0
     )  # nothing asked: nothing dropped
+
+
+def test_exact_recall_plans_its_room_as_if_every_fine_plane_were_dropped(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    # Recall recomputes spans at full precision in the room the budget would leave at its
+    # floor; the budget drops fine planes before archiving anything, so they are room too.
+    history = _history()
+    held, dropped = (_session(tiny_model, tiny_tokenizer, 10_000, 8) for _ in range(2))
+    for session in (held, dropped):
+        session.extend(history)
+        for span in session.spans:
+            session.store.quantize_attended(span)
+    dropped.store.coarsen_attended_until(list(dropped.spans), 1 << 40)
+    assert held.store.fine_key_bytes() > 0 == dropped.store.fine_key_bytes()
+    held_usage, dropped_usage = (s.manager.budget.usage_bytes() for s in (held, dropped))
+    assert held_usage - dropped_usage == held.store.fine_key_bytes()
+
+    def floor_usage(session: Any) -> int:
+        store = session.store
+        quantized = {
+            s.span_id: store.attended_quantized_tokens(s) for s in session.spans if s.tier is Tier.DEVICE
+        }
+        return session.manager.recaller.exact._floor_usage(quantized, store.attended_floor())
+
+    assert floor_usage(held) == floor_usage(dropped)
