@@ -337,6 +337,14 @@ class RecallConfig(Section):
         ),
     )
     """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
+    restore_displaced: bool = Field(
+        default=True,
+        strict=True,
+        description=(
+            "Bring back demoted spans worth more per token than attended ones, in the budget's own order."
+        ),
+    )
+    """Bring back demoted spans worth more per token than attended ones, in the budget's own order."""
     pages: bool = Field(
         default=False,
         strict=True,

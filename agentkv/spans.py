@@ -75,6 +75,10 @@ class Span:
     """True once compressed at commit: later pressure moves the whole span, never re-scores it."""
     score: float = 0.0
     """Span-level importance fixed at commit; the lowest go first under pressure."""
+    scored: bool = False
+    """True once `score` was set at commit. A span recomputed later keeps it: the attention it
+    draws in a recompute (its own tokens over a partial cache) is not the attention the
+    conversation paid it, and re-scoring there would demote every recalled span first."""
     leases: set[int] = field(default_factory=set)
     n_computed: int = 0
     """How many of `token_ids` have had their KV computed (the tail may still be pending)."""
@@ -134,4 +138,5 @@ class Span:
             "frozen": self.frozen,
             "generated": self.generated,
             "score": self.score,
+            "scored": self.scored,
         }

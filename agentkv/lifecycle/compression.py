@@ -138,9 +138,11 @@ class Compressor:
                     store, self.table, slots, keys=self.policy.needs_keys, queries=self.policy.needs_query
                 )
                 scores = self.policy.score(view).float()
-                span.score = float(scores.mean()) if scores.numel() else 0.0
-                if self.policy.scores_spans:
-                    span.score = float(self.policy.span_score(view).get(span.span_id, span.score))
+                if not span.scored:  # scored once: a recomputed span keeps its commit score
+                    span.score = float(scores.mean()) if scores.numel() else 0.0
+                    if self.policy.scores_spans:
+                        span.score = float(self.policy.span_score(view).get(span.span_id, span.score))
+                    span.scored = True
                 ratio = self.config.commit.keep_ratio.get(span.kind.value, 1.0)
                 keep = max(self.config.commit.min_keep_tokens, round(ratio * slots.numel()))
                 if keep >= slots.numel():

@@ -99,9 +99,7 @@ class ExactRecall:
             return []
         if not store.attended_quantized_tokens():
             return []
-        quantized = {
-            s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
-        }
+        quantized = self._quantized(store)
         room = int(limit * self.budget.limits.low) - self._floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         recompute_offsets: Callable[..., None] | None = getattr(self.port, "recompute_offsets", None)
@@ -184,6 +182,31 @@ class ExactRecall:
             self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
             return False
         return True
+
+    def projected_usage(self, floor: AttendedFloor | None) -> int:
+        """Device bytes after this turn's prefill, at the floor of the demotion order (`_floor_usage`).
+
+        Without an attended quantized tier (`floor` None): what the device counts now, less
+        the evictable spans, plus the pending tokens at full precision.
+        """
+        store = self.port.store
+        if floor is not None and isinstance(store, AttendedQuantizer):
+            return self._floor_usage(self._quantized(store), floor)
+        usage = self.budget.usage_bytes()
+        for span in self.table.spans:
+            if span.tier is not Tier.DEVICE:
+                continue
+            if span.state is SpanState.EVICTABLE:
+                usage -= store.span_bytes(span)
+            else:
+                usage += (span.length - span.n_computed) * self.port.bytes_per_token
+        return usage
+
+    def _quantized(self, store: AttendedQuantizer) -> dict[int, int]:
+        """Each device span's slots held quantized now, by span id."""
+        return {
+            s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
+        }
 
     def _floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.

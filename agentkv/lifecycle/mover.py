@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rehydration import rehydrate
+from agentkv.lifecycle.rehydration import rehydrate, rehydrate_lazily
 from agentkv.lifecycle.results import Transition
 from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
 from agentkv.lifecycle.timing import SectionTimer
@@ -41,8 +41,13 @@ class Mover:
         self.compressor: Compressor | None = None
         """Compresses a span at its first commit (set by the manager, which owns the policy)."""
 
-    def move(self, span: Span, target: SpanState, *, reason: str) -> Transition | None:
-        """Move one span to `target`, doing the store work the move needs. None when nothing changed."""
+    def move(self, span: Span, target: SpanState, *, reason: str, lazily: bool = False) -> Transition | None:
+        """Move one span to `target`, doing the store work the move needs. None when nothing changed.
+
+        `lazily`: a dropped span brought back to COMMITTED is left with its tokens
+        pending for the next prefill (`rehydrate_lazily`) where the store allows it,
+        instead of being recomputed now with a forward of its own.
+        """
         if span.state is target:
             return None
         if span.pinned and target in DEMOTED_STATES:
@@ -53,6 +58,8 @@ class Mover:
         store = self.port.store
         with self.timer.timed("store_seconds"):
             if target is SpanState.COMMITTED:
+                if lazily and span.tier is Tier.DROPPED:
+                    rehydrate_lazily(span, self.port)
                 if span.tier is not Tier.DEVICE and not self._bring_back(span):
                     self._settle_failed_bring_back(span)
                     return None

@@ -23,6 +23,7 @@ from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
+from agentkv.lifecycle.restoration import Restorer
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
@@ -54,6 +55,9 @@ class Recaller:
         """Page digests and scores (page recall, `recall.pages`)."""
         self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
+        self.restorer = Restorer(port, budget, mover, marks, timer, self.exact.projected_usage)
+        """Brings back displaced spans the demotion order values (`recall.restore_displaced`)."""
+        self.restorer.enabled = config.restore_displaced
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
         self._logprobs: Any = None
@@ -158,9 +162,10 @@ class Recaller:
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
         pages_of = self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0)
         exact = self.exact.recompute(protected + others, floor, pages_of)
-        if recalled or exact:
-            self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact)
-        return recalled + exact
+        restored = self.restorer.restore([s for s in demoted if s.state is not SpanState.COMMITTED], floor)
+        if recalled or exact or restored:
+            self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact, restored=restored)
+        return recalled + exact + restored
 
     def _ranked_pages(self, message: ChatMessage, query_ids: list[int], best: float) -> RankedPages:
         """Exact recall's pages: a span's quantized offsets cut into pages, ranked like spans.

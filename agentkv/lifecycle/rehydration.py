@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from agentkv.lifecycle.port import SessionPort
 from agentkv.spans import Span, Tier
+from agentkv.store.kvstore import KVStore
 
 
 def rehydrate(span: Span, port: SessionPort) -> None:
@@ -28,3 +29,22 @@ def rehydrate(span: Span, port: SessionPort) -> None:
     port.store.adopt_recomputed(span)
     span.frozen = False
     port.table.counters.rehydrated_tokens += span.n_computed
+
+
+def rehydrate_lazily(span: Span, port: SessionPort) -> bool:
+    """Make a dropped span attended with all its tokens pending: the next prefill recomputes it.
+
+    Its tokens join whatever that prefill encodes (a new user turn), at their logical
+    positions, so bringing it back costs no forward of its own. Only the local
+    `KVStore`, whose prefill computes every pending span, supports it.
+
+    Returns:
+        False (nothing changed) when the span is not dropped or the store cannot.
+    """
+    if span.tier is not Tier.DROPPED or not isinstance(port.store, KVStore):
+        return False
+    span.n_computed = 0
+    port.store.adopt_recomputed(span)
+    span.frozen = False
+    port.table.counters.rehydrated_tokens += span.length
+    return True

@@ -278,9 +278,9 @@ class SessionMachine(RuleBasedStateMachine):
         mover = self.session.manager.mover
         original_move = mover.move
 
-        def recording_move(span: Any, target: SpanState, *, reason: str) -> Any:
+        def recording_move(span: Any, target: SpanState, *, reason: str, **options: Any) -> Any:
             self.budget_moves.append((span.span_id, span.state, span.pinned, reason))
-            return original_move(span, target, reason=reason)
+            return original_move(span, target, reason=reason, **options)
 
         mover.move = recording_move  # type: ignore[method-assign]
         self.messages.append({"role": "system", "content": f"You are a helpful assistant. {system}"})
