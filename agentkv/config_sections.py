@@ -338,13 +338,13 @@ class RecallConfig(Section):
     )
     """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
     restore_displaced: bool = Field(
-        default=True,
+        default=False,
         strict=True,
         description=(
-            "Bring back demoted spans worth more per token than attended ones, in the budget's own order."
+            "Bring back demoted spans worth more per token than attended ones, in demotion order (opt-in)."
         ),
     )
-    """Bring back demoted spans worth more per token than attended ones, in the budget's own order."""
+    """Bring back demoted spans worth more per token than attended ones, in demotion order (opt-in)."""
     pages: bool = Field(
         default=False,
         strict=True,

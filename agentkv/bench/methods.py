@@ -117,13 +117,13 @@ METHODS: dict[str, Method] = {
             events=True,
             extra={"quantization": {"attended_bits": 4, "attended_key_bits": 8}},
         ),
-        # agentkv-nohost without bringing displaced spans back by value (`recall.restore_displaced`).
+        # agentkv-nohost bringing displaced spans back by value at each turn (`recall.restore_displaced`).
         Method(
-            "agentkv-norestore",
+            "agentkv-restore",
             "lifecycle",
             archive_tier=NOHOST_TIER,
             events=True,
-            extra={"recall": {"restore_displaced": False}},
+            extra={"recall": {"restore_displaced": True}},
         ),
         # Lever 2: archived spans recalled by pages (Quest digests + word overlap), nothing on host.
         Method("agentkv-pages", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=PAGES),
