@@ -16,12 +16,11 @@ import torch
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.restoration import attended_competitors, plan_restoration
-from agentkv.spans import Span, SpanKind
+from agentkv.spans import Span
+from tests.unit.test_demotion_order import LOG, NOTE, user_span
+from tests.unit.test_demotion_order import history as demotion_history
+from tests.unit.test_demotion_order import span as committed_span
 
-NOTE = "note for later: the spare key for locker KX7-4471 is kept in the blue drawer by the door"
-LOG = "service log: " + "; ".join(
-    f"unit {n} checked at {8 + n % 9}:{(7 * n) % 60:02d}, pressure nominal, filter cleaned" for n in range(12)
-)
 NEXT = "Greet visitors politely; show them upstairs."
 """Shares no word with the note or the log: recall finds nothing relevant, restoration decides alone."""
 
@@ -31,8 +30,7 @@ def bytes_of(tokens: int) -> int:
 
 
 def span(span_id: int, start: int, tokens: int, score: float, *, dropped: bool = False) -> Span:
-    s = Span(span_id, SpanKind.USER, list(range(tokens)), start, state=SpanState.COMMITTED, score=score)
-    s.n_computed = tokens
+    s = committed_span(span_id, start, tokens, score)
     if dropped:
         s.state, s.tier = SpanState.EVICTED, Tier.DROPPED
     return s
@@ -92,19 +90,10 @@ def test_a_displaced_span_pays_for_one_restoration_only():
 
 def history() -> list[dict[str, Any]]:
     return [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": NOTE},
-        {"role": "assistant", "content": "noted"},
-        {"role": "user", "content": LOG},
-        {"role": "assistant", "content": "logged"},
+        *demotion_history(),
         {"role": "user", "content": "thanks"},  # ends the log's turn: the log is committed
         {"role": "assistant", "content": "welcome"},
     ]
-
-
-def user_span(session: Any, text: str) -> Span:
-    decode = session.backend.tokenizer.decode
-    return next(s for s in session.spans if s.kind is SpanKind.USER and text[:40] in decode(s.token_ids))
 
 
 def displaced_then_next_turn(model: Any, tokenizer: Any, *, restore: bool) -> tuple[Any, Span, Span]:
