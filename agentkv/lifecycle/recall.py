@@ -55,9 +55,10 @@ class Recaller:
         """Page digests and scores (page recall, `recall.pages`)."""
         self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
-        self.restorer = Restorer(port, budget, mover, marks, timer, self.exact.projected_usage)
+        self.restorer = Restorer(
+            port, budget, mover, marks, timer, self.exact.projected_usage, enabled=config.restore_displaced
+        )
         """Brings back displaced spans the demotion order values (`recall.restore_displaced`)."""
-        self.restorer.enabled = config.restore_displaced
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
         self._logprobs: Any = None

@@ -115,6 +115,8 @@ class Restorer:
         marks: RecallMarks,
         timer: SectionTimer,
         projected_usage: Callable[[AttendedFloor | None], int],
+        *,
+        enabled: bool,
     ) -> None:
         self.port = port
         self.table = port.table
@@ -124,7 +126,7 @@ class Restorer:
         self.timer = timer
         self.projected_usage = projected_usage
         """Device bytes after the coming prefill at the floor of the order (exact recall's measure)."""
-        self.enabled = True
+        self.enabled = enabled
 
     def restore(self, demoted: list[Span], floor: AttendedFloor | None) -> list[int]:
         """Bring back the `demoted` spans `plan_restoration` picks; their ids.
