@@ -445,6 +445,40 @@ class ForgetConfig(Section):
         return self
 
 
+class SessionsConfig(Section):
+    """How long a backend's sessions hold KV: a most-sessions limit and an idle time.
+
+    A session ended by either bound is closed (its KV freed); its thread's next call
+    opens a new session that re-encodes the history the call sends, so nothing of the
+    conversation is lost, only its cache. Checked whenever the backend opens or looks
+    up a session (`TransformersBackend.end_idle_sessions` runs it on demand). A
+    session busy in a call, and a thread with open branches, are never ended.
+    """
+
+    max_live: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description=(
+            "Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."
+        ),
+    )
+    """Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."""
+    idle_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        strict=True,
+        allow_inf_nan=False,
+        description="A session unused this many seconds is closed (history re-encoded on its next call).",
+    )
+    """A session unused this many seconds is closed (history re-encoded on its next call)."""
+
+    @property
+    def bounded(self) -> bool:
+        """True when either bound is set."""
+        return self.max_live is not None or self.idle_seconds is not None
+
+
 class CallbacksConfig(Section):
     """Behaviour of the LangChain callback handler that turns runs into events."""
 
@@ -461,7 +495,7 @@ class CallbacksConfig(Section):
 # Pydantic runs a section's "after" validators only when all its fields are valid, so
 # a file with a bad field and a watermark-order error would show the second only once
 # the first is fixed. These checks take plain values: the validators call them on the
-# model, `cross_field_problems` on the raw data when validation failed elsewhere.
+# model, `agentkv.config.cross_field_lines` on the raw data when validation failed.
 
 
 def watermark_problem(high: float, low: float) -> tuple[Loc, str] | None:
@@ -479,30 +513,6 @@ def trigger_problem(
         msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
         return (("every_turns",), msg)
     return None
-
-
-def cross_field_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
-    """Cross-field problems of a raw `agentkv:` mapping whose own values are each valid."""
-    problems: list[tuple[Loc, str]] = []
-    budget = data.get("budget")
-    if isinstance(budget, Mapping):
-        fields = BudgetConfig.model_fields
-        high = budget.get("high_watermark", fields["high_watermark"].default)
-        low = budget.get("low_watermark", fields["low_watermark"].default)
-        if _is_fraction(high) and _is_fraction(low):
-            problem = watermark_problem(float(high), float(low))
-            if problem is not None:
-                problems.append((("budget", *problem[0]), problem[1]))
-    forget = data.get("forget")
-    if isinstance(forget, Mapping) and forget.get("enabled") is True and "every_turns" in forget:
-        problem = trigger_problem(True, forget["every_turns"], forget.get("on_high_watermark") is True)
-        if problem is not None:
-            problems.append((("forget", *problem[0]), problem[1]))
-    return problems
-
-
-def _is_fraction(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
 
 
 DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")

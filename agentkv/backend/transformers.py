@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from agentkv.backend.retention import SessionUse, sessions_to_end
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
@@ -40,6 +42,7 @@ class TransformersBackend:
         tokenizer: its tokenizer; a chat template is used when present, else ChatML (with a warning).
         config: the agentkv configuration (defaults when None).
         prefill_chunk: tokens per forward when encoding long inputs (bounds peak memory).
+        clock: the clock of the idle bound (`agentkv.sessions.idle_seconds`), in seconds.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class TransformersBackend:
         config: AgentKVConfig | None = None,
         *,
         prefill_chunk: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -59,6 +63,10 @@ class TransformersBackend:
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
         self.noop_events = 0
+        self.clock = clock
+        self._last_used: dict[str, float] = {}
+        self.ended_sessions = 0
+        """Sessions closed by the `agentkv.sessions` bounds so far."""
 
     # -- session table -------------------------------------------------------------------------
 
@@ -77,12 +85,16 @@ class TransformersBackend:
         with self._table_lock:
             existing = self._sessions.get(session_id)
             if existing is not None and not existing.closed:
-                return existing
-            if not create:
+                self._last_used[session_id] = self.clock()
+                session = existing
+            elif not create:
                 raise UnknownSessionError(self._unknown(session_id))
-            session = Session(self, session_id, config=config)
-            self._sessions[session_id] = session
-            return session
+            else:
+                session = Session(self, session_id, config=config)
+                self._sessions[session_id] = session
+                self._last_used[session_id] = self.clock()
+        self.end_idle_sessions(keep=session_id)
+        return session
 
     def get(self, session_id: str) -> Session:
         """An existing session (raises `UnknownSessionError` naming the known ids)."""
@@ -154,9 +166,51 @@ class TransformersBackend:
         """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
         with self._table_lock:
             session = self._sessions.pop(session_id, None)
+            self._last_used.pop(session_id, None)
         if session is None:
             raise UnknownSessionError(self._unknown(session_id))
         session.close()
+
+    def end_idle_sessions(self, keep: str | None = None) -> list[str]:
+        """Close the sessions the `agentkv.sessions` bounds end now (idle, or beyond `max_live`).
+
+        Their threads' next calls open new sessions and re-encode the history they send.
+        A session busy in a call (its lock held), one with open branches, and `keep`
+        are never ended. Runs whenever a session is opened or looked up.
+
+        Returns:
+            The ids closed, least recently used first.
+        """
+        bounds = self.config.sessions
+        if not bounds.bounded:
+            return []
+        with self._table_lock:
+            table = dict(self._sessions)
+            last_used = dict(self._last_used)
+        parents = {s.parent.session_id for s in table.values() if s.parent is not None and not s.closed}
+        uses = [  # threads only: a branch lives and ends with its fan-out
+            SessionUse(sid, last_used.get(sid, self.clock()), sid != keep and sid not in parents)
+            for sid, s in table.items()
+            if not s.closed and s.parent is None
+        ]
+        ended: list[str] = []
+        for session_id in sessions_to_end(uses, bounds, self.clock()):
+            session = table[session_id]
+            if not session.lock.acquire(blocking=False):
+                continue  # in a call right now: ended on a later check
+            try:
+                with self._table_lock:
+                    if self._sessions.get(session_id) is not session:
+                        continue
+                    self._sessions.pop(session_id)
+                    self._last_used.pop(session_id, None)
+                session.close()
+            finally:
+                session.lock.release()
+            ended.append(session_id)
+            logger.info("session %r ended by agentkv.sessions bounds; its KV is freed", session_id)
+        self.ended_sessions += len(ended)
+        return ended
 
     def apply(self, session_id: str, event: Event) -> Any:
         """Apply an event to a session; an unknown session is a logged no-op (returns None)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 import time
 import uuid
@@ -83,8 +82,6 @@ from agentkv_langchain.tools import (
 from agentkv_langchain.toolset import outside
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
-
-logger = logging.getLogger("agentkv.langchain")
 
 
 class ChatAgentKV(CallPlanning, BaseChatModel):
@@ -152,7 +149,6 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
 
     _session_config: AgentKVConfig | None = PrivateAttr(default=None)
     """Settings of the sessions this model creates when `config=` differs from the shared backend's."""
-    _warned: set[str] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="before")
     @classmethod
@@ -172,12 +168,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
 
     @model_validator(mode="after")
     def _own_session_settings(self) -> Self:
-        """`config=` on the shared backend: this model's sessions get these settings.
-
-        The shared backend is per model, so a `ChatAgentKV()` made earlier in the process
-        fixed its default settings; a later `ChatAgentKV(config=...)` passes its own
-        budget, policy and rules to every session it creates instead of inheriting them.
-        """
+        """`config=` on the shared backend (defaults: its first caller's) applies to this model's sessions."""
         if self.config is not None:
             wanted = resolve_config(self.config, model=self.model)
             self._session_config = session_settings(wanted, self.backend.config)
@@ -605,15 +596,4 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
         The one place a call picks its KV cache; a subclass that wants another cache per
         call (a stateless baseline that re-encodes everything) overrides only this.
         """
-        session = session_for(self.backend, metadata, self.session_id, self._session_config)
-        wanted = self._session_config
-        if wanted is not None and session.config != wanted and session.session_id not in self._warned:
-            self._warned.add(session.session_id)
-            logger.warning(
-                "session %r already exists with other agentkv settings than this ChatAgentKV(config=...); "
-                "it keeps them (settings apply when a session is created). Use a new thread_id, or "
-                "close the session first (backend.close(%r))",
-                session.session_id,
-                session.session_id,
-            )
-        return session
+        return session_for(self.backend, metadata, self.session_id, self._session_config)
