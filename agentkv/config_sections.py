@@ -222,6 +222,13 @@ class QuantizationConfig(Section):
         ),
     )
     """Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."""
+    host_bits: Literal[8, 4] | None = Field(
+        default=None,
+        description=(
+            "Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."
+        ),
+    )
+    """Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."""
     attended_residual_tokens: int = Field(
         default=64,
         ge=0,

@@ -73,6 +73,7 @@ class Session(SessionReadout):
             attended_residual_tokens=self.config.quantization.attended_residual_tokens,
             attended_key_bits=self.config.quantization.attended_key_bits,
             attended_sink_tokens=self.config.quantization.attended_sink_tokens,
+            host_bits=self.config.quantization.host_bits,
         )
         self.table = SpanTable(session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
