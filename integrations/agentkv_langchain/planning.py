@@ -111,16 +111,18 @@ class CallPlanning:
 
         The tool prompt goes *after* the system prompt's own text, so a conversation that
         starts without tools and gains them later keeps its system prompt's tokens cached.
+        Only message 0 carries the tools block: a system message further on (a tool-set
+        note) is left as it is, and a chat that starts with another role gets a system
+        message of its own in front, call after call, so its cached prefix stays valid.
         """
         chat = list(chat)
         if self.backend.chat_format.tools_in_template:
             chat[0] = {**chat[0], "tools": tools}
             return chat
         prompt = render_tool_prompt(tools)
-        index = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
-        if index is None:
+        if not chat or chat[0]["role"] != "system":
             chat.insert(0, {"role": "system", "content": prompt})
         else:
-            own = chat[index]["content"]
-            chat[index] = {**chat[index], "content": f"{own}\n\n{prompt}" if own else prompt}
+            own = chat[0]["content"]
+            chat[0] = {**chat[0], "content": f"{own}\n\n{prompt}" if own else prompt}
         return chat
