@@ -10,6 +10,7 @@ tool call and no tag, a bound forced call names its tool.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -156,3 +157,28 @@ def test_the_same_question_again_with_other_tools_starts_over(tiny_model, tiny_t
     assert "get_weather" not in messages[0].content
     assert [m.role for m in messages] == ["system", "user", "assistant"]
     assert [c["name"] for c in [*second.tool_calls, *second.invalid_tool_calls]] == ["get_code"]
+
+
+# A template with tool support that writes its own default system prompt when message 0 is not one
+# (the Qwen2.5 shape): the tools travel with message 0, whatever its role.
+TOOLS_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{% set lead = messages[0].content %}"
+    "{%- else %}{% set lead = 'You are a default assistant.' %}{% endif %}"
+    "<|im_start|>system\n{{ lead }}{% if tools %}\n\nTools: {{ tools | tojson }}{% endif %}<|im_end|>\n"
+    "{%- for message in messages %}{% if not (loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- if message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{%- endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_tools_and_default_system_prompt_keep_the_prefix(tiny_model, tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    backend, answers = run(tiny_model, tokenizer, ["bound", "tools", "answer"], turns=1, system=False)
+    assert backend.chat_format.tools_in_template
+    check_no_crop(answers)
+    messages = backend.get("t").messages
+    assert messages[0].role == "user" and messages[0].tools_json and "get_weather" in messages[0].tools_json
+    assert [m.content for m in messages if m.role == "system"] == [NO_TOOLS_NOTE]
