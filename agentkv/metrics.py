@@ -35,6 +35,39 @@ class Counters:
     store_seconds: float = 0.0
     forward_seconds: float = 0.0
 
+    def add(self, other: Counters) -> None:
+        """Add another session's totals to these (a branch adopted by its thread keeps both).
+
+        Totals are summed; `peak_device_bytes` is the larger of the two peaks.
+        """
+        for name, value in asdict(other).items():
+            mine = getattr(self, name)
+            setattr(self, name, max(mine, value) if name == "peak_device_bytes" else mine + value)
+
+
+@dataclass(frozen=True)
+class PromptRead:
+    """What an answer's first token read: its prompt as held in the cache.
+
+    `attended_tokens` = tokens of the cache the first answer token attended (the whole
+    prompt, generation prompt included, as held: evicted or archived spans are not in
+    it). `encoded_total` = the session's `prefill_tokens + rehydrated_tokens` at that
+    moment, so a caller that read the totals before its call knows how many of the
+    attended tokens it encoded itself (the rest were read from the cache).
+    """
+
+    attended_tokens: int
+    encoded_total: int
+
+    def usage(self, encoded_before: int) -> tuple[int, int]:
+        """`(input_tokens, cache_read)` of a call that started when `encoded_total` was `encoded_before`.
+
+        `input_tokens = cache_read + new tokens` exactly; tokens encoded by the call and
+        demoted before the answer was read do not count (the answer never attended them).
+        """
+        new = min(max(0, self.encoded_total - encoded_before), self.attended_tokens)
+        return self.attended_tokens, self.attended_tokens - new
+
 
 @dataclass(frozen=True)
 class SessionStats:

@@ -37,7 +37,8 @@ from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
-from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.metrics import PromptRead
+from agentkv.spans import ATTENDED_STATES, Span, SpanKind, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
@@ -79,6 +80,8 @@ class Session(SessionReadout):
         self.last_logits: torch.Tensor | None = None
         self.prefill_deferred = False
         """True after `extend(..., prefill=False)` until the next answer encodes the pending tokens."""
+        self.last_prompt: PromptRead | None = None
+        """What the latest answer's first token read (see `PromptRead`); None before any answer."""
         self.branch = branch
         self.parent = parent
         self.closed = False
@@ -155,7 +158,9 @@ class Session(SessionReadout):
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            reused = sum(s.length for s in message_spans[:k])
+            # Read from the cache: the matched messages' tokens the model attends (a pending tail is
+            # encoded later, an archived or evicted span is not attended: neither is a cache read).
+            reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
             total = kept_end + sum(len(ids) for ids in new_ids)
@@ -369,6 +374,10 @@ class Session(SessionReadout):
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
+            self.last_prompt = PromptRead(
+                attended_tokens=self.store.physical.length,
+                encoded_total=self.counters.prefill_tokens + self.counters.rehydrated_tokens,
+            )
             if deferred:
                 self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
@@ -519,6 +528,9 @@ class Session(SessionReadout):
         """
         with self.lock:
             self.table.record("branch", adopted_as=session_id, was=self.session_id)
+            if self.parent is not None:
+                # The thread's totals go on from the parent's: the branch counted only its own work.
+                self.counters.add(self.parent.counters)
             self.session_id = session_id
             self.table.session_id = session_id
             self.parent = None
@@ -549,6 +561,13 @@ class Session(SessionReadout):
             self.store.close()
             self.table.clear()
             self.closed = True
+
+
+def _attended(span: Span) -> int:
+    """Tokens of a span whose KV the model attends now (computed, held at full precision or attended int4)."""
+    if span.tier is not Tier.DEVICE or span.state not in ATTENDED_STATES:
+        return 0
+    return min(span.held_tokens, span.n_computed)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

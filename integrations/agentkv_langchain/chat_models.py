@@ -57,8 +57,8 @@ from agentkv_langchain.calls import (
     CallAnswer,
     answer_message_id,
     call_metadata,
+    call_usage,
     close_iterator,
-    history_before_answer,
     loaded_model_name,
     run_id_of,
     tool_call_ban,
@@ -103,9 +103,12 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     cache); outside one, pass `config={"metadata": {"thread_id": "..."}}`, or fix one
     with `session_id=`. Calls without either share the session "default".
 
-    Usage: `usage_metadata["input_token_details"]["cache_read"]` counts the history
-    tokens served from the cache in this call; `response_metadata` also has
-    `prefill_tokens` (encoded by the model in this call), `reused_tokens`,
+    Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
+    attended (its prompt as the cache holds it: an evicted or archived span is not in
+    it), and `["input_token_details"]["cache_read"]` the ones of those read from the
+    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly;
+    `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
+    the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
@@ -547,7 +550,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens = history_before_answer(session, output_tokens)
+            input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
         finish = (
             "tool_calls"
             if calls
@@ -565,13 +568,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
                 total_tokens=input_tokens + output_tokens,
-                input_token_details={"cache_read": extended.reused_tokens},
+                input_token_details={"cache_read": cache_read},
             ),
             response_metadata={
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
                 "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
                 "reused_tokens": extended.reused_tokens,
                 "cropped_tokens": extended.cropped_tokens,
                 "time_to_first_token_s": first_token_s,
