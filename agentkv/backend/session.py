@@ -30,7 +30,7 @@ from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event, TurnEnded
+from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
@@ -85,6 +85,8 @@ class Session(SessionReadout):
         self.branch = branch
         self.parent = parent
         self.closed = False
+        self.ended = False
+        """True after `SessionClosed` until the next `extend` starts the conversation over."""
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
         self.forget = ForgetController(self)
@@ -148,9 +150,13 @@ class Session(SessionReadout):
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
+            # After `SessionClosed` nothing is matched: the history given is encoded anew, as on a
+            # fresh session, never answered over the released spans' tokens.
             k = 0
+            restart = self.ended
             while (
-                k < len(message_spans)
+                not restart
+                and k < len(message_spans)
                 and k < len(incoming)
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
@@ -196,6 +202,7 @@ class Session(SessionReadout):
                     self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
+            self.ended = False
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             prefilled = self._prefill() if prefill else 0
@@ -358,6 +365,12 @@ class Session(SessionReadout):
             if not self.messages:
                 msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
                 raise ValueError(msg)
+            if self.ended:
+                msg = (
+                    f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
+                    "call extend(messages) with the conversation to start it over, then answer"
+                )
+                raise ValueError(msg)
             prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
             # The answer is closed with the template's end-of-turn ids: they need positions too.
             suffix = len(self.format.assistant_suffix_ids())
@@ -493,6 +506,8 @@ class Session(SessionReadout):
             if isinstance(event, ForgetRequested):
                 return self.forget.request(event)
             result = self.manager.apply(event)
+            if isinstance(event, SessionClosed):
+                self.ended = True  # the next `extend` starts over (see there)
             if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
                 self.forget.on_turn_ended()
             return result
