@@ -107,9 +107,11 @@ def start_from_shared_prefix(session: PrefixUser, feed: Feed) -> Feed:
     if shareable < cache.block_tokens or shareable <= held:
         return _attend(session, cache, feed, match)
     with cache.claim(feed.input_ids[:shareable]) as mine:
-        if not mine:
-            # Another thread encoded it meanwhile (or failed to): take what the cache holds now.
-            return _attend(session, cache, feed, cache.lookup(feed.input_ids, limit=limit))
+        # Another thread may have published it meanwhile (or failed to): look again.
+        match = cache.lookup(feed.input_ids, limit=limit)
+        held = 0 if match is None else match.length
+        if not mine or shareable <= held:
+            return _attend(session, cache, feed, match)
         rest = _attend(session, cache, feed, match)
         head = rest.chunk(0, shareable - held)
         with session.backend.model_lock:
@@ -127,6 +129,7 @@ def start_from_shared_prefix(session: PrefixUser, feed: Feed) -> Feed:
 def _attend(session: PrefixUser, cache: PrefixCache, feed: Feed, match: PrefixMatch | None) -> Feed:
     """Attend `match`'s tokens as the session's shared prefix; the rest of `feed`."""
     if match is None:
+        cache.note_miss()
         return feed
     n = match.length
     head = feed.chunk(0, n)

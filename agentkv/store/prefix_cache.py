@@ -216,7 +216,7 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int], *, limit: int | None = None) -> PrefixMatch | None:
         """The longest cached prefix of `token_ids`, at most `limit` tokens (None when under one block).
 
-        Counts a hit (and the use, for LRU) or a miss.
+        Only looks: `adopt` counts the use (LRU, hits), `note_miss` a first encoding without one.
         """
         limit = len(token_ids) if limit is None else min(limit, len(token_ids))
         with self._lock:
@@ -232,20 +232,22 @@ class PrefixCache:
                 n = _common_prefix(entry.token_ids, token_ids, limit)
                 if n >= self.block_tokens and (best is None or n > best.length):
                     best = PrefixMatch(entry, n)
-            if best is None:
-                self.misses += 1
-                return None
-            self._clock += 1
-            best.entry.last_used = self._clock
-            best.entry.hits += 1
-            self.hits += 1
             return best
 
     def adopt(self, match: PrefixMatch, holder: PrefixHolder) -> None:
-        """Record that `holder` now attends `match` (it counts as a reference while it does)."""
+        """Record that `holder` now attends `match` (a reference while it does; a use for LRU)."""
         with self._lock:
+            self._clock += 1
+            match.entry.last_used = self._clock
+            match.entry.hits += 1
             match.entry.holders.add(holder)
+            self.hits += 1
             self.shared_tokens += match.length
+
+    def note_miss(self) -> None:
+        """Count a session that started with nothing from the cache."""
+        with self._lock:
+            self.misses += 1
 
     # -- encoding once ----------------------------------------------------------------------
 
