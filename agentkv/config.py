@@ -34,6 +34,7 @@ from agentkv.config_sections import (
     CommitConfig,
     ForgetConfig,
     PolicyConfig,
+    PrefixCacheConfig,
     QuantizationConfig,
     RecallConfig,
     Section,
@@ -60,6 +61,7 @@ __all__ = [
     "CommitConfig",
     "ForgetConfig",
     "PolicyConfig",
+    "PrefixCacheConfig",
     "QuantizationConfig",
     "RecallConfig",
     "parse_bytes",
@@ -119,6 +121,11 @@ class AgentKVConfig(Section):
         description="The forgetting side thread (SideQuest-style), off by default.",
     )
     """The forgetting side thread (SideQuest-style), off by default."""
+    prefix_cache: PrefixCacheConfig = Field(
+        default_factory=PrefixCacheConfig,
+        description="Sessions that start alike share their leading system messages' KV (on by default).",
+    )
+    """Sessions that start alike share their leading system messages' KV (on by default)."""
 
     @field_validator("device")
     @classmethod

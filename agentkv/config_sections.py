@@ -445,6 +445,41 @@ class ForgetConfig(Section):
         return self
 
 
+class PrefixCacheConfig(Section):
+    """The cross-session prefix cache: threads that start alike share their leading system messages' KV.
+
+    The first thread to encode a prefix (the system prompt with the tool descriptions)
+    keeps its KV as a read-only entry; later threads whose history starts with the same
+    token ids attend it instead of encoding it (vLLM's automatic prefix caching, SGLang's
+    radix cache). Unreferenced entries stay while there is room and go first under
+    pressure (the global device budget or `max_tokens`).
+    """
+
+    enabled: bool = Field(
+        default=True, strict=True, description="Share leading system messages' KV across sessions."
+    )
+    """Share leading system messages' KV across sessions."""
+    max_tokens: int | None = Field(
+        default=8192,
+        ge=1,
+        strict=True,
+        description="Tokens all entries may hold; null = only the global device budget bounds them.",
+    )
+    """Tokens all entries may hold; null = only the global device budget bounds them."""
+    block_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        strict=True,
+        description="Tokens per hashed block (a prefix is found by its blocks).",
+    )
+    """Tokens per hashed block (a prefix is found by its blocks)."""
+    eviction: Literal["lru", "lfu"] = Field(
+        default="lru", description="Which unreferenced entry goes first: least recently or least often used."
+    )
+    """Which unreferenced entry goes first: least recently or least often used."""
+
+
 class CallbacksConfig(Section):
     """Behaviour of the LangChain callback handler that turns runs into events."""
 

@@ -14,6 +14,7 @@ class Counters:
 
     prefill_tokens: int = 0
     reused_tokens: int = 0
+    shared_prefix_tokens: int = 0
     generated_tokens: int = 0
     cropped_tokens: int = 0
     rehydrated_tokens: int = 0
@@ -101,7 +102,11 @@ class SessionStats:
     digest_bytes: int = 0
     """Page key digests on the device (page recall); the device budget counts them."""
     shared_device_bytes: int = 0
-    """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
+    """Part of `device_bytes` shared with another session (a branch fork's parent, or the
+    backend's prefix cache), not owned; the global budget counts it once across sessions."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, tokens taken from a prefix another session encoded (the backend's
+    prefix cache; on a served engine, the engine's own prefix cache hits)."""
     attended_tokens: int = 0
     attended_quantized_tokens: int = 0
     """Of `attended_tokens`, those held at int4/int2 in attention (the attended quantized tier)."""

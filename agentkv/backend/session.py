@@ -25,6 +25,7 @@ import torch
 from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
+from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
@@ -293,6 +294,8 @@ class Session(SessionReadout):
             return 0
         physical = self.store.physical
         physical.compact_pending()
+        encoded_before = self.counters.prefill_tokens
+        feed = start_from_shared_prefix(self, feed)  # threads that start alike share that KV
         mask = None
         if physical.length and min(feed.positions) < int(physical.slot_position.max()):
             # A span whose tail was still pending (a generated answer's last token and
@@ -307,7 +310,7 @@ class Session(SessionReadout):
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
                 span.mark_computed()
         self.counters.prefill_tokens += len(feed)
-        return len(feed)
+        return self.counters.prefill_tokens - encoded_before
 
     def forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         """Run `feed` through the model over this session's cache (the caller holds `model_lock`).

@@ -618,7 +618,7 @@ def test_every_field_is_described_and_its_docstring_matches() -> None:
                 ):
                     docstrings[(node.name, stmt.target.id)] = str(after.value.value)
     models = _config_models()
-    assert len(models) == 9
+    assert len(models) == 10
     for model in models:
         assert model.model_config.get("extra") == "forbid" and model.model_config.get("frozen") is True
         for name, field in model.model_fields.items():
