@@ -49,7 +49,8 @@ def test_max_model_len_beyond_the_block_cache_is_refused_before_start(tmp_path: 
 @pytest.mark.engine
 def test_block_settings_must_be_positive_integers(tmp_path: Path) -> None:
     done = serve(tmp_path, AGENTKV_VLLM_BLOCKS="many")
-    assert done.returncode != 0 and "AGENTKV_VLLM_BLOCKS: expected a positive integer, got 'many'" in done.stderr
+    assert done.returncode != 0
+    assert "AGENTKV_VLLM_BLOCKS: expected a positive integer, got 'many'" in done.stderr
     done = serve(tmp_path, AGENTKV_MAX_MODEL_LEN="-1")
     assert done.returncode != 0
     assert "AGENTKV_MAX_MODEL_LEN: expected a positive integer, got '-1'" in done.stderr
