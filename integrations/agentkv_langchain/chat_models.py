@@ -104,7 +104,9 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     with `session_id=`. Calls without either share the session "default".
 
     Usage: `usage_metadata["input_token_details"]["cache_read"]` counts the history
-    tokens served from the cache in this call; `response_metadata` also has
+    tokens served from the cache in this call (on an `EngineBackend`, the engine's own
+    figures: `input_tokens` is the prompt it was sent, `cache_read` the part it reused,
+    `prompt_tokens_details.cached_tokens`); `response_metadata` also has
     `prefill_tokens` (encoded by the model in this call), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
@@ -547,7 +549,12 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens = history_before_answer(session, output_tokens)
+            if local:
+                input_tokens = history_before_answer(session, output_tokens)
+                cache_read = extended.reused_tokens
+            else:  # the engine's own usage: the prompt it was sent and the part it reused
+                cache_read = after.reused_tokens - before.reused_tokens
+                input_tokens = after.prefill_tokens - before.prefill_tokens + cache_read
         finish = (
             "tool_calls"
             if calls
@@ -565,14 +572,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
                 total_tokens=input_tokens + output_tokens,
-                input_token_details={"cache_read": extended.reused_tokens},
+                input_token_details={"cache_read": cache_read},
             ),
             response_metadata={
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
                 "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
-                "reused_tokens": extended.reused_tokens,
+                "reused_tokens": cache_read,
                 "cropped_tokens": extended.cropped_tokens,
                 "time_to_first_token_s": first_token_s,
             },
