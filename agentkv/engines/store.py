@@ -463,6 +463,7 @@ class EngineStore:
         archived = [i for i in self._archived_since_sync if i in self._sent_layout]
         end = first_drop // size * size  # whole chunks before the chunk holding the first dropped token
         kept: list[int] = []
+        garbage_from = diverged  # nothing archived there: every chunk after the change is garbage
         if archived and end > diverged // size * size:
             kept = self._fit(old[:end], exclude=None)
             # A pin protects them from L2 eviction; only their L1 copy goes.
@@ -472,14 +473,15 @@ class EngineStore:
             if not any(old[:end] == k for k in self._kept):
                 self._kept.append(old[:end])
             self._delete_tail(old, max(diverged, own), "l1", end)
+            garbage_from = first_drop
         spans = {s.span_id: s for s in self.spans()}
         for span_id in self._archived_since_sync:
             span = spans.get(span_id)
             offset = self._sent_layout.get(span_id)
             on_l2 = 0 if span is None or offset is None else min(offset + span.length, len(kept)) - offset
             self._on_l2[span_id] = max(0, on_l2)
-        if first_drop < len(old):
-            self._delete_tail(old, max(first_drop, own), "all")
+        if garbage_from < len(old):
+            self._delete_tail(old, max(garbage_from, own), "all")
         self.sent = old[:diverged]
 
     def _delete_tail(self, sequence: list[int], keep: int, tier: TierName, end: int | None = None) -> None:

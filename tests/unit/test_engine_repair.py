@@ -250,3 +250,15 @@ def test_usage_metadata_is_what_the_engine_was_sent_and_reused(sim: SimLMCache, 
     cached = after.reused_tokens - before.reused_tokens
     assert usage["input_token_details"]["cache_read"] == cached > 0
     assert usage["input_tokens"] == after.prefill_tokens - before.prefill_tokens + cached
+
+
+def test_a_recall_and_a_release_in_one_step_delete_the_whole_old_tail(sim: SimLMCache) -> None:
+    spans = make_spans(8, 8, 8, 8)
+    store = make_store(sim, spans)
+    turn(store, sim)
+    store.archive(spans[1], "host")
+    old = turn(store, sim)  # spans 0, 2, 3
+    store.restore_many([spans[1]])  # the prompt changes at span 1's place ...
+    store.drop(spans[3])  # ... and span 3 is released: nothing of the old tail is kept
+    turn(store, sim)
+    assert sim.held(old, "salt")[2:] == [set()] * 4
