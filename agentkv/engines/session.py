@@ -66,6 +66,10 @@ class EngineHost(Protocol):
         """Engine KV bytes across the sessions."""
         ...
 
+    def sole_holder(self, session: Any) -> bool:
+        """Whether `session` is the only live session on its `cache_salt` (its pins are all its own)."""
+        ...
+
 
 class EngineServices:
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
@@ -178,6 +182,8 @@ class EngineSession:
             backend.bytes_per_token,
             shared_prefix=shared,
             owner=session_id,
+            owns_salt=lambda: backend.sole_holder(self),
+            on_failure=self._hint_failed,
         )
         self.manager = LifecycleManager(EngineServices(self), self.limits)
         if parent is not None:
@@ -204,6 +210,11 @@ class EngineSession:
     def turn(self) -> int:
         """The current user turn."""
         return self.table.turn
+
+    def _hint_failed(self, what: str, error: Exception) -> None:
+        """A hint the engine did not take is a survived fault of this session (counted and logged)."""
+        self.counters.faults += 1
+        self.table.record("fault", where=f"engine hint {what}", span=None, error=repr(error))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -369,20 +380,22 @@ class EngineSession:
     def apply(self, event: Event) -> ApplyResult:
         """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
 
-        `TurnEnded` also parks the conversation (`EngineStore.park`): the chunks its pin keeps
-        on L2 give up their L1 copy until the next call prefetches them back. With an
-        admission gate, a conversation that stays resident is not parked (it calls again
-        soon: its L1 copies are what that call reads); one that gives its place up also
-        shrinks its pin to its new share (the residents' room).
+        `TurnEnded` pins what the turn committed at once (`EngineStore.refit_pins`), then
+        parks the conversation (`EngineStore.park`): the chunks its pin keeps on L2 give up
+        their L1 copy until the next call prefetches them back. With an admission gate, a
+        conversation that stays resident is not parked (it calls again soon: its L1 copies
+        are what that call reads); one that gives its place up gets its pin refitted to its
+        new share (the residents' room).
         """
         with self.lock:
             self._check_open()
             result = self.manager.apply(event)
             if isinstance(event, TurnEnded):
                 gate = self.backend.gate
-                if gate is None or not gate.turn_ended(self.conversation_id, len(self.store.prompt())):
-                    if gate is not None:
-                        self.store.refit_pins()
+                working_set = len(self.store.prompt())
+                resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
+                self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
+                if not resident:
                     self.store.park()  # the conversation now waits: L1 room goes to others
             return result
 
@@ -436,11 +449,27 @@ class EngineSession:
             self.manager.check()
 
     def close(self) -> None:
-        """Unpin and delete this session's KV on the engine; forget its spans."""
+        """Unpin and delete this session's KV on the engine; forget its spans.
+
+        Pin requests that timed out (maybe applied) and could not be checked yet go to the
+        root conversation, which checks them once it holds the salt alone.
+        """
         with self.lock:
             self.store.close()
             self.table.clear()
             self.closed = True
+            uncertain, self.store.uncertain_pins = self.store.uncertain_pins, []
             gate = self.backend.gate
             if gate is not None and self.parent is None:  # a branch shares its root's residency
                 gate.release(self.conversation_id)
+        if uncertain and self.parent is not None and not self.parent.closed:
+            with self.parent.lock:
+                self.parent.store.adopt_uncertain(uncertain)
+        elif uncertain:
+            logger.warning(
+                "session %s closed with %d pin requests the coordinator may have applied on salt %r "
+                "(not checked: it did not answer, or another session shares the salt)",
+                self.session_id,
+                len(uncertain),
+                self.cache_salt,
+            )

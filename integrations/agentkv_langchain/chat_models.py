@@ -106,7 +106,9 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
     attended (its prompt as the cache holds it: an evicted or archived span is not in
     it), and `["input_token_details"]["cache_read"]` the ones of those read from the
-    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly;
+    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly (on an
+    `EngineBackend`, the engine's own figures: `input_tokens` is the prompt it was sent,
+    `cache_read` the part it reused, `prompt_tokens_details.cached_tokens`);
     `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
     the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
@@ -550,7 +552,11 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+            if local:
+                input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+            else:  # the engine's own usage: the prompt it was sent and the part it reused
+                cache_read = after.reused_tokens - before.reused_tokens
+                input_tokens = after.prefill_tokens - before.prefill_tokens + cache_read
         finish = (
             "tool_calls"
             if calls
@@ -576,7 +582,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 "session_id": session.session_id,
                 "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
                 "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
-                "reused_tokens": extended.reused_tokens,
+                "reused_tokens": extended.reused_tokens if local else cache_read,
                 "cropped_tokens": extended.cropped_tokens,
                 "time_to_first_token_s": first_token_s,
             },
