@@ -23,8 +23,9 @@ import llguidance
 
 from agentkv.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
-PSEUDO_CALLS = (TOOL_CALL_OPEN, "<function", '{"name"', '{ "name"')
-"""Text a plain answer may not contain: the openings of the call syntaxes small models imitate."""
+PSEUDO_CALLS = ("<tool", "<function", '{"name"', '{ "name"')
+"""Text a plain answer may not contain: the openings of the call syntaxes small models imitate
+(`<tool` covers `<tool_call>` and a tag cut short by the end of the answer)."""
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: `json.dumps`'s separators and no free whitespace (no newline loops)."""
 CALL_SEPARATOR = "\n"
@@ -140,7 +141,7 @@ def text_or_call_grammar(tools: Sequence[Mapping[str, Any]], *, parallel: bool =
     """
     body, rules = _call_rules(tools)
     more = f" ({_literal(CALL_SEPARATOR)} call)*" if parallel else ""
-    bans = "|".join(_regex_escape(b) for b in PSEUDO_CALLS if b != TOOL_CALL_OPEN)
+    bans = "|".join(_regex_escape(b) for b in PSEUDO_CALLS if not TOOL_CALL_OPEN.startswith(b))
     prelude = f"prelude[lazy]: /(?s:.*){_regex_escape(TOOL_CALL_OPEN)}/ & ~/(?s:.*({bans}).*)/"
     lines = [
         f"start: TEXT | prelude body{more}",

@@ -9,7 +9,13 @@ import numpy as np
 import torch
 
 from agentkv.grammar.compiled import CompiledGrammar
-from agentkv.grammar.finishing import CLOSING_WINDOW, STOP_RANK, closing_choice, closing_rank
+from agentkv.grammar.finishing import (
+    CLOSING_WINDOW,
+    RECHECK_AFTER,
+    STOP_RANK,
+    closing_choice,
+    closing_rank,
+)
 
 
 class GrammarProcessor:
@@ -52,6 +58,7 @@ class GrammarProcessor:
         self.budget = budget
         self.finishing = False
         """True once the budget left is what the shortest completion needs."""
+        self.next_check = 0
         self.rank = closing_rank(tokenizer, set(stop_ids)) if budget is not None else None
         if prefix_ids and not self.matcher.consume_tokens(list(prefix_ids)):
             self._fail("the prefilled prefix")
@@ -66,14 +73,21 @@ class GrammarProcessor:
         self.mask_calls += 1
         if self.rank is not None and self.budget is not None:
             left = self.budget - len(produced)
-            if not self.finishing and left <= CLOSING_WINDOW:
-                self.finishing = self.closing_length(left, logits.shape[-1]) >= left - 1
+            if not self.finishing and left <= CLOSING_WINDOW and len(produced) >= self.next_check:
+                needed = self.closing_length(CLOSING_WINDOW, logits.shape[-1])
+                self.finishing = needed is not None and needed >= left - 1
+                # No way out found (free text before a call): look again a few tokens later.
+                self.next_check = len(produced) + (RECHECK_AFTER if needed is None else 0)
             if self.finishing:
                 allowed = closing_choice(allowed, self.rank)
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
-    def closing_length(self, limit: int, vocab: int) -> int:
-        """Tokens the shortest way to a complete answer takes from here (played out on a copy; <= limit)."""
+    def closing_length(self, limit: int, vocab: int) -> int | None:
+        """Tokens the shortest way to a complete answer takes from here, played out on a copy.
+
+        None when closing tokens do not complete it within `limit` tokens (they do not
+        help there, e.g. in the free text before a call).
+        """
         rank = self.rank if self.rank is not None else torch.zeros(vocab)
         probe = self.matcher.deep_copy()
         for steps in range(limit):
@@ -81,12 +95,13 @@ class GrammarProcessor:
                 return steps
             packed = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
             bits = torch.from_numpy(np.unpackbits(packed, bitorder="little")[:vocab].astype(np.bool_))
-            choice = closing_choice(bits, rank)
-            n = min(choice.numel(), rank.numel())
-            token = int(torch.argmax(torch.where(choice[:n], rank[:n] + 1, torch.tensor(-1.0))))
-            if rank[token] >= STOP_RANK or not probe.consume_token(token):
+            choice = closing_choice(bits, rank)  # one token, or every allowed one when none closes
+            token = int(torch.argmax(choice.int()))
+            if rank[token] >= STOP_RANK:
                 return steps + 1
-        return limit
+            if not probe.consume_token(token):
+                return None
+        return None
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """Which of `vocab` token ids the grammar allows next, `[vocab]` bool (ids past the tokenizer: no)."""

@@ -64,7 +64,7 @@ from agentkv_langchain.calls import (
     tool_call_ban,
     unparseable,
 )
-from agentkv_langchain.constrained import check_tool_schemas, grammar_processor, structured_output
+from agentkv_langchain.constrained import StructuredOutput, check_tool_schemas, grammar_processor
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.planning import CallPlanning
 from agentkv_langchain.sessions import calling, session_for
@@ -85,7 +85,7 @@ from agentkv_langchain.toolset import outside
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
 
-class ChatAgentKV(CallPlanning, BaseChatModel):
+class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A local Transformers model whose KV cache lives across an agent's calls.
 
     Setup:
@@ -134,9 +134,8 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     forces a call (to the tool the model prefers) on a turn's first step and a text answer
     after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
     grammar: bool = True
-    """Constrain tool calls and structured output with a grammar (`agentkv.grammar`): calls follow
-    their tool's schema, "any" picks the tool under it, text answers cannot start a call. False:
-    calls are only prefilled with their opening (engine sessions always work that way)."""
+    """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
+    are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
     """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
     temperature: float = 0.0
@@ -262,15 +261,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             tools: the tools, in the order they are described to the model.
             tool_choice: None / "auto": the model decides; "none": no call (the
                 `<tool_call>` tag cannot be written, so the model answers in text);
-                "any" / "required" / True: a call is forced, and the model picks the
-                tool among the bound ones (under the grammar of their calls; with
-                `grammar=False`, each name scored by `tools.choose_tool`); a tool name,
-                or a dict naming a function: a call to that tool is forced.
+                "any" / "required" / True: a call is forced, the model picks the tool
+                under the grammar (`grammar=False`: names scored by `tools.choose_tool`);
+                a tool name, or a dict naming a function: a call to that tool is forced.
             **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
 
         Raises:
-            ValueError: a tool cannot be converted, `tool_choice` names no bound tool, or (with
-                `grammar`) a tool's parameters cannot be expressed as a grammar (the error names it).
+            ValueError: a tool cannot be converted, `tool_choice` names no bound tool, or a tool's
+                parameters cannot be expressed as a grammar (`GrammarError`, naming the tool).
         """
         formatted: list[dict[str, Any]] = []
         for i, tool in enumerate(tools):
@@ -287,27 +285,6 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
-
-    def with_structured_output(
-        self,
-        schema: dict[str, Any] | type,
-        *,
-        include_raw: bool = False,
-        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
-        strict: bool | None = None,
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
-        """The model answering as `schema` (pydantic class, TypedDict or JSON schema), parsed.
-
-        With `grammar` on, every method is constrained: "function_calling" forces a call to a
-        tool made of the schema, "json_schema" decodes JSON that follows the schema, "json_mode"
-        any JSON object. `include_raw=True` returns `{"raw", "parsed", "parsing_error"}`.
-        See `agentkv_langchain.constrained.structured_output`.
-        """
-        if kwargs:
-            msg = f"with_structured_output: unknown argument(s) {', '.join(sorted(kwargs))}"
-            raise ValueError(msg)
-        return structured_output(self, schema, method=method, include_raw=include_raw, strict=strict)
 
     # -- entry points: the call's config picks its session (see `agentkv_langchain.sessions`) -----
 

@@ -26,7 +26,13 @@ from agentkv import Backend
 from agentkv.grammar import GrammarProcessor, compile_grammar
 from agentkv.grammar.grammars import check_schema
 
-__all__ = ["STRUCTURED_METHODS", "check_tool_schemas", "grammar_processor", "structured_output"]
+__all__ = [
+    "STRUCTURED_METHODS",
+    "StructuredOutput",
+    "check_tool_schemas",
+    "grammar_processor",
+    "structured_output",
+]
 
 STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
 """`with_structured_output` methods: a constrained call to a tool made of the schema; constrained
@@ -99,3 +105,31 @@ def structured_output(
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
     fallback = RunnablePassthrough.assign(parsed=lambda _: None)
     return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+class StructuredOutput:
+    """`with_structured_output` for `ChatAgentKV` (a mixin: it reads `grammar` and binds on the model)."""
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """The model answering as `schema` (pydantic class, TypedDict or JSON schema), parsed.
+
+        With `grammar` on, every method is constrained: "function_calling" forces a call to a
+        tool made of the schema, "json_schema" decodes JSON that follows the schema, "json_mode"
+        any JSON object. `include_raw=True` returns `{"raw", "parsed", "parsing_error"}`;
+        `strict=True` needs the grammar (it is always strict).
+
+        Raises:
+            ValueError: unknown arguments, or see `structured_output`.
+        """
+        if kwargs:
+            msg = f"with_structured_output: unknown argument(s) {', '.join(sorted(kwargs))}"
+            raise ValueError(msg)
+        return structured_output(self, schema, method=method, include_raw=include_raw, strict=strict)
