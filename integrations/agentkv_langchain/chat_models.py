@@ -64,6 +64,7 @@ from agentkv_langchain.calls import (
     tool_call_ban,
     unparseable,
 )
+from agentkv_langchain.constrained import StructuredOutput, check_tool_schemas, grammar_processor
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.planning import CallPlanning
 from agentkv_langchain.sessions import calling, session_for
@@ -84,7 +85,7 @@ from agentkv_langchain.toolset import outside
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
 
-class ChatAgentKV(CallPlanning, BaseChatModel):
+class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A local Transformers model whose KV cache lives across an agent's calls.
 
     Setup:
@@ -118,8 +119,10 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
     chat template that supports tools, they are passed to the template; otherwise
     they are described in the system prompt with the `<tool_call>{json}</tool_call>`
-    protocol (see `agentkv_langchain.tools`). A forced `tool_choice` prefills the
-    call's opening, so even a tiny model writes a call to the right tool.
+    protocol (see `agentkv_langchain.tools`). With `grammar` on (the default), decoding
+    is constrained (`agentkv.grammar`): a call's arguments follow its tool's JSON schema,
+    `tool_choice="any"` lets the model pick the tool under the grammar, and text answers
+    cannot start a call, so even a tiny model's calls parse.
     """
 
     backend: Backend
@@ -135,6 +138,9 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
     forces a call (to the tool the model prefers) on a turn's first step and a text answer
     after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    grammar: bool = True
+    """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
+    are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
     """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
     temperature: float = 0.0
@@ -260,14 +266,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             tools: the tools, in the order they are described to the model.
             tool_choice: None / "auto": the model decides; "none": no call (the
                 `<tool_call>` tag cannot be written, so the model answers in text);
-                "any" / "required" / True: a call is forced, and the model picks the
-                tool among the bound ones (each name scored by the model, see
-                `tools.choose_tool`); a tool name, or a dict naming a function: a call
-                to that tool is forced.
+                "any" / "required" / True: a call is forced, the model picks the tool
+                under the grammar (`grammar=False`: names scored by `tools.choose_tool`);
+                a tool name, or a dict naming a function: a call to that tool is forced.
             **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
 
         Raises:
-            ValueError: a tool cannot be converted, or `tool_choice` names no bound tool.
+            ValueError: a tool cannot be converted, `tool_choice` names no bound tool, or a tool's
+                parameters cannot be expressed as a grammar (`GrammarError`, naming the tool).
         """
         formatted: list[dict[str, Any]] = []
         for i, tool in enumerate(tools):
@@ -279,6 +285,8 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 )
                 raise ValueError(msg) from e
         resolve_tool_choice(tool_choice, tool_names(formatted))  # fail at bind time, not at the first call
+        if self.grammar:
+            check_tool_schemas(formatted)
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
@@ -495,7 +503,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             extended = session.extend(plan.messages, prefill=False)
             prefix = plan.prefix
             local = isinstance(session, Session)
-            if plan.choice == ANY_TOOL:  # "any" / "required": the model picks among the bound tools
+            if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
                 if isinstance(session, Session):
@@ -504,9 +512,13 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             visible = ToolCallStreamFilter() if plan.tools else None
             if visible is not None:
                 visible.feed(prefix)
-            call_end = CallEnd(prefix) if prefix else None
+            call_end = CallEnd(prefix) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
-            if plan.ban_calls and local:
+            if plan.grammar is not None and local:
+                options["logits_processor"] = grammar_processor(
+                    self.backend, plan.grammar, prefix, plan.sampling["max_new_tokens"]
+                )
+            elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
             elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
                 options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
