@@ -121,7 +121,9 @@ class Session(SessionReadout):
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the cache in line with `messages`, encoding only what it does not hold.
 
         Messages are matched with the cached ones by fingerprint (role, content, tool
@@ -139,6 +141,11 @@ class Session(SessionReadout):
                 as the first over a long cache); `ChatAgentKV` calls it this way. Any
                 other call that needs the model (`continuation_logits`, the next
                 `extend`) encodes pending tokens first.
+            events: Lifecycle events that arrive with these messages (a user's "go with
+                option B" and its `UserConfirmed`). They are applied once the new
+                messages have spans and before recall and the budget plan for them, so
+                the pressure the new messages add cannot demote what they confirm.
+                Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -191,6 +198,7 @@ class Session(SessionReadout):
                     self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
+            applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             prefilled = self._prefill() if prefill else 0
@@ -209,6 +217,7 @@ class Session(SessionReadout):
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
                 pending_tokens=pending,
+                applied=applied,
             )
             self.table.record(
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
@@ -481,12 +490,16 @@ class Session(SessionReadout):
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            if isinstance(event, ForgetRequested):
-                return self.forget.request(event)
-            result = self.manager.apply(event)
-            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
-                self.forget.on_turn_ended()
-            return result
+            return self._apply_locked(event, enforce=True)
+
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        if isinstance(event, ForgetRequested):
+            return self.forget.request(event)
+        result = self.manager.apply(event, enforce=enforce)
+        if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+            self.forget.on_turn_ended()
+        return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
