@@ -32,8 +32,8 @@ from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable

@@ -433,7 +433,7 @@ class EngineSession:
                 logical_tokens=self.table.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,
-                budget_satisfied=self.manager.budget_satisfied,
+                **self.manager.budget.figures(),
             )
 
     def check(self) -> None:

@@ -25,10 +25,11 @@ from agentkv.events import (
     TurnEnded,
     validate_event,
 )
-from agentkv.lifecycle.budget import BudgetKeeper, BudgetLimits
+from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.compression import Compressor, scoring_view
 from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import PageIndex
