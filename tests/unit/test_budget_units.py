@@ -41,7 +41,9 @@ def test_limits_resolve_tokens_as_full_precision_bytes_and_hold_the_watermarks()
 
 
 def test_global_excess_lowers_the_growing_sessions_limit() -> None:
-    budget = BudgetConfig(device_tokens=100, global_device_bytes=10_000, high_watermark=1.0, low_watermark=0.5)
+    budget = BudgetConfig(
+        device_tokens=100, global_device_bytes=10_000, high_watermark=1.0, low_watermark=0.5
+    )
     limits = BudgetLimits.resolve(budget, bytes_per_token=1000)
     assert limits.device_share(own_usage=4_000, backend_usage=9_000) == 100_000  # under the global limit
     # 12 000 held in all, 5 000 over the global low watermark: this session keeps 8 000 - 7 000.
