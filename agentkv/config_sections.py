@@ -87,9 +87,13 @@ class BudgetConfig(Section):
         default=None,
         gt=0,
         strict=True,
-        description="Per-session KV budget on the device, in tokens; null = none.",
+        description=(
+            "Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;"
+            " int4 tokens take less, so more fit); null = none."
+        ),
     )
-    """Per-session KV budget on the device, in tokens; null = none."""
+    """Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;
+    int4 tokens take less, so more fit); null = none."""
     device_bytes: _ByteCount = Field(
         default=None,
         gt=0,
@@ -97,9 +101,12 @@ class BudgetConfig(Section):
     )
     """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
     host_tokens: int | None = Field(
-        default=None, gt=0, strict=True, description="Per-session archive budget on the host tier, in tokens."
+        default=None,
+        gt=0,
+        strict=True,
+        description="Per-session archive budget on the host tier, in full-precision token equivalents.",
     )
-    """Per-session archive budget on the host tier, in tokens."""
+    """Per-session archive budget on the host tier, in full-precision token equivalents."""
     host_bytes: _ByteCount = Field(
         default=None, gt=0, description="Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."
     )

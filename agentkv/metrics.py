@@ -126,6 +126,15 @@ class SessionStats:
     budget_unmet: int = 0
     """Times the budget could not be met without demoting pinned or active spans."""
     budget_satisfied: bool = True
+    budget_device_bytes: int | None = None
+    """The device limit the last budget check applied, in bytes (None = no limit)."""
+    budget_device_tokens: float | None = None
+    """The same limit in full-precision token equivalents, the unit of `budget.device_tokens`
+    (bytes / one full-precision token's bytes): tokens held at int4 take less, so more fit."""
+    budget_used_bytes: int = 0
+    """What the device budget counts now: attended KV, quantized archives and page digests."""
+    budget_used_tokens: float = 0.0
+    """`budget_used_bytes` in full-precision token equivalents."""
     lifecycle_seconds: float = 0.0
     policy_seconds: float = 0.0
     store_seconds: float = 0.0

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from agentkv.backend.runner import ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.results import ApplyResult
 from agentkv.store.prefix_cache import PrefixCache
 
 
@@ -69,3 +70,5 @@ class ExtendResult:
     seconds: float
     pending_tokens: int = 0
     """New tokens left for the next answer to encode (`extend(..., prefill=False)`)."""
+    applied: tuple[ApplyResult, ...] = ()
+    """What each event given with the messages did (`extend(..., events=...)`), in order."""

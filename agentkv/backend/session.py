@@ -33,8 +33,8 @@ from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
@@ -127,7 +127,9 @@ class Session(SessionReadout):
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the cache in line with `messages`, encoding only what it does not hold.
 
         Messages are matched with the cached ones by fingerprint (role, content, tool
@@ -145,6 +147,11 @@ class Session(SessionReadout):
                 as the first over a long cache); `ChatAgentKV` calls it this way. Any
                 other call that needs the model (`continuation_logits`, the next
                 `extend`) encodes pending tokens first.
+            events: Lifecycle events that arrive with these messages (a user's "go with
+                option B" and its `UserConfirmed`). They are applied once the new
+                messages have spans and before recall and the budget plan for them, so
+                the pressure the new messages add cannot demote what they confirm.
+                Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -204,6 +211,7 @@ class Session(SessionReadout):
                 self.messages.append(message)
                 new_spans.append(span.span_id)
             self.ended = False
+            applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             prefilled = self._prefill() if prefill else 0
@@ -222,6 +230,7 @@ class Session(SessionReadout):
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
                 pending_tokens=pending,
+                applied=applied,
             )
             self.table.record(
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
@@ -506,14 +515,18 @@ class Session(SessionReadout):
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            if isinstance(event, ForgetRequested):
-                return self.forget.request(event)
-            result = self.manager.apply(event)
-            if isinstance(event, SessionClosed):
-                self.ended = True  # the next `extend` starts over (see there)
-            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
-                self.forget.on_turn_ended()
-            return result
+            return self._apply_locked(event, enforce=True)
+
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        if isinstance(event, ForgetRequested):
+            return self.forget.request(event)
+        result = self.manager.apply(event, enforce=enforce)
+        if isinstance(event, SessionClosed):
+            self.ended = True  # the next `extend` starts over (see there)
+        if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+            self.forget.on_turn_ended()
+        return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
