@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -48,11 +49,11 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from agentkv import AnySession, Backend, EngineBackend, Session
+from agentkv import AgentKVConfig, AnySession, Backend, EngineBackend, Session
 from agentkv.chat import normalize_messages
-from agentkv_langchain.backends import shared_backend
+from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
     CallAnswer,
     answer_message_id,
@@ -83,6 +84,8 @@ from agentkv_langchain.tools import (
 from agentkv_langchain.toolset import outside
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
+
+logger = logging.getLogger("agentkv.langchain")
 
 
 class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
@@ -158,6 +161,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
+    _session_config: AgentKVConfig | None = PrivateAttr(default=None)
+    """Settings of the sessions this model creates when `config=` differs from the shared backend's."""
+    _warned: set[str] = PrivateAttr(default_factory=set)
+
     @model_validator(mode="before")
     @classmethod
     def _default_backend(cls, data: Any) -> Any:
@@ -173,6 +180,19 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 raise ValueError(msg)
             return data
         return {**data, "backend": shared_backend(data.get("config"), model=data.get("model"))}
+
+    @model_validator(mode="after")
+    def _own_session_settings(self) -> Self:
+        """`config=` on the shared backend: this model's sessions get these settings.
+
+        The shared backend is per model, so a `ChatAgentKV()` made earlier in the process
+        fixed its default settings; a later `ChatAgentKV(config=...)` passes its own
+        budget, policy and rules to every session it creates instead of inheriting them.
+        """
+        if self.config is not None:
+            wanted = resolve_config(self.config, model=self.model)
+            self._session_config = session_settings(wanted, self.backend.config)
+        return self
 
     @model_validator(mode="after")
     def _default_model_name(self) -> Self:
@@ -607,4 +627,15 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         The one place a call picks its KV cache; a subclass that wants another cache per
         call (a stateless baseline that re-encodes everything) overrides only this.
         """
-        return session_for(self.backend, metadata, self.session_id)
+        session = session_for(self.backend, metadata, self.session_id, self._session_config)
+        wanted = self._session_config
+        if wanted is not None and session.config != wanted and session.session_id not in self._warned:
+            self._warned.add(session.session_id)
+            logger.warning(
+                "session %r already exists with other agentkv settings than this ChatAgentKV(config=...); "
+                "it keeps them (settings apply when a session is created). Use a new thread_id, or "
+                "close the session first (backend.close(%r))",
+                session.session_id,
+                session.session_id,
+            )
+        return session
