@@ -34,14 +34,15 @@ from agentkv.config_sections import (
     CommitConfig,
     ForgetConfig,
     PolicyConfig,
+    PrefixCacheConfig,
     QuantizationConfig,
     RecallConfig,
     Section,
-    SessionsConfig,
     policy_as_mapping,
     trigger_problem,
     watermark_problem,
 )
+from agentkv.config_sessions import SessionsConfig
 from agentkv.config_text import (
     ConfigProblems,
     Loc,
@@ -64,6 +65,7 @@ __all__ = [
     "CommitConfig",
     "ForgetConfig",
     "PolicyConfig",
+    "PrefixCacheConfig",
     "QuantizationConfig",
     "RecallConfig",
     "SessionsConfig",
@@ -129,6 +131,11 @@ class AgentKVConfig(Section):
         description="The forgetting side thread (SideQuest-style), off by default.",
     )
     """The forgetting side thread (SideQuest-style), off by default."""
+    prefix_cache: PrefixCacheConfig = Field(
+        default_factory=PrefixCacheConfig,
+        description="Sessions that start alike share their leading system messages' KV (on by default).",
+    )
+    """Sessions that start alike share their leading system messages' KV (on by default)."""
 
     @field_validator("device")
     @classmethod

@@ -87,9 +87,13 @@ class BudgetConfig(Section):
         default=None,
         gt=0,
         strict=True,
-        description="Per-session KV budget on the device, in tokens; null = none.",
+        description=(
+            "Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;"
+            " int4 tokens take less, so more fit); null = none."
+        ),
     )
-    """Per-session KV budget on the device, in tokens; null = none."""
+    """Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;
+    int4 tokens take less, so more fit); null = none."""
     device_bytes: _ByteCount = Field(
         default=None,
         gt=0,
@@ -97,9 +101,12 @@ class BudgetConfig(Section):
     )
     """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
     host_tokens: int | None = Field(
-        default=None, gt=0, strict=True, description="Per-session archive budget on the host tier, in tokens."
+        default=None,
+        gt=0,
+        strict=True,
+        description="Per-session archive budget on the host tier, in full-precision token equivalents.",
     )
-    """Per-session archive budget on the host tier, in tokens."""
+    """Per-session archive budget on the host tier, in full-precision token equivalents."""
     host_bytes: _ByteCount = Field(
         default=None, gt=0, description="Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."
     )
@@ -452,38 +459,39 @@ class ForgetConfig(Section):
         return self
 
 
-class SessionsConfig(Section):
-    """How long a backend's sessions hold KV: a most-sessions limit and an idle time.
+class PrefixCacheConfig(Section):
+    """The cross-session prefix cache: threads that start alike share their leading system messages' KV.
 
-    A session ended by either bound is closed (its KV freed); its thread's next call
-    opens a new session that re-encodes the history the call sends, so nothing of the
-    conversation is lost, only its cache. Checked whenever the backend opens or looks
-    up a session (`TransformersBackend.end_idle_sessions` runs it on demand). A
-    session busy in a call, and a thread with open branches, are never ended.
+    The first thread to encode a prefix (the system prompt with the tool descriptions)
+    keeps its KV as a read-only entry; later threads whose history starts with the same
+    token ids attend it instead of encoding it (vLLM's automatic prefix caching, SGLang's
+    radix cache). Unreferenced entries stay while there is room and go first under
+    pressure (the global device budget or `max_tokens`).
     """
 
-    max_live: int | None = Field(
-        default=None,
+    enabled: bool = Field(
+        default=True, strict=True, description="Share leading system messages' KV across sessions."
+    )
+    """Share leading system messages' KV across sessions."""
+    max_tokens: int | None = Field(
+        default=8192,
         ge=1,
         strict=True,
-        description=(
-            "Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."
-        ),
+        description="Tokens all entries may hold; null = only the global device budget bounds them.",
     )
-    """Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."""
-    idle_seconds: float | None = Field(
-        default=None,
-        gt=0,
+    """Tokens all entries may hold; null = only the global device budget bounds them."""
+    block_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
         strict=True,
-        allow_inf_nan=False,
-        description="A session unused this many seconds is closed (history re-encoded on its next call).",
+        description="Tokens per hashed block (a prefix is found by its blocks).",
     )
-    """A session unused this many seconds is closed (history re-encoded on its next call)."""
-
-    @property
-    def bounded(self) -> bool:
-        """True when either bound is set."""
-        return self.max_live is not None or self.idle_seconds is not None
+    """Tokens per hashed block (a prefix is found by its blocks)."""
+    eviction: Literal["lru", "lfu"] = Field(
+        default="lru", description="Which unreferenced entry goes first: least recently or least often used."
+    )
+    """Which unreferenced entry goes first: least recently or least often used."""
 
 
 class CallbacksConfig(Section):

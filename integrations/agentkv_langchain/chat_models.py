@@ -57,13 +57,14 @@ from agentkv_langchain.calls import (
     CallAnswer,
     answer_message_id,
     call_metadata,
+    call_usage,
     close_iterator,
-    history_before_answer,
     loaded_model_name,
     run_id_of,
     tool_call_ban,
     unparseable,
 )
+from agentkv_langchain.constrained import StructuredOutput, check_tool_schemas, grammar_processor
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.planning import CallPlanning
 from agentkv_langchain.sessions import calling, session_for
@@ -84,7 +85,7 @@ from agentkv_langchain.toolset import outside
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
 
-class ChatAgentKV(CallPlanning, BaseChatModel):
+class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A local Transformers model whose KV cache lives across an agent's calls.
 
     Setup:
@@ -103,9 +104,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     cache); outside one, pass `config={"metadata": {"thread_id": "..."}}`, or fix one
     with `session_id=`. Calls without either share the session "default".
 
-    Usage: `usage_metadata["input_token_details"]["cache_read"]` counts the history
-    tokens served from the cache in this call; `response_metadata` also has
-    `prefill_tokens` (encoded by the model in this call), `reused_tokens`,
+    Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
+    attended (its prompt as the cache holds it: an evicted or archived span is not in
+    it), and `["input_token_details"]["cache_read"]` the ones of those read from the
+    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly (on an
+    `EngineBackend`, the engine's own figures: `input_tokens` is the prompt it was sent,
+    `cache_read` the part it reused, `prompt_tokens_details.cached_tokens`);
+    `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
+    the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
@@ -113,8 +119,10 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
     chat template that supports tools, they are passed to the template; otherwise
     they are described in the system prompt with the `<tool_call>{json}</tool_call>`
-    protocol (see `agentkv_langchain.tools`). A forced `tool_choice` prefills the
-    call's opening, so even a tiny model writes a call to the right tool.
+    protocol (see `agentkv_langchain.tools`). With `grammar` on (the default), decoding
+    is constrained (`agentkv.grammar`): a call's arguments follow its tool's JSON schema,
+    `tool_choice="any"` lets the model pick the tool under the grammar, and text answers
+    cannot start a call, so even a tiny model's calls parse.
     """
 
     backend: Backend
@@ -130,6 +138,9 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
     forces a call (to the tool the model prefers) on a turn's first step and a text answer
     after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    grammar: bool = True
+    """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
+    are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
     max_new_tokens: int = Field(default=256, alias="max_tokens")
     """At most this many generated tokens per answer (`max_tokens=` sets it too)."""
     temperature: float = 0.0
@@ -266,14 +277,14 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             tools: the tools, in the order they are described to the model.
             tool_choice: None / "auto": the model decides; "none": no call (the
                 `<tool_call>` tag cannot be written, so the model answers in text);
-                "any" / "required" / True: a call is forced, and the model picks the
-                tool among the bound ones (each name scored by the model, see
-                `tools.choose_tool`); a tool name, or a dict naming a function: a call
-                to that tool is forced.
+                "any" / "required" / True: a call is forced, the model picks the tool
+                under the grammar (`grammar=False`: names scored by `tools.choose_tool`);
+                a tool name, or a dict naming a function: a call to that tool is forced.
             **kwargs: passed on to `bind` (e.g. `ls_structured_output_format`).
 
         Raises:
-            ValueError: a tool cannot be converted, or `tool_choice` names no bound tool.
+            ValueError: a tool cannot be converted, `tool_choice` names no bound tool, or a tool's
+                parameters cannot be expressed as a grammar (`GrammarError`, naming the tool).
         """
         formatted: list[dict[str, Any]] = []
         for i, tool in enumerate(tools):
@@ -285,6 +296,8 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 )
                 raise ValueError(msg) from e
         resolve_tool_choice(tool_choice, tool_names(formatted))  # fail at bind time, not at the first call
+        if self.grammar:
+            check_tool_schemas(formatted)
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
@@ -501,7 +514,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             extended = session.extend(plan.messages, prefill=False)
             prefix = plan.prefix
             local = isinstance(session, Session)
-            if plan.choice == ANY_TOOL:  # "any" / "required": the model picks among the bound tools
+            if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
                 if isinstance(session, Session):
@@ -510,9 +523,13 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
             visible = ToolCallStreamFilter() if plan.tools else None
             if visible is not None:
                 visible.feed(prefix)
-            call_end = CallEnd(prefix) if prefix else None
+            call_end = CallEnd(prefix) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
-            if plan.ban_calls and local:
+            if plan.grammar is not None and local:
+                options["logits_processor"] = grammar_processor(
+                    self.backend, plan.grammar, prefix, plan.sampling["max_new_tokens"]
+                )
+            elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
             elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
                 options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
@@ -558,7 +575,11 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens = history_before_answer(session, output_tokens)
+            if local:
+                input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+            else:  # the engine's own usage: the prompt it was sent and the part it reused
+                cache_read = after.reused_tokens - before.reused_tokens
+                input_tokens = after.prefill_tokens - before.prefill_tokens + cache_read
         finish = (
             "tool_calls"
             if calls
@@ -576,14 +597,15 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
                 total_tokens=input_tokens + output_tokens,
-                input_token_details={"cache_read": extended.reused_tokens},
+                input_token_details={"cache_read": cache_read},
             ),
             response_metadata={
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
                 "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
-                "reused_tokens": extended.reused_tokens,
+                "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
+                "reused_tokens": extended.reused_tokens if local else cache_read,
                 "cropped_tokens": extended.cropped_tokens,
                 "time_to_first_token_s": first_token_s,
             },
