@@ -574,3 +574,18 @@ def test_resolve_tool_choice():
     assert resolve_tool_choice({"name": "b"}, names) == "b"
     with pytest.raises(ValueError, match="at least one bound tool"):
         resolve_tool_choice("any", [])
+
+
+def test_empty_messages_are_refused_in_chat_model_terms(llm, backend):
+    def agent(state: MessagesState) -> dict:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    with pytest.raises(ValueError, match="ChatAgentKV: no messages to answer") as caught:
+        graph.invoke({"messages": []}, {"configurable": {"thread_id": "empty"}})
+    assert "extend(" not in str(caught.value)  # an API a ChatAgentKV user never calls
+    with pytest.raises(ValueError, match="ChatAgentKV: no messages to answer"):
+        llm.invoke([])
