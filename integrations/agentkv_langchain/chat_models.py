@@ -106,9 +106,10 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
     Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
     attended (its prompt as the cache holds it: an evicted or archived span is not in
     it), and `["input_token_details"]["cache_read"]` the ones of those read from the
-    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly;
-    `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
-    the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
+    cache; `response_metadata["prefill_tokens"]` the ones the call encoded (new
+    messages, the previous answer's end, spans recomputed from their tokens), so
+    `input_tokens = cache_read + prefill_tokens` exactly. `response_metadata` also has
+    `rehydrated_tokens` (of those, recomputed spans), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
@@ -550,7 +551,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+            input_tokens, cache_read, new_tokens = call_usage(session, before, after, output_tokens, extended)
         finish = (
             "tool_calls"
             if calls
@@ -574,7 +575,7 @@ class ChatAgentKV(CallPlanning, BaseChatModel):
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
-                "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                "prefill_tokens": new_tokens,
                 "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
                 "reused_tokens": extended.reused_tokens,
                 "cropped_tokens": extended.cropped_tokens,
