@@ -160,8 +160,7 @@ class Session(SessionReadout):
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            # Read from the cache: the matched messages' tokens the model attends (a pending tail is
-            # encoded later, an archived or evicted span is not attended: neither is a cache read).
+            # A cache read: attended, computed tokens (not a pending tail, not a released span).
             reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -227,10 +226,9 @@ class Session(SessionReadout):
     def _restart(self) -> None:
         """The conversation goes on after `SessionClosed`: bring back every span it released.
 
-        A released span keeps its token ids, so it is recomputed from them at its logical
-        positions (pending: the next prefill encodes it together with the call's new
-        tokens), exactly as a session that was never closed holds it; an answer never
-        reads a history the model does not attend. Pinned spans were never released.
+        A released span keeps its token ids: it is recomputed from them at its logical
+        positions, in the next prefill with the call's new tokens, exactly as a session
+        never closed holds it. An answer never reads a history the model does not attend.
         """
         self.ended = False
         for span in self.spans:
@@ -394,10 +392,7 @@ class Session(SessionReadout):
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
-            self.last_prompt = PromptRead(
-                attended_tokens=self.store.physical.length,
-                encoded_total=self.counters.encoded_tokens,
-            )
+            self.last_prompt = PromptRead(self.store.physical.length, self.counters.encoded_tokens)
             if deferred:
                 self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
