@@ -14,6 +14,7 @@ class Counters:
 
     prefill_tokens: int = 0
     reused_tokens: int = 0
+    shared_prefix_tokens: int = 0
     generated_tokens: int = 0
     cropped_tokens: int = 0
     encoded_tokens: int = 0
@@ -106,7 +107,11 @@ class SessionStats:
     digest_bytes: int = 0
     """Page key digests on the device (page recall); the device budget counts them."""
     shared_device_bytes: int = 0
-    """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
+    """Part of `device_bytes` shared with another session (a branch fork's parent, or the
+    backend's prefix cache), not owned; the global budget counts it once across sessions."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, tokens taken from a prefix another session encoded (the backend's
+    prefix cache; on a served engine, the engine's own prefix cache hits)."""
     attended_tokens: int = 0
     attended_quantized_tokens: int = 0
     """Of `attended_tokens`, those held at int4/int2 in attention (the attended quantized tier)."""
@@ -126,6 +131,15 @@ class SessionStats:
     budget_unmet: int = 0
     """Times the budget could not be met without demoting pinned or active spans."""
     budget_satisfied: bool = True
+    budget_device_bytes: int | None = None
+    """The device limit the last budget check applied, in bytes (None = no limit)."""
+    budget_device_tokens: float | None = None
+    """The same limit in full-precision token equivalents, the unit of `budget.device_tokens`
+    (bytes / one full-precision token's bytes): tokens held at int4 take less, so more fit."""
+    budget_used_bytes: int = 0
+    """What the device budget counts now: attended KV, quantized archives and page digests."""
+    budget_used_tokens: float = 0.0
+    """`budget_used_bytes` in full-precision token equivalents."""
     lifecycle_seconds: float = 0.0
     policy_seconds: float = 0.0
     store_seconds: float = 0.0

@@ -22,7 +22,8 @@
 #   AGENTKV_VLLM_KV_GB=1       vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE on CPU)
 #   AGENTKV_VLLM_BLOCKS        cap vLLM's own KV cache at this many blocks (--num-gpu-blocks-override;
 #                              the bench sizes the engine cache below its working set with it)
-#   AGENTKV_MAX_MODEL_LEN=4096 longest sequence (must fit the vLLM cache: blocks x block size)
+#   AGENTKV_MAX_MODEL_LEN=4096 longest sequence; with AGENTKV_VLLM_BLOCKS it must be at most
+#                              (blocks - 1) x block size (vLLM keeps one block back), checked before start
 #   AGENTKV_L1_GB=0.25         LMCache L1 (CPU memory of the LMCache server)
 #   AGENTKV_L2_DIR             LMCache L2 directory (default \$AGENTKV_ENGINE_RUN/l2; empty string = no L2)
 #   AGENTKV_ENGINE_TIMEOUT=900 seconds to wait for vLLM to answer (first start compiles; slow on 2 cores)
@@ -117,7 +118,20 @@ model_dir() {
     fi
 }
 
+check_model_len() {  # vLLM refuses a max-model-len its block cache cannot hold, after its whole start-up
+    local len="${AGENTKV_MAX_MODEL_LEN:-4096}" blocks="${AGENTKV_VLLM_BLOCKS:-}"
+    [[ "$len" =~ ^[1-9][0-9]*$ ]] || die "AGENTKV_MAX_MODEL_LEN: expected a positive integer, got '$len'"
+    [[ "$BLOCK" =~ ^[1-9][0-9]*$ ]] || die "AGENTKV_BLOCK_SIZE: expected a positive integer, got '$BLOCK'"
+    [ -n "$blocks" ] || return 0
+    [[ "$blocks" =~ ^[1-9][0-9]*$ ]] || die "AGENTKV_VLLM_BLOCKS: expected a positive integer, got '$blocks'"
+    local most=$(( (blocks - 1) * BLOCK ))
+    if [ "$len" -gt "$most" ]; then
+        die "AGENTKV_MAX_MODEL_LEN=$len does not fit AGENTKV_VLLM_BLOCKS=$blocks blocks of $BLOCK tokens: vLLM accepts at most (blocks - 1) x $BLOCK = $most; lower AGENTKV_MAX_MODEL_LEN to $most or raise AGENTKV_VLLM_BLOCKS to $(( (len + BLOCK - 1) / BLOCK + 1 ))"
+    fi
+}
+
 start() {
+    check_model_len
     install_env
     mkdir -p "$RUN"
     if [ -f "$RUN/vllm.pid" ] && kill -0 "$(cat "$RUN/vllm.pid")" 2>/dev/null; then

@@ -25,6 +25,7 @@ import torch
 from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
+from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
@@ -32,8 +33,8 @@ from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
@@ -126,7 +127,9 @@ class Session(SessionReadout):
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the cache in line with `messages`, encoding only what it does not hold.
 
         Messages are matched with the cached ones by fingerprint (role, content, tool
@@ -144,6 +147,11 @@ class Session(SessionReadout):
                 as the first over a long cache); `ChatAgentKV` calls it this way. Any
                 other call that needs the model (`continuation_logits`, the next
                 `extend`) encodes pending tokens first.
+            events: Lifecycle events that arrive with these messages (a user's "go with
+                option B" and its `UserConfirmed`). They are applied once the new
+                messages have spans and before recall and the budget plan for them, so
+                the pressure the new messages add cannot demote what they confirm.
+                Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -199,6 +207,7 @@ class Session(SessionReadout):
                 new_spans.append(span.span_id)
             if self.ended:
                 self._restart()  # the kept messages' released KV, pending with the new messages
+            applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             prefilled = self._prefill() if prefill else 0
@@ -217,6 +226,7 @@ class Session(SessionReadout):
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
                 pending_tokens=pending,
+                applied=applied,
             )
             self.table.record(
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
@@ -301,6 +311,8 @@ class Session(SessionReadout):
             return 0
         physical = self.store.physical
         physical.compact_pending()
+        encoded_before = self.counters.prefill_tokens
+        feed = start_from_shared_prefix(self, feed)  # threads that start alike share that KV
         mask = None
         if physical.length and min(feed.positions) < int(physical.slot_position.max()):
             # A span whose tail was still pending (a generated answer's last token and
@@ -315,7 +327,7 @@ class Session(SessionReadout):
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
                 span.mark_computed()
         self.counters.prefill_tokens += len(feed)
-        return len(feed)
+        return self.counters.prefill_tokens - encoded_before
 
     def forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         """Run `feed` through the model over this session's cache (the caller holds `model_lock`).
@@ -505,14 +517,18 @@ class Session(SessionReadout):
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            if isinstance(event, ForgetRequested):
-                return self.forget.request(event)
-            result = self.manager.apply(event)
-            if isinstance(event, SessionClosed):
-                self.ended = True  # the next call brings the released history back (`_restart`)
-            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
-                self.forget.on_turn_ended()
-            return result
+            return self._apply_locked(event, enforce=True)
+
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        if isinstance(event, ForgetRequested):
+            return self.forget.request(event)
+        result = self.manager.apply(event, enforce=enforce)
+        if isinstance(event, SessionClosed):
+            self.ended = True  # the next call brings the released history back (`_restart`)
+        if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+            self.forget.on_turn_ended()
+        return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""

@@ -242,6 +242,19 @@ class EngineBackend:
             return None
         return session.apply(event)
 
+    def sole_holder(self, session: EngineSession) -> bool:
+        """Whether `session` is the only live session on its `cache_salt` (never with `engine.salt: shared`).
+
+        Only then are the salt's pins all its own, so references its books do not list
+        (left by a timed-out pin) can be given back without taking another holder's.
+        """
+        if self.engine.salt == "shared":
+            return False
+        return not any(
+            other is not session and not other.closed and other.cache_salt == session.cache_salt
+            for other in self.sessions()
+        )
+
     def device_bytes(self) -> int:
         """Engine KV bytes of every session's prompt (what the global budget counts)."""
         return sum(s.store.bytes_by_tier().device for s in self.sessions() if not s.closed)

@@ -6,6 +6,7 @@ Routes and bodies as served by `lmcache coordinator` (read from its source,
 | call | route | notes |
 |---|---|---|
 | pin / unpin | `POST` / `DELETE /cache/pins` | L2 eviction protection, counted per chunk key |
+| pin table | `GET /cache/pins?cache_salt=...` | each pinned key with its count, paged |
 | delete | `POST /cache/delete` | on one instance; tier l1 / l2 / all; pins hold unless `force` |
 | prefetch | `POST /cache/prefetches` | warm L1 from L2 on one instance; then poll |
 | prefetch status | `GET /cache/prefetches/{instance}/{request}` | `pending` / `completed` |
@@ -218,6 +219,27 @@ class CoordinatorClient:
         query = f"?cache_salt={cache_salt}&model_name={self.model_name}" if cache_salt else ""
         answer = self._call("GET", f"/cache/pins{query}", None)
         return int(answer.get("total", 0)) if isinstance(answer, dict) else 0
+
+    def pin_counts(self, cache_salt: str, *, page: int = 1000) -> dict[tuple[str, int], int]:
+        """The salt's pin table: `(chunk_hash_hex, kv_rank)` -> references, over every page."""
+        counts: dict[tuple[str, int], int] = {}
+        salt = urllib.parse.quote(cache_salt, safe="")
+        model = urllib.parse.quote(self.model_name, safe="")
+        offset = 0
+        while True:
+            path = f"/cache/pins?cache_salt={salt}&model_name={model}&offset={offset}&limit={page}"
+            answer = self._call("GET", path, None)
+            if not isinstance(answer, dict):
+                msg = f"coordinator pins: expected a JSON object, got {str(answer)[:200]}"
+                raise EngineRequestError(msg, status=200, body=answer)
+            listed = answer.get("pins") or []
+            for item in listed:
+                key = item.get("key") or {}
+                ident = (str(key.get("chunk_hash_hex", "")), int(key.get("kv_rank", 0) or 0))
+                counts[ident] = counts.get(ident, 0) + int(item.get("pin_count", 0) or 0)
+            offset += len(listed)
+            if not listed or offset >= int(answer.get("total", 0) or 0):
+                return counts
 
     def instances(self) -> dict[str, str]:
         """The registered LMCache servers: instance id -> the base URL of its own HTTP API."""

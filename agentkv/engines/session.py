@@ -66,6 +66,10 @@ class EngineHost(Protocol):
         """Engine KV bytes across the sessions."""
         ...
 
+    def sole_holder(self, session: Any) -> bool:
+        """Whether `session` is the only live session on its `cache_salt` (its pins are all its own)."""
+        ...
+
 
 class EngineServices:
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
@@ -178,6 +182,8 @@ class EngineSession:
             backend.bytes_per_token,
             shared_prefix=shared,
             owner=session_id,
+            owns_salt=lambda: backend.sole_holder(self),
+            on_failure=self._hint_failed,
         )
         self.manager = LifecycleManager(EngineServices(self), self.limits)
         if parent is not None:
@@ -205,6 +211,11 @@ class EngineSession:
         """The current user turn."""
         return self.table.turn
 
+    def _hint_failed(self, what: str, error: Exception) -> None:
+        """A hint the engine did not take is a survived fault of this session (counted and logged)."""
+        self.counters.faults += 1
+        self.table.record("fault", where=f"engine hint {what}", span=None, error=repr(error))
+
     def _check_open(self) -> None:
         if self.closed:
             msg = (
@@ -214,11 +225,15 @@ class EngineSession:
 
     # -- encoding: spans only, the engine computes KV on the next call ---------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the span table in line with `messages` (matched by fingerprint; crop at the first change).
 
         `prefill` is accepted for the `Session.extend` signature and has no effect: the
         engine encodes the prompt when it is asked to generate, in one request either way.
+        `events` arrive with the messages and are applied before recall and the budget
+        plan for them, as in `Session.extend`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -246,6 +261,7 @@ class EngineSession:
                 self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
+            applied = tuple(self.manager.apply(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             self.counters.cropped_tokens += cropped
@@ -258,6 +274,7 @@ class EngineSession:
                 new_spans=tuple(new_spans),
                 first_changed_message=k if k < len(message_spans) else None,
                 seconds=time.perf_counter() - started,
+                applied=applied,
             )
 
     def _describe(self, span: Span, message: ChatMessage, index: int) -> None:
@@ -369,20 +386,22 @@ class EngineSession:
     def apply(self, event: Event) -> ApplyResult:
         """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
 
-        `TurnEnded` also parks the conversation (`EngineStore.park`): the chunks its pin keeps
-        on L2 give up their L1 copy until the next call prefetches them back. With an
-        admission gate, a conversation that stays resident is not parked (it calls again
-        soon: its L1 copies are what that call reads); one that gives its place up also
-        shrinks its pin to its new share (the residents' room).
+        `TurnEnded` pins what the turn committed at once (`EngineStore.refit_pins`), then
+        parks the conversation (`EngineStore.park`): the chunks its pin keeps on L2 give up
+        their L1 copy until the next call prefetches them back. With an admission gate, a
+        conversation that stays resident is not parked (it calls again soon: its L1 copies
+        are what that call reads); one that gives its place up gets its pin refitted to its
+        new share (the residents' room).
         """
         with self.lock:
             self._check_open()
             result = self.manager.apply(event)
             if isinstance(event, TurnEnded):
                 gate = self.backend.gate
-                if gate is None or not gate.turn_ended(self.conversation_id, len(self.store.prompt())):
-                    if gate is not None:
-                        self.store.refit_pins()
+                working_set = len(self.store.prompt())
+                resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
+                self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
+                if not resident:
                     self.store.park()  # the conversation now waits: L1 room goes to others
             return result
 
@@ -427,7 +446,7 @@ class EngineSession:
                 logical_tokens=self.table.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,
-                budget_satisfied=self.manager.budget_satisfied,
+                **self.manager.budget.figures(),
             )
 
     def check(self) -> None:
@@ -436,11 +455,27 @@ class EngineSession:
             self.manager.check()
 
     def close(self) -> None:
-        """Unpin and delete this session's KV on the engine; forget its spans."""
+        """Unpin and delete this session's KV on the engine; forget its spans.
+
+        Pin requests that timed out (maybe applied) and could not be checked yet go to the
+        root conversation, which checks them once it holds the salt alone.
+        """
         with self.lock:
             self.store.close()
             self.table.clear()
             self.closed = True
+            uncertain, self.store.uncertain_pins = self.store.uncertain_pins, []
             gate = self.backend.gate
             if gate is not None and self.parent is None:  # a branch shares its root's residency
                 gate.release(self.conversation_id)
+        if uncertain and self.parent is not None and not self.parent.closed:
+            with self.parent.lock:
+                self.parent.store.adopt_uncertain(uncertain)
+        elif uncertain:
+            logger.warning(
+                "session %s closed with %d pin requests the coordinator may have applied on salt %r "
+                "(not checked: it did not answer, or another session shares the salt)",
+                self.session_id,
+                len(uncertain),
+                self.cache_salt,
+            )

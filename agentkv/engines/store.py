@@ -6,11 +6,16 @@ The lifecycle (rules, mover, budget, recall) is the same as for a local model; o
 | store verb (lifecycle move) | what the engine does |
 |---|---|
 | `note_state(→ COMMITTED)` (commit) | pin the prompt prefix through the span |
-| `archive(span, tier)` (archive) | span leaves the prompt; old tail: L1 deleted, L2 kept |
-| `drop` / `forget` (release, evict, prune) | span leaves the prompt; old tail deleted |
+| `archive(span, tier)` (archive) | span leaves the prompt; old tail: L1 deleted, L2 kept under a pin |
+| `drop` / `forget` (release, evict, prune) | span leaves the prompt; old tail from it deleted |
 | `restore_many` (recall) | span back in the prompt; prefetch L2 → L1 first |
 | fork | nothing to copy: a branch uses the parent's `cache_salt` |
-| `close` (session closed) | unpin what the session pinned, delete its own tail |
+| `close` (session closed) | unpin what the session pinned, delete every sequence it wrote |
+
+A release and an archive in one step (the usual case under a budget) split the old
+tail: the chunks before the first *dropped* span keep their L2 copy (the archived
+spans live there), the chunks from it on are deleted on every tier. `host_bytes`
+counts only the archived tokens L2 keeps that way.
 
 Engines reuse KV **by prefix only**: leaving a span out of the prompt changes every
 chunk after it, so the chunks of the previous sequence past the first change are
@@ -19,12 +24,17 @@ chunk after it, so the chunks of the previous sequence past the first change are
 deletes the stale chunks by key (not the kept prefix), moves the commit pin, and
 prefetches recalled spans. Every call there is a *hint*: an engine that is down,
 slow or answers 4xx makes it a logged no-op (`hint_failures`), never an error for
-the agent, because the prompt itself carries the whole truth.
+the agent, because the prompt itself carries the whole truth. What a failed hint
+leaves behind is repaired at the next sync that reaches the coordinator: skipped
+deletes are sent again, and a pin or unpin that timed out (it may still be applied
+when the coordinator resumes) is checked against the salt's pin table
+(`agentkv.engines.reconcile`) when the session is the salt's only holder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +44,7 @@ from typing import Any
 from agentkv.engines.http import EngineError
 from agentkv.engines.lmcache import CoordinatorClient, TierName
 from agentkv.engines.planner import EnginePinPlanner
+from agentkv.engines.reconcile import surplus_sequences
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.kvstore import TierBytes
 
@@ -80,6 +91,10 @@ class HintStats:
     """L1 copies given up at turn end because L2 holds the chunk under this session's pin."""
     hint_failures: int = 0
     last_failure: str = ""
+    retried_deletes: int = 0
+    """Deletes skipped by a failed hint and sent again at a later sync."""
+    reconciled_unpins: int = 0
+    """References a timed-out pin (or unpin) left on the coordinator, found and given back."""
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
@@ -94,6 +109,10 @@ class EngineStore:
         bytes_per_token: KV bytes of one token on the engine (all layers, K and V).
         shared_prefix: for a branch, the sequence it inherits from its parent: never deleted by it.
         owner: who asks the fleet's pin planner (the session id; default: the salt).
+        owns_salt: whether this store is the only holder of pins on its salt now (a root
+            conversation whose branches are closed); only then are maybe-applied pins
+            reconciled against the coordinator's pin table. Default: never.
+        on_failure: told of every failed hint (`what`, the error), e.g. to count it as a fault.
     """
 
     def __init__(
@@ -105,6 +124,8 @@ class EngineStore:
         *,
         shared_prefix: Sequence[int] = (),
         owner: str | None = None,
+        owns_salt: Callable[[], bool] | None = None,
+        on_failure: Callable[[str, Exception], None] | None = None,
     ) -> None:
         if bytes_per_token <= 0:
             msg = f"bytes_per_token: expected > 0, got {bytes_per_token}"
@@ -121,9 +142,24 @@ class EngineStore:
         self._commit_pin: list[int] = []
         self._archive_pins: dict[int, list[int]] = {}
         self._selected_pins: list[list[int]] = []
+        self.owns_salt: Callable[[], bool] = owns_salt or (lambda: False)
+        self.on_failure = on_failure
         self._stale_tier: TierName | None = None
         self._archived_since_sync: list[int] = []
+        self._dropped_since_sync: list[int] = []
         self._recalled_since_sync = False
+        self._layout: dict[int, int] = {}
+        """Span id -> offset in the prompt of the last sync (where each span's tokens were sent)."""
+        self._sent_layout: dict[int, int] = {}
+        """The same for `sent`: the sequence the engine holds KV for."""
+        self._on_l2: dict[int, int] = {}
+        """Archived span id -> its tokens L2 keeps (whole chunks before the first dropped span)."""
+        self._kept: list[list[int]] = []
+        """Old sequences kept on L2 for archived spans: deleted at close."""
+        self._pending_deletes: list[tuple[list[int], int, int | None, TierName]] = []
+        """Deletes a failed hint skipped: (sequence, first token, end token or None, tier)."""
+        self.uncertain_pins: list[list[int]] = []
+        """Sequences whose pin or unpin failed: the coordinator may hold a reference we do not want."""
         self._parked = False
         self._pin_cap: int | None = None
         self._pin_cap_known = False
@@ -143,17 +179,22 @@ class EngineStore:
         """Put archived spans back in the prompt; the next `sync` prefetches that prefix."""
         for span in spans:
             span.tier = Tier.DEVICE
+            self._on_l2.pop(span.span_id, None)
         self._recalled_since_sync = True
 
     def drop(self, span: Span) -> None:
         """Leave the span out of the prompt; its stale tail is deleted on every tier at `sync`."""
         if span.tier is Tier.DEVICE:
             self._mark_stale("all")
+            self._dropped_since_sync.append(span.span_id)
+        self._on_l2.pop(span.span_id, None)
         span.tier = Tier.DROPPED
 
     def forget(self, span: Span) -> None:
         """A history rewrite or a pruned branch: the span's tail is stale everywhere."""
         self._mark_stale("all")
+        self._dropped_since_sync.append(span.span_id)
+        self._on_l2.pop(span.span_id, None)
         span.tier = Tier.DROPPED
 
     def compress(self, span: Span, keep_offsets: list[int]) -> int:
@@ -170,20 +211,40 @@ class EngineStore:
         del span, before, after
 
     def bytes_by_tier(self) -> TierBytes:
-        """KV the engine holds for this session: the prompt (device) and the archived spans (L2 = host)."""
+        """KV the engine holds for this session: the prompt (device), what L2 keeps of the archive (host)."""
         spans = list(self.spans())
         device = sum(s.n_computed for s in spans if s.tier is Tier.DEVICE) * self.bytes_per_token
-        host = sum(s.n_computed for s in spans if s.tier is Tier.HOST) * self.bytes_per_token
+        host = sum(self.held_on_l2(s) for s in spans if s.tier is Tier.HOST) * self.bytes_per_token
         shared = min(len(self.shared_prefix), device // self.bytes_per_token) * self.bytes_per_token
         return TierBytes(device=device, quantized=0, host=host, shared=shared)
 
     def host_bytes(self) -> int:
-        """Bytes of the archived spans (kept on LMCache's storage tier)."""
+        """Bytes of the archived spans LMCache's storage tier keeps."""
         return self.bytes_by_tier().host
 
     def span_bytes(self, span: Span) -> int:
-        """Bytes held for one span (0 when dropped)."""
-        return 0 if span.tier is Tier.DROPPED else span.n_computed * self.bytes_per_token
+        """Bytes held for one span (0 when dropped; an archived span: what L2 keeps of it)."""
+        if span.tier is Tier.DROPPED:
+            return 0
+        if span.tier is Tier.HOST:
+            return self.held_on_l2(span) * self.bytes_per_token
+        return span.n_computed * self.bytes_per_token
+
+    def held_on_l2(self, span: Span) -> int:
+        """Tokens of an archived span that LMCache's L2 keeps for a recall (0 = recomputed if recalled).
+
+        Decided at the sync after the archive: the whole chunks of the old sequence before
+        its first dropped span, within the pin budget. Until then, what the engine holds of
+        the span in the sequence it last computed. Without a coordinator, nothing.
+        """
+        if self.target is None:
+            return 0
+        if span.span_id in self._on_l2:
+            return self._on_l2[span.span_id]
+        offset = self._sent_layout.get(span.span_id)
+        if offset is None:
+            return 0
+        return max(0, min(offset + span.length, len(self.sent)) - offset)
 
     @contextlib.contextmanager
     def deferred_removal(self) -> Iterator[None]:
@@ -212,12 +273,20 @@ class EngineStore:
         return end
 
     def sync(self, prompt: list[int]) -> None:
-        """Reconcile the engine with the prompt about to be sent (stale tails, pins, prefetch)."""
+        """Reconcile the engine with the prompt about to be sent (stale tails, pins, prefetch).
+
+        First what failed hints left behind (skipped deletes, maybe-applied pins), then
+        this step's changes.
+        """
+        self._layout = self._prompt_layout()
         if self.target is None:
             self._stale_tier = None
             self._archived_since_sync = []
+            self._dropped_since_sync = []
             self._recalled_since_sync = False
             return
+        self._retry_deletes(prompt)
+        self.reconcile_pins()
         stale_tier = self._stale_tier
         diverged = common_prefix(self.sent, prompt)
         if stale_tier is not None or diverged < len(self.sent):
@@ -227,12 +296,23 @@ class EngineStore:
             self._prefetch(prompt)
         self._stale_tier = None
         self._archived_since_sync = []
+        self._dropped_since_sync = []
         self._recalled_since_sync = False
         self._parked = False
 
     def completed(self, sequence: list[int]) -> None:
         """The engine now holds KV for `sequence` (the prompt plus the ids it generated)."""
         self.sent = list(sequence)
+        self._sent_layout = self._layout
+
+    def _prompt_layout(self) -> dict[int, int]:
+        layout: dict[int, int] = {}
+        offset = 0
+        for span in self.spans():
+            if span.tier is Tier.DEVICE:
+                layout[span.span_id] = offset
+                offset += len(span.token_ids)
+        return layout
 
     def park(self) -> None:
         """The turn is over and the conversation waits: its pinned prefix gives up its L1 copy.
@@ -264,11 +344,12 @@ class EngineStore:
             self._parked = True
 
     def refit_pins(self) -> None:
-        """Fit the commit pin to this session's share now, not at its next call.
+        """Fit the commit pin to what is committed now and to this session's share, not at its next call.
 
-        A conversation that gave up its residency (`AdmissionGate.turn_ended`) may not call
-        again for a while; the fleet planner now ranks it behind the residents, so its pin
-        shrinks at once and the room goes to them (pins are exempt from L2 eviction).
+        At a turn end the turn's committed history is pinned before `park` gives up the
+        pinned chunks' L1 copies (the user may think for a while). A conversation that gave
+        up its residency (`AdmissionGate.turn_ended`) is ranked behind the residents by the
+        fleet planner: its pin shrinks at once and the room goes to them.
         """
         if self.target is None:
             return
@@ -278,28 +359,77 @@ class EngineStore:
         """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""
         if self.target is None:
             return
-        target = self.target
         prompt = self._fit(self.prompt(), exclude=None)
-        if prompt and self._hint("pin", lambda: target.coordinator.pin(prompt, self.cache_salt)):
-            self.stats.pins += 1
+        if prompt and self._pin(prompt):
             self._selected_pins.append(prompt)
 
     def close(self) -> None:
-        """Unpin everything this session pinned and delete its own tail (never the shared prefix)."""
+        """Unpin everything this session pinned and delete every sequence it wrote (never the shared prefix).
+
+        Every pin reference is given back once (a sequence pinned for several archived
+        spans once), then the salt's pin table is checked for references a timed-out
+        hint left (when this store owns the salt; a branch hands them to its parent via
+        `uncertain_pins`). The sequences deleted: the last one sent, the old ones kept on
+        L2 for archived spans, and the deletes a failed hint skipped.
+        """
         if self.target is None:
             return
-        for sequence in [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]:
-            if sequence:
-                self._unpin(sequence)
+        for sequence in self._held_pins():
+            self._unpin(sequence)
         self._commit_pin = []
         self._archive_pins = {}
         self._selected_pins = []
         if self.target.planner is not None:
             self.target.planner.release(self.owner)
-        keep = common_prefix(self.sent, self.shared_prefix)
-        if len(self.sent) > keep:
-            self._delete_tail(self.sent, keep, "all")
+        self.reconcile_pins()
+        pending, self._pending_deletes = self._pending_deletes, []
+        for sequence, keep, end, tier in pending:
+            self._delete_tail(sequence, max(keep, common_prefix(sequence, self.shared_prefix)), tier, end)
+        for sequence in [*self._kept, self.sent]:
+            keep = common_prefix(sequence, self.shared_prefix)
+            if len(sequence) > keep:
+                self._delete_tail(sequence, keep, "all")
+        self._kept = []
+        self._on_l2 = {}
         self.sent = list(self.shared_prefix)
+
+    def adopt_uncertain(self, sequences: Sequence[list[int]]) -> None:
+        """Take over a closed branch's maybe-applied pins (same salt): checked once this store owns it."""
+        self.uncertain_pins.extend(list(s) for s in sequences if s)
+
+    def reconcile_pins(self) -> None:
+        """Give back the references a timed-out pin or unpin left on the coordinator (sole holder only).
+
+        The salt's pin table (`GET /cache/pins`) is compared with this store's books: a
+        maybe-applied sequence whose every chunk holds a reference beyond them is unpinned
+        once (`agentkv.engines.reconcile.surplus_sequences`); one that shows none was not
+        applied and is forgotten. Another holder's reference is never taken: only the
+        salt's sole holder reconciles, and only surplus counts are given back.
+        """
+        if self.target is None or not self.uncertain_pins or not self.owns_salt():
+            return
+        coordinator = self.target.coordinator
+        table = self._hint("pin table", lambda: coordinator.pin_counts(self.cache_salt))
+        if table is None:
+            return
+        observed: list[list[int]] = []
+        for sequence in self.uncertain_pins:
+            lookup = self._hint("lookup", functools.partial(coordinator.lookup, sequence, self.cache_salt))
+            if lookup is None:
+                return
+            observed.append([_references(table, p.keys) for p in lookup.placements])
+        uncertain, self.uncertain_pins = self.uncertain_pins, []
+        for index in surplus_sequences(uncertain, self._held_pins(), observed, self.target.chunk_size):
+            if self._unpin(uncertain[index]):
+                self.stats.reconciled_unpins += 1
+
+    def _held_pins(self) -> list[list[int]]:
+        """The sequences this store holds one pin reference on (an archive pin may serve several spans)."""
+        held: list[list[int]] = []
+        for sequence in [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]:
+            if sequence and not any(sequence is other for other in held):
+                held.append(sequence)
+        return held
 
     # -- internals -------------------------------------------------------------------------
 
@@ -315,29 +445,62 @@ class EngineStore:
         self._stale_tier = "all" if self._stale_tier == "all" or tier == "all" else tier
 
     def _drop_stale(self, diverged: int, tier: TierName) -> None:
+        """Split the old sequence's stale tail: L2 keeps it up to the first dropped span, the rest goes.
+
+        Archive only: the chunks after the change lose their L1 copy, L2 keeps them under
+        a pin (within the pin budget) so that a recall finds them. A release (or a history
+        rewrite) makes every chunk from the dropped span on garbage on every tier. Both in
+        one step: the first rule up to the first dropped span, the second from it.
+        """
         old = self.sent
-        kept = self._fit(old, exclude=None) if tier == "l1" and self._archived_since_sync else []
-        # Archive: L2 keeps the sequence that held the span (a pin protects it from L2
-        # eviction, within the pin budget) so that a recall finds it; only its L1 copy goes.
-        if kept and self._hint("pin", lambda: self._target.coordinator.pin(kept, self.cache_salt)):
-            self.stats.pins += 1
-            for span_id in self._archived_since_sync:
-                self._archive_pins.setdefault(span_id, kept)
-        keep = max(diverged, common_prefix(old, self.shared_prefix))
-        self._delete_tail(old, keep, tier)
+        size = self._target.chunk_size
+        own = common_prefix(old, self.shared_prefix)  # a branch never touches its parent's prefix
+        dropped = [self._sent_layout[i] for i in self._dropped_since_sync if i in self._sent_layout]
+        if tier == "all" and len(dropped) < len(self._dropped_since_sync):
+            first_drop = diverged  # a dropped span of unknown place: everything after the change goes
+        else:
+            first_drop = max(diverged, min(dropped, default=len(old)))
+        archived = [i for i in self._archived_since_sync if i in self._sent_layout]
+        end = first_drop // size * size  # whole chunks before the chunk holding the first dropped token
+        kept: list[int] = []
+        garbage_from = diverged  # nothing archived there: every chunk after the change is garbage
+        if archived and end > diverged // size * size:
+            kept = self._fit(old[:end], exclude=None)
+            # A pin protects them from L2 eviction; only their L1 copy goes.
+            if kept and self._pin(kept):
+                for span_id in archived:
+                    self._archive_pins.setdefault(span_id, kept)
+            if not any(old[:end] == k for k in self._kept):
+                self._kept.append(old[:end])
+            self._delete_tail(old, max(diverged, own), "l1", end)
+            garbage_from = first_drop
+        spans = {s.span_id: s for s in self.spans()}
+        for span_id in self._archived_since_sync:
+            span = spans.get(span_id)
+            offset = self._sent_layout.get(span_id)
+            on_l2 = 0 if span is None or offset is None else min(offset + span.length, len(kept)) - offset
+            self._on_l2[span_id] = max(0, on_l2)
+        if garbage_from < len(old):
+            self._delete_tail(old, max(garbage_from, own), "all")
         self.sent = old[:diverged]
 
-    def _delete_tail(self, sequence: list[int], keep: int, tier: TierName) -> None:
-        """Delete the chunks of `sequence` that start at or after the chunk holding position `keep`."""
+    def _delete_tail(self, sequence: list[int], keep: int, tier: TierName, end: int | None = None) -> None:
+        """Delete `sequence`'s chunks from the one holding position `keep` up to the one holding `end`.
+
+        A delete the engine did not take (coordinator down, slow, an error) is remembered
+        and sent again at the next sync (`_retry_deletes`) or at close.
+        """
         size = self._target.chunk_size
         first = keep // size  # the chunk holding the first changed token is stale too
-        if len(sequence) // size <= first:
+        last = len(sequence) // size if end is None else min(len(sequence) // size, end // size)
+        if last <= first:
             return
         coordinator = self._target.coordinator
         lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
         if lookup is None:
+            self._pending_deletes.append((list(sequence), keep, end, tier))
             return
-        stale = lookup.placements[first:]
+        stale = lookup.placements[first:last]
         if tier == "l1":  # archive: give up only L1 copies that L2 already holds (never the only copy)
             keys = [key for placement in stale if "l2" in placement.tiers for key in placement.keys]
         else:  # every stale key, placed or not yet reported (a lagging report must not keep it)
@@ -347,8 +510,17 @@ class EngineStore:
         result = self._hint(
             "delete", lambda: coordinator.delete_chunks(self._target.instance_url, keys, tier=tier)
         )
-        if result is not None:
-            self.stats.deleted_chunks += result.affected
+        if result is None:
+            self._pending_deletes.append((list(sequence), keep, end, tier))
+            return
+        self.stats.deleted_chunks += result.affected
+
+    def _retry_deletes(self, prompt: list[int]) -> None:
+        """Send again the deletes a failed hint skipped (sparing the chunks the next prompt begins with)."""
+        pending, self._pending_deletes = self._pending_deletes, []
+        for sequence, keep, end, tier in pending:
+            self.stats.retried_deletes += 1
+            self._delete_tail(sequence, max(keep, common_prefix(sequence, prompt)), tier, end)
 
     def pin_budget(self) -> int | None:
         """Most tokens this conversation pins: the configured budget, capped by its L2 quota.
@@ -410,15 +582,26 @@ class EngineStore:
             self._commit_pin = []
             return
         # Pin the new prefix first, then give back the old one: shared chunks never drop to 0.
-        if self._hint("pin", lambda: self._target.coordinator.pin(whole, self.cache_salt)):
-            self.stats.pins += 1
+        if self._pin(whole):
             if self._commit_pin:
                 self._unpin(self._commit_pin)
             self._commit_pin = whole
 
-    def _unpin(self, sequence: list[int]) -> None:
+    def _pin(self, sequence: list[int]) -> bool:
+        """One reference on the sequence's chunks; a failed request may still land (then reconciled)."""
+        if self._hint("pin", lambda: self._target.coordinator.pin(sequence, self.cache_salt)):
+            self.stats.pins += 1
+            return True
+        self.uncertain_pins.append(list(sequence))
+        return False
+
+    def _unpin(self, sequence: list[int]) -> bool:
+        """Give one reference back; a failed request may not have landed (then reconciled)."""
         if self._hint("unpin", lambda: self._target.coordinator.unpin(sequence, self.cache_salt)):
             self.stats.unpins += 1
+            return True
+        self.uncertain_pins.append(list(sequence))
+        return False
 
     def _prefetch(self, prompt: list[int]) -> None:
         coordinator = self._target.coordinator
@@ -456,6 +639,8 @@ class EngineStore:
         self.stats.hint_failures += 1
         self.stats.last_failure = f"{what}: {error}"
         logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, error)
+        if self.on_failure is not None:
+            self.on_failure(what, error)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -465,6 +650,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _references(table: dict[tuple[str, int], int], keys: Sequence[dict[str, Any]]) -> int:
+    """A chunk's pin count in the coordinator's table (the least over its ranks' keys; 0 = unlisted)."""
+    counts = [table.get((str(k.get("chunk_hash_hex", "")), int(k.get("kv_rank", 0) or 0)), 0) for k in keys]
+    return min(counts, default=0)
 
 
 def _chunk_id(sequence: Sequence[int], index: int, size: int) -> int:

@@ -68,6 +68,10 @@ class CallPlan:
     """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
     ban_calls: bool = False
     """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
+    grammar: str | None = None
+    """The grammar the answer is decoded under (`agentkv.grammar`); None = unconstrained."""
+    parallel: bool = False
+    """Several calls may be made in one answer (`parallel_tool_calls=True`)."""
 
 
 # ---------------------------------------------------------------------------- small helpers

@@ -30,6 +30,7 @@ class SimLMCache:
     def __init__(self) -> None:
         self.tiers: dict[str, set[str]] = {}  # key -> {"l1", "l2"}
         self.pins: dict[str, int] = {}
+        self.salt_of: dict[str, str] = {}
         self.prefetched: list[list[int]] = []
         self.unreported_l1: set[str] = set()
         """Keys whose L1 copy the server holds but has not reported to the coordinator yet
@@ -45,6 +46,7 @@ class SimLMCache:
                 "POST /cache/prefetches": self._prefetch,
                 "GET /cache/prefetches/*": {"status": "completed"},
                 "GET /instances": {"instances": [{"instance_id": "i0", "ip": "node", "http_port": 8301}]},
+                "GET /cache/pins*": self._pin_table,
                 "GET /quota/config": lambda *_: {"default_limit_gb": self.default_quota_gb},
                 "GET /quota/*": self._quota,
             }
@@ -71,15 +73,27 @@ class SimLMCache:
         keys = self.keys(body["token_ids"], body["cache_salt"])
         for key in keys:
             self.pins[key] = self.pins.get(key, 0) + 1
+            self.salt_of[key] = body["cache_salt"]
         return {"requested": len(keys), "affected": len(keys), "status": "pinned"}
 
     def _unpin(self, _m: str, _p: str, body: Any) -> Any:
         keys = self.keys(body["token_ids"], body["cache_salt"])
-        for key in keys:
-            self.pins[key] -= 1
-            if self.pins[key] == 0:
-                del self.pins[key]
+        for key in keys:  # floored at 0, as LMCache's pin table
+            if self.pins.get(key, 0) <= 1:
+                self.pins.pop(key, None)
+            else:
+                self.pins[key] -= 1
         return {"requested": len(keys), "affected": len(keys), "status": "unpinned"}
+
+    def _pin_table(self, _m: str, path: str, _b: Any) -> Any:
+        query = dict(part.split("=", 1) for part in path.partition("?")[2].split("&") if "=" in part)
+        listed = [
+            {"key": {"chunk_hash_hex": k, "kv_rank": 0, "cache_salt": self.salt_of[k]}, "pin_count": c}
+            for k, c in self.pins.items()
+            if not query.get("cache_salt") or self.salt_of.get(k) == query["cache_salt"]
+        ]
+        offset, limit = int(query.get("offset", 0)), int(query.get("limit", 1000))
+        return {"total": len(listed), "pins": listed[offset : offset + limit]}
 
     def _lookup(self, _m: str, _p: str, body: Any) -> Any:
         keys = self.keys(body["token_ids"], body["cache_salt"])
@@ -317,14 +331,20 @@ def test_coordinator_4xx_is_a_clear_error_for_direct_calls_and_a_noop_as_a_hint(
     assert store.stats.hint_failures == 1 and "HTTP 400" in store.stats.last_failure
 
 
-def test_bytes_by_tier_counts_the_prompt_and_the_archive() -> None:
+def test_bytes_by_tier_counts_the_prompt_and_what_l2_keeps_of_the_archive(sim: SimLMCache) -> None:
     spans = make_spans(8, 8, 8)
-    store = make_store(SimLMCache(), spans)
+    store = make_store(sim, spans)
+    store.archive(spans[0], "host")  # never sent: the engine holds nothing of it
+    assert store.bytes_by_tier().host == 0
+    store.restore_many([spans[0]])
+    turn(store, sim)
     store.archive(spans[1], "host")
     store.drop(spans[2])
     tiers = store.bytes_by_tier()
     assert (tiers.device, tiers.host, tiers.quantized) == (80, 80, 0)
     assert store.span_bytes(spans[2]) == 0
+    turn(store, sim)  # span 1's chunks end before the dropped span: L2 keeps them
+    assert store.bytes_by_tier().host == 80 == store.span_bytes(spans[1])
 
 
 def test_client_validation_names_expected_and_actual() -> None:
