@@ -88,7 +88,7 @@ class Session(SessionReadout):
         self.parent = parent
         self.closed = False
         self.ended = False
-        """True after `SessionClosed` until the next `extend` starts the conversation over."""
+        """True after `SessionClosed` until the next call brings the released history back (`_restart`)."""
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
         self.forget = ForgetController(self)
@@ -159,13 +159,9 @@ class Session(SessionReadout):
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
-            # After `SessionClosed` nothing is matched: the history given is encoded anew, as on a
-            # fresh session, never answered over the released spans' tokens.
             k = 0
-            restart = self.ended
             while (
-                not restart
-                and k < len(message_spans)
+                k < len(message_spans)
                 and k < len(incoming)
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
@@ -173,8 +169,7 @@ class Session(SessionReadout):
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            # Read from the cache: the matched messages' tokens the model attends (a pending tail is
-            # encoded later, an archived or evicted span is not attended: neither is a cache read).
+            # A cache read: attended, computed tokens (not a pending tail, not a released span).
             reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -211,7 +206,8 @@ class Session(SessionReadout):
                     self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
-            self.ended = False
+            if self.ended:
+                self._restart()  # the kept messages' released KV, pending with the new messages
             applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
@@ -237,6 +233,18 @@ class Session(SessionReadout):
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
             )
             return result
+
+    def _restart(self) -> None:
+        """The conversation goes on after `SessionClosed`: bring back every span it released.
+
+        A released span keeps its token ids: it is recomputed from them at its logical
+        positions, in the next prefill with the call's new tokens, exactly as a session
+        never closed holds it. An answer never reads a history the model does not attend.
+        """
+        self.ended = False
+        for span in self.spans:
+            if span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
+                self.manager.mover.move(span, SpanState.COMMITTED, reason="session_restarted", lazily=True)
 
     def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
         span.kind = message.kind
@@ -330,6 +338,7 @@ class Session(SessionReadout):
         """
         before = self.runner.forward_seconds
         self.store.physical.compact_pending()  # a forward must never attend a removed slot
+        self.counters.encoded_tokens += len(feed)
         try:
             return self.runner.forward_observed(
                 self.store.physical, feed, self.manager.policy, window=self.config.commit.window, **kwargs
@@ -379,11 +388,7 @@ class Session(SessionReadout):
                 msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
                 raise ValueError(msg)
             if self.ended:
-                msg = (
-                    f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
-                    "call extend(messages) with the conversation to start it over, then answer"
-                )
-                raise ValueError(msg)
+                self._restart()
             prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
             # The answer is closed with the template's end-of-turn ids: they need positions too.
             suffix = len(self.format.assistant_suffix_ids())
@@ -400,10 +405,7 @@ class Session(SessionReadout):
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
-            self.last_prompt = PromptRead(
-                attended_tokens=self.store.physical.length,
-                encoded_total=self.counters.prefill_tokens + self.counters.rehydrated_tokens,
-            )
+            self.last_prompt = PromptRead(self.store.physical.length, self.counters.encoded_tokens)
             if deferred:
                 self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
@@ -524,7 +526,7 @@ class Session(SessionReadout):
             return self.forget.request(event)
         result = self.manager.apply(event, enforce=enforce)
         if isinstance(event, SessionClosed):
-            self.ended = True  # the next `extend` starts over (see there)
+            self.ended = True  # the next call brings the released history back (`_restart`)
         if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
             self.forget.on_turn_ended()
         return result

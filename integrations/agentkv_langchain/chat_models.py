@@ -107,11 +107,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
     attended (its prompt as the cache holds it: an evicted or archived span is not in
     it), and `["input_token_details"]["cache_read"]` the ones of those read from the
-    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly (on an
-    `EngineBackend`, the engine's own figures: `input_tokens` is the prompt it was sent,
-    `cache_read` the part it reused, `prompt_tokens_details.cached_tokens`);
-    `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
-    the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
+    cache; `response_metadata["prefill_tokens"]` the ones the call encoded (new
+    messages, the previous answer's end, spans recomputed from their tokens), so
+    `input_tokens = cache_read + prefill_tokens` exactly (on an `EngineBackend`, the
+    engine's own figures: `input_tokens` is the prompt it was sent, `cache_read` the
+    part it reused, `prompt_tokens_details.cached_tokens`). `response_metadata` also
+    has `rehydrated_tokens` (of those, recomputed spans), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
@@ -576,10 +577,13 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             )
             output_tokens = after.generated_tokens - before.generated_tokens
             if local:
-                input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+                input_tokens, cache_read, new_tokens = call_usage(
+                    session, before, after, output_tokens, extended
+                )
             else:  # the engine's own usage: the prompt it was sent and the part it reused
                 cache_read = after.reused_tokens - before.reused_tokens
-                input_tokens = after.prefill_tokens - before.prefill_tokens + cache_read
+                new_tokens = after.prefill_tokens - before.prefill_tokens
+                input_tokens = new_tokens + cache_read
         finish = (
             "tool_calls"
             if calls
@@ -603,7 +607,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
-                "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                "prefill_tokens": new_tokens,
                 "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
                 "reused_tokens": extended.reused_tokens if local else cache_read,
                 "cropped_tokens": extended.cropped_tokens,
