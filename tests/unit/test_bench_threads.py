@@ -20,6 +20,6 @@ def test_threads_bench_shares_the_prefix_and_keeps_the_answers(tiny_model, tiny_
     assert prefix >= result["settings"]["system_prompt_tokens"] // 2
     assert three["prefill_tokens_unshared"] - three["prefill_tokens_shared"] == 2 * prefix
     # Device bytes: one prefix for all threads instead of one per thread.
-    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head dim x fp32
+    per_token = tiny_model.config.num_hidden_layers * 2 * 2 * 16 * 4  # layers, K+V, kv heads, dim, fp32
     assert three["device_bytes_unshared"] - three["device_bytes_shared"] == 2 * prefix * per_token
     assert three["prefix_bytes"] == prefix * per_token
