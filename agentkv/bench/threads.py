@@ -218,24 +218,23 @@ def run_threads_bench(
     prompt_tokens = len(tokenizer(system_text)["input_ids"])
     runs: list[ThreadsRun] = []
     total = 2 * len(counts)
+    settings = {
+        "counts": list(counts),
+        "turns": turns,
+        "max_new_tokens": max_new_tokens,
+        "system_prompt_tokens": prompt_tokens,
+        "torch_threads": torch.get_num_threads(),
+    }
+    result: dict[str, Any] = {}
     for n in counts:
         for shared in (True, False):
             report(progress, "threads", len(runs), total, f"N={n} {'shared' if shared else 'unshared'}")
             with torch.inference_mode():
                 runs.append(_run(model, tokenizer, n, turns, shared, max_new_tokens, system_text))
+        # Written after every N: a long run that is stopped keeps the counts it finished.
+        result = {"settings": settings, "rows": threads_rows(runs), "runs": [asdict(r) for r in runs]}
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "threads.json").write_text(json.dumps(result, indent=2))
     report(progress, "threads", total, total)
-    result = {
-        "settings": {
-            "counts": list(counts),
-            "turns": turns,
-            "max_new_tokens": max_new_tokens,
-            "system_prompt_tokens": prompt_tokens,
-            "torch_threads": torch.get_num_threads(),
-        },
-        "rows": threads_rows(runs),
-        "runs": [asdict(r) for r in runs],
-    }
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "threads.json").write_text(json.dumps(result, indent=2))
     return result
