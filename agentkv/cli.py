@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget|threads`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget|threads|tools`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,7 +140,7 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak|forget|engine|threads`."""
+    """`agentkv bench reuse|memory|soak|forget|engine|threads|tools`."""
     console = Console()
     if not console.is_terminal:  # a pipe or file would get 80 columns and squeeze the wide tables
         console = Console(width=220)
@@ -231,6 +231,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 model, tokenizer, counts=counts, turns=args.turns or 3, out_dir=out, progress=bars
             )
         console.print(_threads_table(result))
+    elif args.which == "tools":
+        try:
+            from agentkv_langchain.tool_bench import run_tools_bench, tools_table
+        except ImportError as e:
+            msg = f"agentkv bench tools needs LangChain and LangGraph: {AGENTS_EXTRA_HINT} ({e})"
+            raise CommandError(msg) from e
+        with _progress(args) as bars:
+            result = run_tools_bench(model, tokenizer, out_dir=out, progress=bars)
+        console.print(tools_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -450,11 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak", "forget", "engine", "threads"],
+        choices=["reuse", "memory", "soak", "forget", "engine", "threads", "tools"],
         help=(
             "reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
             "threads: N threads sharing one system prompt + tools block (prefix cache on vs off); "
             "forget: the forgetting side thread on tool-heavy traces; "
+            "tools: tool calls and structured output with and without the grammar; "
             "engine: tool agents on vLLM + LMCache (start it with scripts/serve.sh)"
         ),
     )
