@@ -204,11 +204,12 @@ class BudgetKeeper:
                 continue
             state = SpanState.EVICTED if rung is Rung.DROPPED else SpanState.ARCHIVED
             was_recallable = span.span_id in marks.recallable
+            committed = span.state is SpanState.COMMITTED
             if self.mover.move(span, state, reason="budget") is None:
                 continue
-            # Archived by the budget, or an archive the budget evicted: still recallable
+            # Archived or dropped by the budget, or an archive the budget evicted: still recallable
             # (restored, or recomputed from its token ids). Released spans are not.
-            if state is SpanState.ARCHIVED or was_recallable:
+            if state is SpanState.ARCHIVED or was_recallable or committed:
                 marks.recallable.add(span.span_id)
         if quantize:
             self.mover.hold_quantized(quantize)

@@ -157,6 +157,8 @@ def _attended(
         archived = int(held * exact * ARCHIVE_DEVICE_SHARE.get(archive_tier, 0.0))
         loss = fidelity[Rung.DROPPED] if archive_tier == "drop" else fidelity[Rung.ARCHIVED]
         options.append(RungOption(Rung.ARCHIVED, archived, loss))
+        if archived:  # an archive on the device: dropping the span frees what the archive would keep
+            options.append(RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]))
     if len(options) < 2:
         return None
     hard = span.span_id in marks.recalled
