@@ -254,6 +254,10 @@ class KVStore:
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
         return int(layers[0].is_fine(slots).sum())
 
+    def quantizable_tokens(self, span: Span) -> int:
+        """The span's slots `quantize_attended` would quantize now (exact, neither sinks nor residual)."""
+        return int(self._attended_candidates(span).numel())
+
     def _attended_candidates(self, span: Span) -> torch.Tensor:
         """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
         physical = self.physical
