@@ -34,9 +34,11 @@ from agentkv.config_sections import (
     CommitConfig,
     ForgetConfig,
     PolicyConfig,
+    PrefixCacheConfig,
     QuantizationConfig,
     RecallConfig,
     Section,
+    cross_field_problems,
     policy_as_mapping,
 )
 from agentkv.config_text import (
@@ -44,6 +46,7 @@ from agentkv.config_text import (
     Loc,
     format_errors,
     kind_of,
+    line_near,
     load_yaml,
     parse_bytes,
     show_value,
@@ -60,6 +63,7 @@ __all__ = [
     "CommitConfig",
     "ForgetConfig",
     "PolicyConfig",
+    "PrefixCacheConfig",
     "QuantizationConfig",
     "RecallConfig",
     "parse_bytes",
@@ -119,6 +123,11 @@ class AgentKVConfig(Section):
         description="The forgetting side thread (SideQuest-style), off by default.",
     )
     """The forgetting side thread (SideQuest-style), off by default."""
+    prefix_cache: PrefixCacheConfig = Field(
+        default_factory=PrefixCacheConfig,
+        description="Sessions that start alike share their leading system messages' KV (on by default).",
+    )
+    """Sessions that start alike share their leading system messages' KV (on by default)."""
 
     @field_validator("device")
     @classmethod
@@ -184,7 +193,7 @@ class AgentKVConfig(Section):
             document[section],
             prefix=section,
             source=source,
-            line_of=lambda loc: lines.get((section, *map(str, loc))),
+            line_of=lambda loc: line_near(lines, (section, *map(str, loc))),
         )
 
     @classmethod
@@ -244,13 +253,16 @@ class AgentKVConfig(Section):
         if data is None:
             return cls()
         if not isinstance(data, Mapping):
-            where = f" ({source})" if source else ""
+            line = line_of(()) if line_of else None
+            where = ", ".join(w for w in (source, f"line {line}" if line else None) if w)
+            where = f" ({where})" if where else ""
             msg = f"{prefix}: must be a mapping, got {kind_of(data)}{where}"
             raise ValueError(msg)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
             lines = format_errors(e, prefix, line_of, AgentKVConfig)
+            lines += [line for line in cross_field_lines(data, prefix, line_of) if line not in lines]
             head = f"invalid agentkv config in {source}:\n" if source else ""
             raise ValueError(head + "\n".join(lines)) from None
         except RecursionError as e:
@@ -286,6 +298,18 @@ def rule_problems(rules: Mapping[str, Mapping[str, str]]) -> list[tuple[tuple[st
             elif action not in ACTIONS:
                 problems.append(((event, target), unknown_value("action", action, ACTIONS)))
     return problems
+
+
+def cross_field_lines(
+    data: Mapping[str, Any], prefix: str, line_of: Callable[[Loc], int | None] | None
+) -> list[str]:
+    """`cross_field_problems` of raw data as error lines, in `format_errors`' form."""
+    out: list[str] = []
+    for loc, message in cross_field_problems(data):
+        line = line_of(loc) if line_of else None
+        where = f" (line {line})" if line else ""
+        out.append(f"{'.'.join([prefix, *map(str, loc)])}: {message}{where}")
+    return out
 
 
 def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from agentkv.config_text import ConfigProblems, Loc, parse_bytes, show_value, unknown_value
-from agentkv.policies.factory import POLICY_NAMES, policy_params
+from agentkv.policies.factory import POLICY_NAMES, param_problems, policy_params
 from agentkv.spans import SpanKind
 
 ALLOWED_POLICIES: tuple[str, ...] = POLICY_NAMES
@@ -87,9 +87,13 @@ class BudgetConfig(Section):
         default=None,
         gt=0,
         strict=True,
-        description="Per-session KV budget on the device, in tokens; null = none.",
+        description=(
+            "Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;"
+            " int4 tokens take less, so more fit); null = none."
+        ),
     )
-    """Per-session KV budget on the device, in tokens; null = none."""
+    """Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;
+    int4 tokens take less, so more fit); null = none."""
     device_bytes: _ByteCount = Field(
         default=None,
         gt=0,
@@ -97,9 +101,12 @@ class BudgetConfig(Section):
     )
     """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
     host_tokens: int | None = Field(
-        default=None, gt=0, strict=True, description="Per-session archive budget on the host tier, in tokens."
+        default=None,
+        gt=0,
+        strict=True,
+        description="Per-session archive budget on the host tier, in full-precision token equivalents.",
     )
-    """Per-session archive budget on the host tier, in tokens."""
+    """Per-session archive budget on the host tier, in full-precision token equivalents."""
     host_bytes: _ByteCount = Field(
         default=None, gt=0, description="Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."
     )
@@ -127,9 +134,9 @@ class BudgetConfig(Section):
 
     @model_validator(mode="after")
     def _low_not_above_high(self) -> BudgetConfig:
-        if self.low_watermark > self.high_watermark:
-            msg = f"must be <= high_watermark ({self.high_watermark}), got {self.low_watermark}"
-            raise ConfigProblems([(("low_watermark",), msg)])
+        problem = watermark_problem(self.high_watermark, self.low_watermark)
+        if problem is not None:
+            raise ConfigProblems([problem])
         return self
 
     @property
@@ -439,10 +446,45 @@ class ForgetConfig(Section):
 
     @model_validator(mode="after")
     def _has_trigger(self) -> ForgetConfig:
-        if self.enabled and self.every_turns is None and not self.on_high_watermark:
-            msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
-            raise ConfigProblems([(("every_turns",), msg)])
+        problem = trigger_problem(self.enabled, self.every_turns, self.on_high_watermark)
+        if problem is not None:
+            raise ConfigProblems([problem])
         return self
+
+
+class PrefixCacheConfig(Section):
+    """The cross-session prefix cache: threads that start alike share their leading system messages' KV.
+
+    The first thread to encode a prefix (the system prompt with the tool descriptions)
+    keeps its KV as a read-only entry; later threads whose history starts with the same
+    token ids attend it instead of encoding it (vLLM's automatic prefix caching, SGLang's
+    radix cache). Unreferenced entries stay while there is room and go first under
+    pressure (the global device budget or `max_tokens`).
+    """
+
+    enabled: bool = Field(
+        default=True, strict=True, description="Share leading system messages' KV across sessions."
+    )
+    """Share leading system messages' KV across sessions."""
+    max_tokens: int | None = Field(
+        default=8192,
+        ge=1,
+        strict=True,
+        description="Tokens all entries may hold; null = only the global device budget bounds them.",
+    )
+    """Tokens all entries may hold; null = only the global device budget bounds them."""
+    block_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        strict=True,
+        description="Tokens per hashed block (a prefix is found by its blocks).",
+    )
+    """Tokens per hashed block (a prefix is found by its blocks)."""
+    eviction: Literal["lru", "lfu"] = Field(
+        default="lru", description="Which unreferenced entry goes first: least recently or least often used."
+    )
+    """Which unreferenced entry goes first: least recently or least often used."""
 
 
 class CallbacksConfig(Section):
@@ -456,6 +498,55 @@ class CallbacksConfig(Section):
     """Let handler errors stop the run; false logs them (hints never break a run)."""
 
 
+# ---------------------------------------------------------------------------- cross-field checks
+#
+# Pydantic runs a section's "after" validators only when all its fields are valid, so
+# a file with a bad field and a watermark-order error would show the second only once
+# the first is fixed. These checks take plain values: the validators call them on the
+# model, `cross_field_problems` on the raw data when validation failed elsewhere.
+
+
+def watermark_problem(high: float, low: float) -> tuple[Loc, str] | None:
+    """The low watermark must not be above the high one: `(path under budget, message)` or None."""
+    if low > high:
+        return (("low_watermark",), f"must be <= high_watermark ({high}), got {low}")
+    return None
+
+
+def trigger_problem(
+    enabled: bool, every_turns: int | None, on_high_watermark: bool
+) -> tuple[Loc, str] | None:
+    """An enabled forgetting side thread needs a trigger: `(path under forget, message)` or None."""
+    if enabled and every_turns is None and not on_high_watermark:
+        msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
+        return (("every_turns",), msg)
+    return None
+
+
+def cross_field_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
+    """Cross-field problems of a raw `agentkv:` mapping whose own values are each valid."""
+    problems: list[tuple[Loc, str]] = []
+    budget = data.get("budget")
+    if isinstance(budget, Mapping):
+        fields = BudgetConfig.model_fields
+        high = budget.get("high_watermark", fields["high_watermark"].default)
+        low = budget.get("low_watermark", fields["low_watermark"].default)
+        if _is_fraction(high) and _is_fraction(low):
+            problem = watermark_problem(float(high), float(low))
+            if problem is not None:
+                problems.append((("budget", *problem[0]), problem[1]))
+    forget = data.get("forget")
+    if isinstance(forget, Mapping) and forget.get("enabled") is True and "every_turns" in forget:
+        problem = trigger_problem(True, forget["every_turns"], forget.get("on_high_watermark") is True)
+        if problem is not None:
+            problems.append((("forget", *problem[0]), problem[1]))
+    return problems
+
+
+def _is_fraction(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
+
+
 DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
 
 
@@ -463,11 +554,12 @@ DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
 
 
 def _check_policy_keys(data: Any) -> None:
-    """Unknown parameters of a known policy, each at the path where it was written.
+    """Unknown parameters and invalid values of a known policy, each at the path where it was written.
 
     `policy: {name: snapkv, windw: 32}` reports `policy.windw`, and the `params:`
-    spelling `policy.params.windw`, each with did-you-mean and the allowed names.
-    An unknown policy name is left to the `name` validator.
+    spelling `policy.params.windw`, each with did-you-mean and the allowed names;
+    `window: -3` is reported at load, by the policy's own checks, not at the first
+    model call. An unknown policy name is left to the `name` validator.
     """
     if not isinstance(data, Mapping) or not isinstance(data.get("name", "lifecycle"), str):
         return
@@ -475,15 +567,23 @@ def _check_policy_keys(data: Any) -> None:
     if name not in ALLOWED_POLICIES:
         return
     allowed = policy_params(name)
-    written: list[tuple[Loc, object]] = [((k,), k) for k in data if k not in ("name", "params")]
+    written: list[tuple[Loc, object, object]] = [
+        ((k,), k, v) for k, v in data.items() if k not in ("name", "params")
+    ]
     params = data.get("params")
     if isinstance(params, Mapping):
-        written += [(("params", k), k) for k in params]
-    problems = [
-        (loc, unknown_value(f"parameter of policy {name!r}", key, allowed, in_path=True))
-        for loc, key in written
-        if str(key) not in allowed
-    ]
+        written += [(("params", k), k, v) for k, v in params.items()]
+    problems: list[tuple[Loc, str]] = []
+    values: dict[str, object] = {}
+    where: dict[str, Loc] = {}
+    for loc, key, value in written:
+        if str(key) not in allowed:
+            problems.append((loc, unknown_value(f"parameter of policy {name!r}", key, allowed, in_path=True)))
+        else:
+            values[str(key)] = value
+            where[str(key)] = loc
+    for key, message in param_problems(name, values).items():
+        problems.append((where[key] if key else ("params",), message))
     if problems:
         raise ConfigProblems([(tuple(map(str, loc)), msg) for loc, msg in problems])
 

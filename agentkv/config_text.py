@@ -77,6 +77,24 @@ def collect_lines(node: yaml.Node, path: Loc, lines: dict[Loc, int], depth: int)
             collect_lines(value, sub, lines, depth + 1)
 
 
+def line_near(lines: Mapping[Loc, int], path: Loc) -> int | None:
+    """The line of `path`, else of where it was written in a shorthand, else of its nearest parent.
+
+    A policy's parameters are validated at `policy.params.<key>` but may be written as
+    `policy.<key>`, and `policy: snapkvv` has no `policy.name` line of its own: the
+    error then points at the line that holds the value.
+    """
+    candidates = [path]
+    if "params" in path:
+        at = path.index("params")
+        candidates.append((*path[:at], *path[at + 1 :]))
+    candidates += [path[:end] for end in range(len(path) - 1, 0, -1)]
+    for candidate in candidates:
+        if candidate in lines:
+            return lines[candidate]
+    return None
+
+
 def format_errors(
     error: ValidationError, prefix: str, line_of: Callable[[Loc], int | None] | None, root: type[BaseModel]
 ) -> list[str]:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from agentkv.backend.session import Session
 
 STATE_COLOURS = {
@@ -24,6 +29,7 @@ STATE_COLOURS = {
 def load_snapshot(source: Session | dict[str, Any] | str | Path) -> dict[str, Any]:
     """A snapshot dict from a live session, a dict, or a JSON file written by `Session.save_snapshot`."""
     if isinstance(source, dict):
+        check_snapshot(source, "snapshot")
         return source
     if isinstance(source, (str, Path)):
         path = Path(source)
@@ -35,11 +41,60 @@ def load_snapshot(source: Session | dict[str, Any] | str | Path) -> dict[str, An
         except json.JSONDecodeError as e:
             msg = f"{path}: not a JSON snapshot ({e})"
             raise ValueError(msg) from e
-        if not isinstance(data, dict) or "spans" not in data:
-            msg = f"{path}: expected a session snapshot with 'spans' and 'stats'"
-            raise ValueError(msg)
+        check_snapshot(data, str(path))
         return data
     return source.snapshot()
+
+
+SPAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "span_id": int,
+    "kind": str,
+    "state": str,
+    "tier": str,
+    "start": int,
+    "tokens": int,
+    "held_tokens": int,
+}
+"""What `inspect` reads from every span of a snapshot, and the type it must have."""
+
+
+def check_snapshot(data: object, where: str) -> None:
+    """Raise a `ValueError` naming the first thing a snapshot lacks (file, span index, key).
+
+    A hand-edited or truncated snapshot must give a message, not a `KeyError` traceback.
+    """
+    if not isinstance(data, dict):
+        got = type(data).__name__
+        msg = f"{where}: expected a session snapshot (a JSON object with 'spans' and 'stats'), got {got}"
+        raise ValueError(msg)
+    missing = [key for key in ("spans", "stats") if key not in data]
+    if missing:
+        names = ", ".join(map(repr, missing))
+        msg = f"{where}: not a session snapshot: missing {names} (write one with session.save_snapshot)"
+        raise ValueError(msg)
+    if not isinstance(data["stats"], dict):
+        msg = f"{where}: 'stats' must be an object, got {type(data['stats']).__name__}"
+        raise ValueError(msg)
+    if not isinstance(data["spans"], list):
+        msg = f"{where}: 'spans' must be a list, got {type(data['spans']).__name__}"
+        raise ValueError(msg)
+    for index, span in enumerate(data["spans"]):
+        if not isinstance(span, dict):
+            msg = f"{where}: spans[{index}] must be an object, got {type(span).__name__}"
+            raise ValueError(msg)
+        for key, kind in SPAN_FIELDS.items():
+            if key not in span:
+                msg = f"{where}: spans[{index}] has no {key!r}; every span needs {', '.join(SPAN_FIELDS)}"
+                raise ValueError(msg)
+            value = span[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                msg = (
+                    f"{where}: spans[{index}].{key} must be {getattr(kind, '__name__', kind)}, got {value!r}"
+                )
+                raise ValueError(msg)
+        if not isinstance(span.get("bytes", 0), int):
+            msg = f"{where}: spans[{index}].bytes must be int, got {span['bytes']!r}"
+            raise ValueError(msg)
 
 
 def _human(n: int) -> str:
@@ -51,27 +106,60 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+SPAN_COLUMNS = ("id", "kind", "owner", "state", "tier", "pin", "tokens", "held", "bytes", "preview")
+"""The span table's columns, in order."""
+SHRINKING_COLUMNS = ("owner", "preview")
+"""Columns that give up width (cut with an ellipsis) when the terminal is narrow; the rest never wrap."""
+NUMERIC_COLUMNS = ("id", "tokens", "held", "bytes")
+
+
 def span_table(snapshot: dict[str, Any]) -> Table:
-    """The span map as a rich table: one row per span, in logical order."""
-    table = Table(title=f"session {snapshot.get('session_id', '?')}", show_lines=False)
-    for column in ("id", "kind", "owner", "state", "tier", "pin", "tokens", "held", "bytes", "preview"):
-        table.add_column(column, justify="right" if column in ("id", "tokens", "held", "bytes") else "left")
-    for span in snapshot["spans"]:
-        state = str(span["state"])
-        preview = str(span.get("preview", "")).replace("\n", "⏎")[:40]
+    """The span map as a rich table: one row per span, in logical order.
+
+    On a narrow terminal only the owner and preview columns shrink: ids, kinds,
+    states, tiers and sizes stay whole on one line, so an 80-column console still
+    reads one row per span.
+    """
+    rows = [_span_row(span) for span in snapshot["spans"]]
+    table = Table(
+        title=f"session {snapshot.get('session_id', '?')}", box=box.SIMPLE_HEAD, padding=0, pad_edge=False
+    )
+    for index, column in enumerate(SPAN_COLUMNS):
+        justify: Literal["right", "left"] = "right" if column in NUMERIC_COLUMNS else "left"
+        if column in SHRINKING_COLUMNS:  # collapsible column; its cells never wrap (`_cell`)
+            table.add_column(column, justify=justify, overflow="ellipsis")
+        else:
+            width = max([len(column), *(Text.from_markup(row[index]).cell_len for row in rows)])
+            table.add_column(column, justify=justify, no_wrap=True, width=width)
+    for row in rows:
         table.add_row(
-            str(span["span_id"]),
-            str(span["kind"]),
-            str(span.get("owner") or ""),
-            f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]",
-            str(span["tier"]),
-            "📌" if span.get("pinned") else "",
-            str(span["tokens"]),
-            str(span["held_tokens"]),
-            _human(int(span.get("bytes", 0))),
-            preview,
+            *(_cell(v) if c in SHRINKING_COLUMNS else v for c, v in zip(SPAN_COLUMNS, row, strict=True))
         )
     return table
+
+
+def _cell(markup: str) -> Text:
+    """A cell cut with an ellipsis rather than wrapped onto more lines."""
+    text = Text.from_markup(markup)
+    text.no_wrap = True
+    text.overflow = "ellipsis"
+    return text
+
+
+def _span_row(span: dict[str, Any]) -> list[str]:
+    state = str(span["state"])
+    return [
+        str(span["span_id"]),
+        str(span["kind"]),
+        escape(str(span.get("owner") or "")),
+        f"[{STATE_COLOURS.get(state, 'white')}]{escape(state)}[/]",
+        str(span["tier"]),
+        "📌" if span.get("pinned") else "",
+        str(span["tokens"]),
+        str(span["held_tokens"]),
+        _human(int(span.get("bytes", 0))),
+        escape(str(span.get("preview", "")).replace("\n", "⏎")[:40]),
+    ]
 
 
 def stats_table(snapshot: dict[str, Any]) -> Table:
@@ -83,10 +171,13 @@ def stats_table(snapshot: dict[str, Any]) -> Table:
     for key in ("prefill_tokens", "reused_tokens", "attended_tokens", "logical_tokens", "turn"):
         table.add_row(key, str(stats.get(key)))
     for key in ("device_bytes", "quantized_bytes", "host_bytes", "peak_device_bytes"):
-        table.add_row(key, _human(int(stats.get(key, 0))))
-    table.add_row(
-        "tokens_by_state", ", ".join(f"{k}={v}" for k, v in stats.get("tokens_by_state", {}).items())
+        value = stats.get(key, 0)
+        table.add_row(key, _human(value) if isinstance(value, int) else str(value))
+    by_state = stats.get("tokens_by_state", {})
+    shown = (
+        ", ".join(f"{k}={v}" for k, v in by_state.items()) if isinstance(by_state, dict) else str(by_state)
     )
+    table.add_row("tokens_by_state", shown)
     table.add_row("events applied / no-op", f"{stats.get('events_applied')} / {stats.get('events_noop')}")
     table.add_row("budget satisfied", str(stats.get("budget_satisfied")))
     return table
@@ -102,16 +193,30 @@ def print_inspection(source: Session | dict[str, Any] | str | Path, console: Con
 
 def plot_span_strip(source: Session | dict[str, Any] | str | Path, path: str | Path) -> Path:
     """A PNG strip: one bar per span, as wide as its tokens, coloured by state, hatched off the device."""
+    import matplotlib.pyplot as plt
+
+    figure = span_strip_figure(load_snapshot(source))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def span_strip_figure(snapshot: dict[str, Any]) -> Figure:
+    """The strip of `plot_span_strip` as a matplotlib figure (the caller closes it).
+
+    The legend sits in its own row under the axis label (constrained layout, placed
+    outside the axes), so the two never overlap whatever the figure's size.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    snapshot = load_snapshot(source)
-    spans = snapshot["spans"]
-    fig, ax = plt.subplots(figsize=(12, 1.8))
-    for span in spans:
+    fig, ax = plt.subplots(figsize=(12, 2.2), layout="constrained")
+    for span in snapshot["spans"]:
         tier = span["tier"]
         ax.barh(
             0,
@@ -130,16 +235,10 @@ def plot_span_strip(source: Session | dict[str, Any] | str | Path, path: str | P
         f"session {snapshot.get('session_id', '?')}: spans by state "
         "(hatched: host //, quantized .., dropped xx)"
     )
-    ax.legend(
+    fig.legend(
         handles=[Patch(color=c, label=s) for s, c in STATE_COLOURS.items()],
-        ncol=5,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.45),
+        ncol=len(STATE_COLOURS),
+        loc="outside lower center",
         frameon=False,
     )
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig

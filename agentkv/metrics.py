@@ -14,6 +14,7 @@ class Counters:
 
     prefill_tokens: int = 0
     reused_tokens: int = 0
+    shared_prefix_tokens: int = 0
     generated_tokens: int = 0
     cropped_tokens: int = 0
     rehydrated_tokens: int = 0
@@ -34,6 +35,39 @@ class Counters:
     policy_seconds: float = 0.0
     store_seconds: float = 0.0
     forward_seconds: float = 0.0
+
+    def add(self, other: Counters) -> None:
+        """Add another session's totals to these (a branch adopted by its thread keeps both).
+
+        Totals are summed; `peak_device_bytes` is the larger of the two peaks.
+        """
+        for name, value in asdict(other).items():
+            mine = getattr(self, name)
+            setattr(self, name, max(mine, value) if name == "peak_device_bytes" else mine + value)
+
+
+@dataclass(frozen=True)
+class PromptRead:
+    """What an answer's first token read: its prompt as held in the cache.
+
+    `attended_tokens` = tokens of the cache the first answer token attended (the whole
+    prompt, generation prompt included, as held: evicted or archived spans are not in
+    it). `encoded_total` = the session's `prefill_tokens + rehydrated_tokens` at that
+    moment, so a caller that read the totals before its call knows how many of the
+    attended tokens it encoded itself (the rest were read from the cache).
+    """
+
+    attended_tokens: int
+    encoded_total: int
+
+    def usage(self, encoded_before: int) -> tuple[int, int]:
+        """`(input_tokens, cache_read)` of a call that started when `encoded_total` was `encoded_before`.
+
+        `input_tokens = cache_read + new tokens` exactly; tokens encoded by the call and
+        demoted before the answer was read do not count (the answer never attended them).
+        """
+        new = min(max(0, self.encoded_total - encoded_before), self.attended_tokens)
+        return self.attended_tokens, self.attended_tokens - new
 
 
 @dataclass(frozen=True)
@@ -68,7 +102,11 @@ class SessionStats:
     digest_bytes: int = 0
     """Page key digests on the device (page recall); the device budget counts them."""
     shared_device_bytes: int = 0
-    """Part of `device_bytes` shared with a parent session (branch fork), not owned."""
+    """Part of `device_bytes` shared with another session (a branch fork's parent, or the
+    backend's prefix cache), not owned; the global budget counts it once across sessions."""
+    shared_prefix_tokens: int = 0
+    """Of `reused_tokens`, tokens taken from a prefix another session encoded (the backend's
+    prefix cache; on a served engine, the engine's own prefix cache hits)."""
     attended_tokens: int = 0
     attended_quantized_tokens: int = 0
     """Of `attended_tokens`, those held at int4/int2 in attention (the attended quantized tier)."""
@@ -88,6 +126,15 @@ class SessionStats:
     budget_unmet: int = 0
     """Times the budget could not be met without demoting pinned or active spans."""
     budget_satisfied: bool = True
+    budget_device_bytes: int | None = None
+    """The device limit the last budget check applied, in bytes (None = no limit)."""
+    budget_device_tokens: float | None = None
+    """The same limit in full-precision token equivalents, the unit of `budget.device_tokens`
+    (bytes / one full-precision token's bytes): tokens held at int4 take less, so more fit."""
+    budget_used_bytes: int = 0
+    """What the device budget counts now: attended KV, quantized archives and page digests."""
+    budget_used_tokens: float = 0.0
+    """`budget_used_bytes` in full-precision token equivalents."""
     lifecycle_seconds: float = 0.0
     policy_seconds: float = 0.0
     store_seconds: float = 0.0

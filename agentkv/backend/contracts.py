@@ -9,6 +9,8 @@ from typing import Any, Protocol
 from agentkv.backend.runner import ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.results import ApplyResult
+from agentkv.store.prefix_cache import PrefixCache
 
 
 class SessionHost(Protocol):
@@ -20,6 +22,8 @@ class SessionHost(Protocol):
     tokenizer: Any
     model_lock: Any
     """A lock serialising model forwards (attention hooks live on the shared model)."""
+    prefix_cache: PrefixCache | None
+    """Leading system messages' KV shared across sessions (None: each session encodes its own)."""
 
     def __contains__(self, session_id: object) -> bool:
         """Whether a session with this id is live."""
@@ -39,6 +43,10 @@ class SessionHost(Protocol):
 
     def device_bytes(self) -> int:
         """Device KV bytes across all sessions."""
+        ...
+
+    def relieve_device(self, free_bytes: int) -> int:
+        """Free device bytes no session attends; bytes freed."""
         ...
 
 
@@ -62,3 +70,5 @@ class ExtendResult:
     seconds: float
     pending_tokens: int = 0
     """New tokens left for the next answer to encode (`extend(..., prefill=False)`)."""
+    applied: tuple[ApplyResult, ...] = ()
+    """What each event given with the messages did (`extend(..., events=...)`), in order."""

@@ -15,6 +15,7 @@ import torch
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
 from agentkv.session_ids import is_branch_of
@@ -33,6 +34,7 @@ class ServedSession(Protocol):
     format: ChatFormat
     backend: Any
     parent: Any
+    limits: BudgetLimits
 
     def forward(self, feed: Feed, **kwargs: Any) -> Any:
         """Run a feed through the model over the session's cache."""
@@ -175,8 +177,22 @@ class SessionServices:
         return get() if callable(get) else None
 
     def global_device_bytes(self) -> int:
-        """Device KV bytes across the backend's sessions."""
-        return self.session.backend.device_bytes()
+        """Device KV bytes across the backend's sessions and its prefix cache.
+
+        Over the global high watermark, what no session attends (unreferenced prefix
+        cache entries) goes first, before any session demotes a span of its own.
+        """
+        backend = self.session.backend
+        usage = backend.device_bytes()
+        limits = self.session.limits
+        limit = limits.global_device_bytes
+        if (
+            limit is not None
+            and usage > limit * limits.high
+            and backend.relieve_device(usage - int(limit * limits.low))
+        ):
+            usage = backend.device_bytes()
+        return usage
 
     def child_branches(self) -> list[tuple[str, str | None]]:
         """`(session_id, branch)` of the live branch sessions forked from this one."""

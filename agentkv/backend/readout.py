@@ -96,7 +96,7 @@ class SessionReadout:
                 logical_tokens=self.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,
-                budget_satisfied=self.manager.budget_satisfied,
+                **self.manager.budget.figures(),
             )
 
     def snapshot(self) -> dict[str, Any]:

@@ -25,19 +25,21 @@ import torch
 from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
+from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event, TurnEnded
+from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
-from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.metrics import PromptRead
+from agentkv.spans import ATTENDED_STATES, Span, SpanKind, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
@@ -79,9 +81,13 @@ class Session(SessionReadout):
         self.last_logits: torch.Tensor | None = None
         self.prefill_deferred = False
         """True after `extend(..., prefill=False)` until the next answer encodes the pending tokens."""
+        self.last_prompt: PromptRead | None = None
+        """What the latest answer's first token read (see `PromptRead`); None before any answer."""
         self.branch = branch
         self.parent = parent
         self.closed = False
+        self.ended = False
+        """True after `SessionClosed` until the next `extend` starts the conversation over."""
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
         self.forget = ForgetController(self)
@@ -121,7 +127,9 @@ class Session(SessionReadout):
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the cache in line with `messages`, encoding only what it does not hold.
 
         Messages are matched with the cached ones by fingerprint (role, content, tool
@@ -139,15 +147,24 @@ class Session(SessionReadout):
                 as the first over a long cache); `ChatAgentKV` calls it this way. Any
                 other call that needs the model (`continuation_logits`, the next
                 `extend`) encodes pending tokens first.
+            events: Lifecycle events that arrive with these messages (a user's "go with
+                option B" and its `UserConfirmed`). They are applied once the new
+                messages have spans and before recall and the budget plan for them, so
+                the pressure the new messages add cannot demote what they confirm.
+                Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
+            # After `SessionClosed` nothing is matched: the history given is encoded anew, as on a
+            # fresh session, never answered over the released spans' tokens.
             k = 0
+            restart = self.ended
             while (
-                k < len(message_spans)
+                not restart
+                and k < len(message_spans)
                 and k < len(incoming)
                 and incoming[k].fingerprint() in message_spans[k].fingerprints
             ):
@@ -155,7 +172,9 @@ class Session(SessionReadout):
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            reused = sum(s.length for s in message_spans[:k])
+            # Read from the cache: the matched messages' tokens the model attends (a pending tail is
+            # encoded later, an archived or evicted span is not attended: neither is a cache read).
+            reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
             total = kept_end + sum(len(ids) for ids in new_ids)
@@ -191,6 +210,8 @@ class Session(SessionReadout):
                     self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
+            self.ended = False
+            applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             prefilled = self._prefill() if prefill else 0
@@ -209,6 +230,7 @@ class Session(SessionReadout):
                 first_changed_message=first_changed,
                 seconds=time.perf_counter() - started,
                 pending_tokens=pending,
+                applied=applied,
             )
             self.table.record(
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
@@ -281,6 +303,8 @@ class Session(SessionReadout):
             return 0
         physical = self.store.physical
         physical.compact_pending()
+        encoded_before = self.counters.prefill_tokens
+        feed = start_from_shared_prefix(self, feed)  # threads that start alike share that KV
         mask = None
         if physical.length and min(feed.positions) < int(physical.slot_position.max()):
             # A span whose tail was still pending (a generated answer's last token and
@@ -295,7 +319,7 @@ class Session(SessionReadout):
             if span.tier is Tier.DEVICE and span.n_computed < span.length:
                 span.mark_computed()
         self.counters.prefill_tokens += len(feed)
-        return len(feed)
+        return self.counters.prefill_tokens - encoded_before
 
     def forward(self, feed: Feed, **kwargs: Any) -> torch.Tensor | None:
         """Run `feed` through the model over this session's cache (the caller holds `model_lock`).
@@ -353,6 +377,12 @@ class Session(SessionReadout):
             if not self.messages:
                 msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
                 raise ValueError(msg)
+            if self.ended:
+                msg = (
+                    f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
+                    "call extend(messages) with the conversation to start it over, then answer"
+                )
+                raise ValueError(msg)
             prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
             # The answer is closed with the template's end-of-turn ids: they need positions too.
             suffix = len(self.format.assistant_suffix_ids())
@@ -369,6 +399,10 @@ class Session(SessionReadout):
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
+            self.last_prompt = PromptRead(
+                attended_tokens=self.store.physical.length,
+                encoded_total=self.counters.prefill_tokens + self.counters.rehydrated_tokens,
+            )
             if deferred:
                 self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
@@ -481,12 +515,18 @@ class Session(SessionReadout):
         """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
         with self.lock:
             self._check_open()
-            if isinstance(event, ForgetRequested):
-                return self.forget.request(event)
-            result = self.manager.apply(event)
-            if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
-                self.forget.on_turn_ended()
-            return result
+            return self._apply_locked(event, enforce=True)
+
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        if isinstance(event, ForgetRequested):
+            return self.forget.request(event)
+        result = self.manager.apply(event, enforce=enforce)
+        if isinstance(event, SessionClosed):
+            self.ended = True  # the next `extend` starts over (see there)
+        if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
+            self.forget.on_turn_ended()
+        return result
 
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
@@ -519,6 +559,9 @@ class Session(SessionReadout):
         """
         with self.lock:
             self.table.record("branch", adopted_as=session_id, was=self.session_id)
+            if self.parent is not None:
+                # The thread's totals go on from the parent's: the branch counted only its own work.
+                self.counters.add(self.parent.counters)
             self.session_id = session_id
             self.table.session_id = session_id
             self.parent = None
@@ -549,6 +592,13 @@ class Session(SessionReadout):
             self.store.close()
             self.table.clear()
             self.closed = True
+
+
+def _attended(span: Span) -> int:
+    """Tokens of a span whose KV the model attends now (computed, held at full precision or attended int4)."""
+    if span.tier is not Tier.DEVICE or span.state not in ATTENDED_STATES:
+        return 0
+    return min(span.held_tokens, span.n_computed)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

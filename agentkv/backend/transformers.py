@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.prefix import build_prefix_cache
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, validate_event
 from agentkv.session_ids import branch_session_id
+from agentkv.store.prefix_cache import PrefixCache
 
 logger = logging.getLogger("agentkv.backend")
 
@@ -55,6 +57,10 @@ class TransformersBackend:
         self.config = config or AgentKVConfig()
         self.chat_format = ChatFormat(tokenizer)
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
+        self.prefix_cache: PrefixCache | None = build_prefix_cache(
+            self.config.prefix_cache, self.runner.bytes_per_token
+        )
+        """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
         self.model_lock = threading.RLock()
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
@@ -177,7 +183,11 @@ class TransformersBackend:
         return self.runner.max_positions
 
     def device_bytes(self) -> int:
-        """Device KV bytes across all sessions, shared prefixes counted once.
+        """Device KV bytes across all sessions and the prefix cache, shared tensors counted once.
+
+        Shared KV (a fork's parent prefix, a prefix cache entry) is counted once, by
+        its storage: a session attending the first n tokens of an entry holds a view
+        of the entry's storage, and the whole storage stays allocated while it does.
 
         A session enforcing a global budget calls this *while holding its own lock*;
         if it waited for the other sessions' locks, two sessions doing so at once would
@@ -185,8 +195,11 @@ class TransformersBackend:
         replaced whole, never resized in place, so the figure is exact when the
         sessions are idle and at most one operation stale while they run.
         """
-        seen: set[tuple[int, int]] = set()
+        storages: dict[int, int] = {}
         total = 0
+        if self.prefix_cache is not None:
+            for tensor in self.prefix_cache.tensors():
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         for session in self.sessions():
             locked = session.lock.acquire(blocking=False)
             try:
@@ -196,10 +209,14 @@ class TransformersBackend:
                 if locked:
                     session.lock.release()
             for tensor in tensors:
-                key = (int(tensor.untyped_storage().data_ptr()), int(tensor.storage_offset()))
-                if key in seen or tensor.numel() == 0:
-                    continue
-                seen.add(key)
-                total += tensor.numel() * tensor.element_size()
+                if tensor.numel():
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
             total += quantized
-        return total
+        return total + sum(storages.values())
+
+    def relieve_device(self, free_bytes: int) -> int:
+        """Free device bytes no session attends (unreferenced prefix cache entries); bytes freed."""
+        if self.prefix_cache is None or free_bytes <= 0:
+            return 0
+        return self.prefix_cache.evict(free_bytes)

@@ -173,9 +173,9 @@ def replay(
     history: list[dict[str, Any]] = [{"role": "system", "content": workload.system, "id": "system"}]
     for t, turn in enumerate(workload.turns, start=1):
         history.append({"role": "user", "content": turn.user, "id": f"u{t}"})
-        session.extend(history)
-        if events and turn.confirms_previous:
-            session.apply(UserConfirmed(owner=f"a{t - 1}"))
+        # A confirmation arrives with the user message that gives it, before that message's pressure.
+        confirmed = [UserConfirmed(owner=f"a{t - 1}")] if events and turn.confirms_previous else []
+        session.extend(history, events=confirmed)
         for j, tool in enumerate(turn.tools):
             call_id = _tool_call_id(t, j)
             history.append(

@@ -165,7 +165,7 @@ def run_soak(
     session = backend.session("soak")
     bpt = backend.runner.bytes_per_token
     limit = session.budget_limits().device_bytes or 0
-    high_bytes = int(limit * config.budget.high_watermark)
+    high_bytes = session.budget_limits().high_bytes(limit)
     host_limit = session.budget_limits().host_bytes or 0
 
     rng = random.Random(seed)

@@ -225,11 +225,15 @@ class EngineSession:
 
     # -- encoding: spans only, the engine computes KV on the next call ---------------------------
 
-    def extend(self, messages: Sequence[Any], *, prefill: bool = True) -> ExtendResult:
+    def extend(
+        self, messages: Sequence[Any], *, prefill: bool = True, events: Sequence[Event] = ()
+    ) -> ExtendResult:
         """Bring the span table in line with `messages` (matched by fingerprint; crop at the first change).
 
         `prefill` is accepted for the `Session.extend` signature and has no effect: the
         engine encodes the prompt when it is asked to generate, in one request either way.
+        `events` arrive with the messages and are applied before recall and the budget
+        plan for them, as in `Session.extend`.
         """
         started = time.perf_counter()
         incoming = normalize_messages(messages)
@@ -257,6 +261,7 @@ class EngineSession:
                 self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
+            applied = tuple(self.manager.apply(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
             self.counters.cropped_tokens += cropped
@@ -269,6 +274,7 @@ class EngineSession:
                 new_spans=tuple(new_spans),
                 first_changed_message=k if k < len(message_spans) else None,
                 seconds=time.perf_counter() - started,
+                applied=applied,
             )
 
     def _describe(self, span: Span, message: ChatMessage, index: int) -> None:
@@ -440,7 +446,7 @@ class EngineSession:
                 logical_tokens=self.table.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,
-                budget_satisfied=self.manager.budget_satisfied,
+                **self.manager.budget.figures(),
             )
 
     def check(self) -> None:

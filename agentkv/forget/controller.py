@@ -331,7 +331,7 @@ class ForgetController:
         )
         grew = demoted > self.demoted_seen
         self.demoted_seen = demoted
-        return grew or budget.usage_bytes() >= limit * budget.limits.low
+        return grew or budget.usage_bytes() >= budget.limits.low_bytes(limit)
 
     def run_side_thread(self, trigger: str = "manual") -> ForgetDecision | None:
         """Fork, ask, parse, close the fork. None when there is nothing to offer (no model call)."""

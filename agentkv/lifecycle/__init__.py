@@ -17,8 +17,8 @@ Modules (each owns one idea; see docs/architecture.md):
 - `port`: what the lifecycle needs from its session (a protocol)
 """
 
-from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.results import ApplyResult, Transition

@@ -1,8 +1,8 @@
 """Budgets: the one place a token budget becomes bytes, and where pressure is relieved.
 
-`BudgetLimits.resolve` turns the YAML budget (`device_tokens` / `device_bytes`,
-`host_tokens` / `host_bytes`, `global_device_bytes`) into bytes once per session;
-the store's host limit and the manager's checks both read that one result.
+The budget in bytes and its watermarks are `agentkv.lifecycle.limits.BudgetLimits`
+(`device_tokens` counts full-precision token equivalents); this module holds a
+session under them.
 
 Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
 - *span mode* (agentkv's `lifecycle` policy, and `full`): pressure demotes whole
@@ -21,11 +21,11 @@ Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import Any
 
-from agentkv.config import BudgetConfig
 from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.demotion import demotion_key, demotion_order
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.port import SessionPort
@@ -33,39 +33,6 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedQuantizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BudgetLimits:
-    """A session's budget in bytes (None = no limit), with its watermarks."""
-
-    device_bytes: int | None
-    """Per-session device limit: attended KV plus quantized archives."""
-    host_bytes: int | None
-    """Per-session limit on the host tier."""
-    global_device_bytes: int | None
-    """Device limit across every session of the backend."""
-    high: float
-    """Fraction of a limit at which demotion starts."""
-    low: float
-    """Fraction of a limit demotion brings usage back under."""
-
-    @staticmethod
-    def resolve(budget: BudgetConfig, bytes_per_token: int) -> BudgetLimits:
-        """Bytes for every limit; a byte figure wins over a token figure for the same tier."""
-        device = budget.device_bytes
-        if device is None and budget.device_tokens:
-            device = budget.device_tokens * bytes_per_token
-        host = budget.host_bytes
-        if host is None and budget.host_tokens:
-            host = budget.host_tokens * bytes_per_token
-        return BudgetLimits(
-            device_bytes=device,
-            host_bytes=host,
-            global_device_bytes=budget.global_device_bytes,
-            high=budget.high_watermark,
-            low=budget.low_watermark,
-        )
 
 
 class BudgetKeeper:
@@ -104,26 +71,20 @@ class BudgetKeeper:
 
     def effective_limit(self) -> int | None:
         """This session's device limit now: its own, lowered by its share of a global excess."""
-        limit = self.limits.device_bytes
-        global_limit = self.limits.global_device_bytes
-        if global_limit is not None:
-            backend_usage = self.port.global_device_bytes()
-            if backend_usage > global_limit * self.limits.high:
-                # This session pays for the excess of all sessions (the one that is growing now).
-                own = self.usage_bytes()
-                share = max(0, own - (backend_usage - int(global_limit * self.limits.low)))
-                limit = share if limit is None else min(limit, share)
-        return limit
+        if self.limits.global_device_bytes is None:
+            return self.limits.device_bytes
+        return self.limits.device_share(self.usage_bytes(), self.port.global_device_bytes())
 
     def enforce(self) -> None:
         """Demote until under the low watermark when over the high one; then the host budget."""
         table = self.table
+        limits = self.limits
         limit = self.effective_limit() if self.enforced else None
         self.last_limit = limit
         if limit is not None:
             usage = self.usage_bytes()
-            if usage > limit * self.limits.high:
-                target = int(limit * self.limits.low)
+            if limits.over(usage, limit):
+                target = limits.low_bytes(limit)
                 if self.whole_spans:
                     with self.port.store.deferred_removal():  # one compaction for all moves
                         self._demote_spans(target)
@@ -132,17 +93,17 @@ class BudgetKeeper:
                     # its state (the generic baselines drop active tokens too, by design). Generic
                     # compressors hold a fixed-size cache (the papers' budget): they keep up to the
                     # high watermark, the same room recall fills for agentkv at answer time.
-                    for span in self.compressor.evict_tokens(int(limit * self.limits.high)):
+                    for span in self.compressor.evict_tokens(limits.high_bytes(limit)):
                         self.mover.move(span, SpanState.EVICTED, reason="no tokens left")
                 usage = self.usage_bytes()
-            satisfied = usage <= limit * self.limits.high
+            satisfied = not limits.over(usage, limit)
             if not satisfied and self.satisfied:
                 logger.warning(
-                    "session %s: device budget %d B cannot be met (%d B held) without demoting pinned "
+                    "session %s: device budget %s cannot be met (%s held) without demoting pinned "
                     "or active spans",
                     table.session_id,
-                    limit,
-                    usage,
+                    limits.describe(limit),
+                    limits.describe(usage),
                 )
             if not satisfied:
                 table.counters.budget_unmet += 1
@@ -153,11 +114,24 @@ class BudgetKeeper:
         tiers = self.port.store.bytes_by_tier()
         table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)
 
+    def figures(self) -> dict[str, Any]:
+        """The `SessionStats` budget fields: the limit and the usage, in bytes and full-precision tokens."""
+        limits = self.limits
+        usage = self.usage_bytes()
+        limit = self.last_limit if self.enforced else limits.device_bytes
+        return {
+            "budget_satisfied": self.satisfied,
+            "budget_device_bytes": limit,
+            "budget_device_tokens": None if limit is None else limits.in_tokens(limit),
+            "budget_used_bytes": usage,
+            "budget_used_tokens": limits.in_tokens(usage),
+        }
+
     def check(self) -> list[str]:
         """The budget invariant: reported as met means usage is under the high watermark."""
         if self.satisfied and self.last_limit is not None:
             usage = self.usage_bytes()
-            if usage > self.last_limit * self.limits.high:
+            if self.limits.over(usage, self.last_limit):
                 return [
                     f"budget reported as met but device usage {usage} B is over the high watermark "
                     f"({self.limits.high} of {self.last_limit} B)"
@@ -185,7 +159,7 @@ class BudgetKeeper:
         marks = self.marks
         usage = self.usage_bytes()
         limit = self.last_limit
-        hard = max(target, int(limit * self.limits.high)) if limit is not None else target
+        hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
 
         def demote(candidates: list[Span], state: SpanState, *, recalled: bool = False) -> bool:
             nonlocal usage
@@ -287,7 +261,7 @@ class BudgetKeeper:
         store = self.port.store
         host = [s for s in self.table.spans if s.tier is Tier.HOST]
         for span in sorted(host, key=lambda s: (s.score, s.start)):
-            if store.host_bytes() <= limit * self.limits.low:
+            if store.host_bytes() <= self.limits.low_bytes(limit):
                 return
             if self.demotable(span) and span.state is not SpanState.EVICTED:
                 self.mover.move(span, SpanState.EVICTED, reason="host budget")

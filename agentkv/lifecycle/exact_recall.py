@@ -100,7 +100,7 @@ class ExactRecall:
         if not store.attended_quantized_tokens():
             return []
         quantized = self._quantized(store)
-        room = int(limit * self.budget.limits.low) - self._floor_usage(quantized, floor)
+        room = self.budget.limits.low_bytes(limit) - self._floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         recompute_offsets: Callable[..., None] | None = getattr(self.port, "recompute_offsets", None)
         if not callable(recompute_offsets):

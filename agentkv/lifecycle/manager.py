@@ -25,17 +25,18 @@ from agentkv.events import (
     TurnEnded,
     validate_event,
 )
-from agentkv.lifecycle.budget import BudgetKeeper, BudgetLimits
+from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.compression import Compressor, scoring_view
 from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall import Recaller
 from agentkv.lifecycle.results import ApplyResult, Transition
-from agentkv.lifecycle.rules import ACTION_STATES, DEMOTED_STATES, TRANSITIONS, Rules
+from agentkv.lifecycle.rules import ACTION_STATES, TRANSITIONS, Rules
 from agentkv.lifecycle.targets import Targets, ToolCallRegistry, find_targets, turn_targets
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView, make_policy
@@ -133,8 +134,14 @@ class LifecycleManager:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def apply(self, event: Event) -> ApplyResult:
-        """Resolve an event's targets with the rules and move them (idempotent)."""
+    def apply(self, event: Event, *, enforce: bool = True) -> ApplyResult:
+        """Resolve an event's targets with the rules and move them (idempotent).
+
+        `enforce=False` leaves the budget check to the caller: events that arrive with
+        a message are applied before the budget plans that message's pressure
+        (`Session.extend(messages, events=...)`), so a confirmation pins its span
+        before the pressure the confirming message adds can demote it.
+        """
         validate_event(event)
         with self.timer.timed("lifecycle_seconds"):
             key = self._event_key(event)
@@ -146,7 +153,8 @@ class LifecycleManager:
                 result = self._apply_targets(event, find_targets(event, self.table, self.tool_calls))
             if result.applied:
                 self.applied.add(key)
-        self.after_operation()
+        if enforce:
+            self.after_operation()
         return result
 
     def _event_key(self, event: Event) -> Any:
@@ -205,12 +213,18 @@ class LifecycleManager:
             return self._noop(
                 event, "no span matches its target (unknown owner or already removed)", internal
             )
-        live = {t: [s for s in spans if s.state is not SpanState.EVICTED] for t, spans in targets.items()}
+        actions = self._rules_for(event)
+        # A confirmation is the strongest hint there is: a confirmed span that was already
+        # dropped comes back (`pin` recomputes it); any other action skips evicted spans.
+        live = {
+            t: [s for s in spans if s.state is not SpanState.EVICTED or actions.get(t) == "pin"]
+            for t, spans in targets.items()
+        }
         if not any(live.values()):
             return self._noop(event, "its spans were already evicted", internal)
         transitions: list[Transition] = []
         leases: list[Lease] = []
-        for target, action in self._rules_for(event).items():
+        for target, action in actions.items():
             spans = live.get(target, [])
             if action == "pin" and spans:
                 lease = self.pin(span_ids=[s.span_id for s in spans], reason=event.name, commit=True)
@@ -273,16 +287,7 @@ class LifecycleManager:
         else:
             wanted = set(span_ids)
             spans = [s for s in table.spans if s.span_id in wanted]
-        pinned: list[Span] = []
-        for span in spans:
-            if span.state is SpanState.EVICTED:
-                continue
-            # A pinned span is never demoted, so one that already was (released, archived)
-            # comes back first; one that cannot (a restore and its recompute failed) is not pinned.
-            if (commit and span.state is not SpanState.COMMITTED) or span.state in DEMOTED_STATES:
-                self.mover.move(span, SpanState.COMMITTED, reason=reason or "pin")
-            if span.state not in DEMOTED_STATES:
-                pinned.append(span)
+        pinned = [s for s in spans if self.mover.ready_to_pin(s, confirmed=commit, reason=reason or "pin")]
         lease = table.grant(pinned, reason)
         if not pinned:
             table.counters.events_noop += 1

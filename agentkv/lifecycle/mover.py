@@ -19,6 +19,7 @@ from agentkv.lifecycle.results import Transition
 from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
+from agentkv.store.protocol import AttendedQuantizer
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,56 @@ class Mover:
         if keep and len(keep) < span.held_tokens:
             with self.timer.timed("store_seconds"):
                 self.port.store.compress(span, keep)
+        return True
+
+    def ready_to_pin(self, span: Span, *, confirmed: bool, reason: str) -> bool:
+        """Bring a span to where a pin may hold it; False when it cannot be pinned.
+
+        A pinned span is never demoted, so one that already was (released, archived)
+        comes back first, recomputed lazily where the store allows (its tokens join the
+        next prefill). A `confirmed` span (a user's confirmation, the strongest hint
+        there is) also comes back from EVICTED and is committed, and one held quantized
+        in attention is held at full precision again. A span that cannot come back (a
+        restore and its recompute failed) is not pinned.
+        """
+        if span.state is SpanState.EVICTED and not confirmed:
+            return False
+        if (confirmed and span.state is not SpanState.COMMITTED) or span.state in DEMOTED_STATES:
+            self.move(span, SpanState.COMMITTED, reason=reason, lazily=True)
+        if span.state in DEMOTED_STATES:
+            return False
+        if confirmed:
+            self.promote(span, reason=reason)
+        return True
+
+    def promote(self, span: Span, *, reason: str) -> bool:
+        """Hold an attended span held quantized at full precision again, recomputed from its token ids.
+
+        An uncompressed span is recomputed lazily (its tokens join the next prefill, at
+        their logical positions); a span compressed at commit is dropped and recomputed
+        at once, holding the offsets it held. Returns whether anything changed; a failure
+        is a recorded fault and leaves the span attended, quantized.
+        """
+        store = self.port.store
+        if span.tier is not Tier.DEVICE or not isinstance(store, AttendedQuantizer):
+            return False
+        if not store.attended_quantized_tokens(span):
+            return False
+        if span.kept is None:
+            with self.timer.timed("store_seconds"):
+                try:
+                    store.recompute_pending(span)
+                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
+                    self.fault(reason, span, e)
+                    return False
+            self.table.counters.rehydrated_tokens += span.length
+            return True
+        offsets = span.kept_offsets
+        if self.move(span, SpanState.EVICTED, reason=reason) is None:
+            return False
+        if not self.move_holding(span, offsets, reason=reason):
+            self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
+            return False
         return True
 
     def restore_together(self, spans: Sequence[Span]) -> None:

@@ -273,7 +273,7 @@ class Recaller:
             held = sum(fixed) * self.port.bytes_per_token
         else:
             held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
-        return max(0, int(limit * self.budget.limits.high) - held)
+        return max(0, self.budget.limits.high_bytes(limit) - held)
 
     def _cost(self, unit: Span | Page, floor: AttendedFloor | None) -> int:
         """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""

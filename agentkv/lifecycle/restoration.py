@@ -146,7 +146,7 @@ class Restorer:
         else:
             cost = floor.span_cost
         with self.timer.timed("policy_seconds"):
-            free = int(limit * self.budget.limits.low) - self.projected_usage(floor)
+            free = self.budget.limits.low_bytes(limit) - self.projected_usage(floor)
             plan = plan_restoration(
                 demoted, attended_competitors(self.table.spans, self.marks), free, cost, self.marks
             )

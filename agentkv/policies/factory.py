@@ -79,6 +79,41 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy | 
         raise ValueError(msg) from e
 
 
+def param_problems(name: str, params: Mapping[str, Any]) -> dict[str, str]:
+    """What the policy `name` rejects in `params`: `{parameter: message}` (empty = valid).
+
+    Each known parameter is tried alone over the defaults, so a config error names
+    the one value that is wrong; a combination that fails only together is reported
+    under the empty key. Unknown parameter names are not checked here.
+
+    Raises:
+        ValueError: Unknown policy name.
+    """
+    cls = _lookup(name)
+    if cls is None:
+        return {}
+    allowed = set(policy_params(name))
+    known = {k: v for k, v in params.items() if k in allowed}
+    problems: dict[str, str] = {}
+    for key, value in known.items():
+        message = _construct_problem(cls, {key: value})
+        if message is not None:
+            problems[key] = message.removeprefix(f"{cls.__name__}.{key} ")
+    if not problems and known:
+        message = _construct_problem(cls, known)
+        if message is not None:
+            problems[""] = message
+    return problems
+
+
+def _construct_problem(cls: type[Policy], params: Mapping[str, Any]) -> str | None:
+    try:
+        cls(**params)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def _lookup(name: str) -> type[Policy] | None:
     if name not in POLICIES:
         msg = f"unknown policy {name!r}; allowed: {list(POLICY_NAMES)}"

@@ -34,7 +34,7 @@ class KVStore:
     `host_limit_bytes` is a hard capacity of the host tier (None = the machine's memory):
     an offload past it raises `HostMemoryError`. It is not the host *budget*: the
     budget (`host_tokens` / `host_bytes`, resolved once by
-    `agentkv.lifecycle.budget.BudgetLimits`) is enforced by the lifecycle with
+    `agentkv.lifecycle.limits.BudgetLimits`) is enforced by the lifecycle with
     watermarks, evicting the lowest-scored host spans, as the device budget is.
     """
 

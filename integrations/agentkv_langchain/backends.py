@@ -18,10 +18,13 @@ from typing import Any
 
 from agentkv import AgentKVConfig, TransformersBackend, load_model
 
-__all__ = ["ConfigLike", "resolve_config", "shared_backend"]
+__all__ = ["BACKEND_WIDE", "ConfigLike", "resolve_config", "session_settings", "shared_backend"]
 
 ConfigLike = AgentKVConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 """What `config=` accepts everywhere: a config, a YAML-shaped mapping, a graph YAML path, or None."""
+
+BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "callbacks")
+"""Config keys that belong to a backend (which model, where) or to the callback handler, not to a session."""
 
 _backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
 _backends_lock = threading.Lock()
@@ -61,6 +64,23 @@ def resolve_config(config: ConfigLike, *, model: str | None = None) -> AgentKVCo
     return resolved
 
 
+def session_settings(config: AgentKVConfig | None, backend_config: AgentKVConfig) -> AgentKVConfig | None:
+    """The settings sessions need beyond the backend's own: None when `config` asks for nothing else.
+
+    The shared backend is keyed by model, device and dtype only, so two `ChatAgentKV`s
+    with different budgets or policies meet on one backend; each creates its sessions
+    with its own settings (`backend.session(..., config=...)`), the way per-run
+    `configurable.agentkv` settings apply. Keys in `BACKEND_WIDE` are the backend's.
+    """
+    if config is None:
+        return None
+    return None if _session_part(config) == _session_part(backend_config) else config
+
+
+def _session_part(config: AgentKVConfig) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in BACKEND_WIDE}
+
+
 def shared_backend(config: ConfigLike = None, *, model: str | None = None) -> TransformersBackend:
     """The process-wide backend for `config.model` on `config.device` / `config.dtype` (loaded once).
 
@@ -69,8 +89,9 @@ def shared_backend(config: ConfigLike = None, *, model: str | None = None) -> Tr
 
     Args:
         config: Which model to load, and the default settings of its sessions (the
-            first caller's settings win for a given model); any form `resolve_config`
-            reads. None = the default model.
+            first caller's, for a given model); any form `resolve_config` reads.
+            None = the default model. A later caller with other session settings
+            passes them per session (`session_settings`), as `ChatAgentKV` does.
         model: A model id / path, overriding `config.model`.
     """
     resolved = resolve_config(config, model=model) or AgentKVConfig()

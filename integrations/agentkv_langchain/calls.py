@@ -21,7 +21,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
-from agentkv import AnySession, Backend
+from agentkv import AnySession, Backend, ExtendResult, Session, SessionStats
 from agentkv_langchain.sessions import current_metadata
 from agentkv_langchain.tools import ToolCallBan
 
@@ -30,6 +30,7 @@ __all__ = [
     "CallPlan",
     "answer_message_id",
     "call_metadata",
+    "call_usage",
     "close_iterator",
     "history_before_answer",
     "loaded_model_name",
@@ -67,6 +68,10 @@ class CallPlan:
     """The resolved `tool_choice`: a tool name, `ANY_TOOL`, "none" or None."""
     ban_calls: bool = False
     """Keep the answer from writing a `<tool_call>` tag (it answers in text instead)."""
+    grammar: str | None = None
+    """The grammar the answer is decoded under (`agentkv.grammar`); None = unconstrained."""
+    parallel: bool = False
+    """Several calls may be made in one answer (`parallel_tool_calls=True`)."""
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -119,6 +124,23 @@ def history_before_answer(session: AnySession, output_tokens: int) -> int:
     """
     span = next(s for s in reversed(session.spans) if s.generated)
     return span.end - output_tokens - len(session.format.assistant_suffix_ids())
+
+
+def call_usage(
+    session: AnySession, before: SessionStats, output_tokens: int, extended: ExtendResult
+) -> tuple[int, int]:
+    """`(input_tokens, cache_read)` of the model call that started when the session read `before`.
+
+    A local session says what the answer's first token attended (`Session.last_prompt`):
+    `input_tokens` = those tokens, `cache_read` = the ones the call did not encode itself,
+    so `input_tokens = cache_read + new tokens` exactly and no token the model did not
+    attend is counted as read. An engine session reports its history and the reused
+    messages (the engine's own prefix cache decides the rest).
+    """
+    prompt = session.last_prompt if isinstance(session, Session) else None
+    if prompt is None:
+        return history_before_answer(session, output_tokens), extended.reused_tokens
+    return prompt.usage(before.prefill_tokens + before.rehydrated_tokens)
 
 
 _BANS: dict[int, ToolCallBan] = {}

@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.messages import BaseMessage
 
-from agentkv import AnySession, Backend
+from agentkv import AnySession, Backend, Session
+from agentkv.grammar import json_grammar, text_grammar, text_or_call_grammar, tool_call_grammar
 from agentkv_langchain.calls import CallPlan
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.tools import (
     ANY_TOOL,
+    CALL_NAME_OPENING,
     TOOL_CALL_CLOSE,
+    call_opening,
     forced_call_prefix,
     render_tool_prompt,
     resolve_tool_choice,
@@ -29,8 +32,11 @@ from agentkv_langchain.toolset import thread_tools
 __all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning"]
 
 SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
-IGNORED_KWARGS = ("strict", "parallel_tool_calls")
-"""Accepted and ignored: the `<tool_call>` protocol has no strict mode; parallel calls are always allowed."""
+IGNORED_KWARGS = ("strict",)
+"""Accepted and ignored: with the grammar on, calls always follow their schema (strict or not)."""
+GRAMMAR_KWARGS = ("parallel_tool_calls", "response_format")
+"""`parallel_tool_calls=True` lets a constrained answer make several calls (default: one);
+`response_format` (a JSON schema, or `{"type": "json_object"}`) constrains the answer to JSON."""
 
 
 class CallPlanning:
@@ -46,6 +52,7 @@ class CallPlanning:
         seed: int | None
         stop: list[str] | None
         tool_use: Literal["auto", "call_then_answer"]
+        grammar: bool
 
     # -- one call's plan ----------------------------------------------------------------------
 
@@ -73,6 +80,8 @@ class CallPlanning:
             raise ValueError(msg)
         for key in IGNORED_KWARGS:
             options.pop(key, None)
+        parallel = options.pop("parallel_tool_calls", None) is True
+        response_format = options.pop("response_format", None)
         sampling: dict[str, Any] = {
             "max_new_tokens": options.pop("max_tokens", options.pop("max_new_tokens", self.max_new_tokens)),
             "temperature": options.pop("temperature", self.temperature),
@@ -82,7 +91,9 @@ class CallPlanning:
             "stop": list(stop if stop is not None else self.stop or []),
         }
         if options:
-            allowed = ", ".join(("tools", "tool_choice", "model", *SAMPLING_KWARGS, *IGNORED_KWARGS))
+            allowed = ", ".join(
+                ("tools", "tool_choice", "model", *SAMPLING_KWARGS, *IGNORED_KWARGS, *GRAMMAR_KWARGS)
+            )
             msg = f"ChatAgentKV: unknown call argument(s) {', '.join(sorted(options))}; allowed: {allowed}"
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
@@ -95,15 +106,33 @@ class CallPlanning:
             chat, block = thread_tools(session).plan(chat, tools)
         if block:
             chat = self._with_tools(chat, block)
-        prefix = ""
-        if tools and choice not in (None, "none"):
-            if choice != ANY_TOOL:
-                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
-            sampling["stop"].append(TOOL_CALL_CLOSE)
         # No call when none is wanted, or when the prompt lists tools but none are bound now.
         ban = (bool(tools) and choice == "none") or (not tools and bool(block))
+        constrained = self.grammar and (session is None or isinstance(session, Session))
+        grammar, prefix = None, ""
+        if tools and choice not in (None, "none"):
+            sampling["stop"].append(TOOL_CALL_CLOSE)
+            if constrained:  # the call follows the tool's schema; "any": the model picks the name under it
+                forced = tools if choice == ANY_TOOL else [t for t in tools if tool_names([t]) == [choice]]
+                grammar = tool_call_grammar(forced, parallel=parallel)
+                prefix = CALL_NAME_OPENING if choice == ANY_TOOL else call_opening(str(choice))
+            elif choice != ANY_TOOL:
+                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
+        elif constrained and response_format is not None:
+            grammar = json_grammar(response_schema(response_format))
+        elif constrained and tools and choice is None:
+            grammar = text_or_call_grammar(tools, parallel=parallel)
+        elif constrained and ban:
+            grammar = text_grammar()
         return CallPlan(
-            messages=chat, tools=tools, prefix=prefix, sampling=sampling, choice=choice, ban_calls=ban
+            messages=chat,
+            tools=tools,
+            prefix=prefix,
+            sampling=sampling,
+            choice=choice,
+            ban_calls=ban,
+            grammar=grammar,
+            parallel=parallel,
         )
 
     def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,16 +140,42 @@ class CallPlanning:
 
         The tool prompt goes *after* the system prompt's own text, so a conversation that
         starts without tools and gains them later keeps its system prompt's tokens cached.
+        Only message 0 carries the tools block: a system message further on (a tool-set
+        note) is left as it is, and a chat that starts with another role gets a system
+        message of its own in front, call after call, so its cached prefix stays valid.
         """
         chat = list(chat)
         if self.backend.chat_format.tools_in_template:
             chat[0] = {**chat[0], "tools": tools}
             return chat
         prompt = render_tool_prompt(tools)
-        index = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
-        if index is None:
+        if not chat or chat[0]["role"] != "system":
             chat.insert(0, {"role": "system", "content": prompt})
         else:
-            own = chat[index]["content"]
-            chat[index] = {**chat[index], "content": f"{own}\n\n{prompt}" if own else prompt}
+            own = chat[0]["content"]
+            chat[0] = {**chat[0], "content": f"{own}\n\n{prompt}" if own else prompt}
         return chat
+
+
+def response_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema of a `response_format` (None: any JSON object).
+
+    Accepted: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": ...}}`
+    (OpenAI's form), or a JSON schema itself.
+
+    Raises:
+        ValueError: none of these forms.
+    """
+    if isinstance(response_format, Mapping):
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return None
+        if kind == "json_schema" and isinstance(response_format.get("json_schema"), Mapping):
+            schema = response_format["json_schema"].get("schema")
+            if isinstance(schema, Mapping):
+                return dict(schema)
+        elif kind != "json_schema":
+            return dict(response_format)
+    expected = '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}'
+    msg = f"response_format: expected {expected} or a JSON schema, got {response_format!r:.80}"
+    raise ValueError(msg)

@@ -35,7 +35,7 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig, ensure_config
 
-from agentkv import AnySession, Backend
+from agentkv import AgentKVConfig, AnySession, Backend
 from agentkv.session_ids import branch_session_id
 
 __all__ = [
@@ -161,14 +161,23 @@ class SessionKey:
         return cls(thread=str(thread), branch=str(branch) if branch else None)
 
 
-def open_session(backend: Backend, key: SessionKey) -> AnySession:
-    """The session for `key`: the thread's own, or a fork of it for a branch (both created on first use)."""
-    session = backend.session(key.thread)
+def open_session(backend: Backend, key: SessionKey, config: AgentKVConfig | None = None) -> AnySession:
+    """The session for `key`: the thread's own, or a fork of it for a branch (both created on first use).
+
+    `config` is the settings a thread session gets when it is created here (None = the
+    backend's); a branch keeps its thread's.
+    """
+    session = backend.session(key.thread, config=config)
     if key.branch is None:
         return session
     return backend.fork(key.thread, key.branch)
 
 
-def session_for(backend: Backend, metadata: Mapping[str, Any] | None, fixed: str | None = None) -> AnySession:
+def session_for(
+    backend: Backend,
+    metadata: Mapping[str, Any] | None,
+    fixed: str | None = None,
+    config: AgentKVConfig | None = None,
+) -> AnySession:
     """The session a model call with this run metadata uses (see the module docstring)."""
-    return open_session(backend, SessionKey.from_metadata(metadata, fixed))
+    return open_session(backend, SessionKey.from_metadata(metadata, fixed), config)

@@ -34,6 +34,7 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ToolCallStreamFilter",
+    "call_opening",
     "forced_call_prefix",
     "new_tool_call_id",
     "parse_tool_calls",
@@ -85,6 +86,11 @@ def render_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     return TOOL_PROMPT_HEADER + "\n".join(lines) + TOOL_PROMPT_FOOTER
 
 
+def call_opening(name: str) -> str:
+    """A call to `name` up to its arguments object: `<tool_call>{"name": "<name>", "arguments": `."""
+    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
 def forced_call_prefix(name: str, parameters: Mapping[str, Any] | None = None) -> str:
     """The opening of a call to `name`, prefilled so that even a tiny model emits a parseable call.
 
@@ -98,7 +104,7 @@ def forced_call_prefix(name: str, parameters: Mapping[str, Any] | None = None) -
         name: the tool to call.
         parameters: its JSON schema (`function.parameters` of the OpenAI format), if known.
     """
-    opening = f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+    opening = call_opening(name) + "{"
     if parameters is None:
         return opening
     properties = parameters.get("properties") or {}

@@ -31,7 +31,7 @@ from langchain_core.runnables.config import merge_configs
 from langgraph.pregel import Pregel
 
 from agentkv import AgentKVConfig, AnySession, Backend
-from agentkv_langchain.backends import ConfigLike, resolve_config, shared_backend
+from agentkv_langchain.backends import BACKEND_WIDE, ConfigLike, resolve_config, shared_backend
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
 from agentkv_langchain.fanout import BranchSelector
 from agentkv_langchain.sessions import DEFAULT_THREAD
@@ -42,7 +42,7 @@ logger = logging.getLogger("agentkv.langgraph")
 
 G = TypeVar("G", bound=Pregel)
 
-_BACKEND_WIDE = ("model", "device", "dtype", "callbacks")
+_BACKEND_WIDE = BACKEND_WIDE
 """Config keys a run cannot change: they belong to the backend (model, device, dtype) or the handler."""
 
 

@@ -309,7 +309,7 @@ def test_prefix_names_the_location() -> None:
 
 def test_section_not_a_mapping() -> None:
     assert error_of(["a"]) == "agentkv: must be a mapping, got a list ['a']"
-    with pytest.raises(ValueError, match=r"^agentkv: must be a mapping, got str 'fast' \(g.yaml\)$"):
+    with pytest.raises(ValueError, match=r"^agentkv: must be a mapping, got str 'fast' \(g.yaml, line 1\)$"):
         AgentKVConfig.from_yaml_text("agentkv: fast\n", source="g.yaml")
 
 
@@ -618,7 +618,7 @@ def test_every_field_is_described_and_its_docstring_matches() -> None:
                 ):
                     docstrings[(node.name, stmt.target.id)] = str(after.value.value)
     models = _config_models()
-    assert len(models) == 9
+    assert len(models) == 10
     for model in models:
         assert model.model_config.get("extra") == "forbid" and model.model_config.get("frozen") is True
         for name, field in model.model_fields.items():
@@ -668,3 +668,69 @@ def test_policy_parameter_typo_fails_at_load_with_path_line_and_hint(tmp_path: A
     nested = error_of({"policy": {"name": "h2o", "params": {"recent_tokns": 8}}})
     assert nested.startswith("agentkv.policy.params.recent_tokns: unknown parameter of policy 'h2o'")
     assert "did you mean 'recent_tokens'?" in nested
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ('    window: "sixteen"\n', "agentkv.policy.window: must be an int >= 1, got 'sixteen' (line 5)"),
+        ("    window: -3\n", "agentkv.policy.window: must be an int >= 1, got -3 (line 5)"),
+        ("    params:\n      kernel_size: 4\n", "agentkv.policy.params.kernel_size: must be odd"),
+    ],
+)
+def test_policy_parameter_values_fail_at_load_with_path_and_line(
+    tmp_path: Path, written: str, expected: str
+) -> None:
+    """A value the policy rejects is a load-time error at its YAML path, not a failure at the first call."""
+    path = tmp_path / "graph.yaml"
+    path.write_text(f"graph: {{}}\nagentkv:\n  policy:\n    name: snapkv\n{written}", encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(path)
+    assert type(info.value) is ValueError
+    assert expected in str(info.value)
+    if "kernel_size" in written:
+        assert str(info.value).rstrip().endswith("(line 6)")
+
+
+def test_policy_parameter_values_from_overrides_are_checked() -> None:
+    config = AgentKVConfig.from_dict({"policy": {"name": "h2o"}})
+    message = str(pytest.raises(ValueError, config.with_overrides, {"policy": {"recent_ratio": 2}}).value)
+    assert message == "configurable.agentkv.policy.params.recent_ratio: must be a number in [0, 1], got 2"
+
+
+def test_every_problem_of_a_file_is_reported_at_once() -> None:
+    """The watermark order is checked even when another field of the same section is wrong."""
+    text = (
+        "agentkv:\n"
+        "  budget:\n"
+        "    device_tokens: -1\n"
+        "    high_watermark: 0.5\n"
+        "    low_watermark: 0.9\n"
+        "  policy:\n"
+        "    name: snapkv\n"
+        "    window: -3\n"
+    )
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml_text(text)
+    assert str(info.value).splitlines()[1:] == [
+        "agentkv.budget.device_tokens: must be > 0, got -1 (line 3)",
+        "agentkv.policy.window: must be an int >= 1, got -3 (line 8)",
+        "agentkv.budget.low_watermark: must be <= high_watermark (0.5), got 0.9 (line 5)",
+    ]
+
+
+def test_unknown_policy_name_and_section_as_list_name_their_line() -> None:
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml_text("graph: {}\nagentkv:\n  policy: snapkvv\n")
+    assert str(info.value).endswith(
+        "(did you mean 'snapkv'?); " + f"allowed: {', '.join(ALLOWED_POLICIES)} (line 3)"
+    )
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml_text("graph: {}\nagentkv:\n  - policy: snapkv\n")
+    assert (
+        str(info.value) == "agentkv: must be a mapping, got a list [{'policy': 'snapkv'}] (<string>, line 2)"
+    )
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml_text("agentkv:\n  budget:\n    - device_tokens: 5\n")
+    assert "agentkv.budget: must be a mapping, got a list" in str(info.value)
+    assert str(info.value).endswith("(line 2)")

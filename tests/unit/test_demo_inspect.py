@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
+import re
 import sys
 
 import pytest
@@ -14,7 +16,7 @@ from rich.console import Console
 from agentkv.cli import build_parser, main
 from agentkv.config import AgentKVConfig
 from agentkv.demo import DEFAULT_BUDGET_TOKENS, RecallAnswer, demo_config, first_word
-from agentkv.inspection import load_snapshot, plot_span_strip, print_inspection
+from agentkv.inspection import load_snapshot, plot_span_strip, print_inspection, span_strip_figure, span_table
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +219,78 @@ def test_budget_warnings_become_one_summary_line(caplog):
     assert "512-token device budget was exceeded after 4 operation(s)" in line and "3.0 MiB" in line
     assert "was met after every operation" in budget_line({**summary, "budget_checks_unmet": 0})
     assert budget_line({**summary, "budget_bytes": None}) == "device budget: none (unlimited)"
+
+
+def _snapshot(spans: int = 3) -> dict:
+    kinds = [("system", None, "committed", "device"), ("user", "msg-7a1f3c2e-44", "archived", "host")]
+    kinds.append(("tool_result", "call_abcdef123456", "evicted", "dropped"))
+    rows = [
+        {
+            "span_id": i,
+            "kind": kind,
+            "owner": owner,
+            "start": 120 * i,
+            "tokens": 120,
+            "held_tokens": 60,
+            "state": state,
+            "tier": tier,
+            "pinned": i == 0,
+            "bytes": 123456 * i,
+            "preview": "You are a helpful assistant. The order QX-7305 has shipped",
+        }
+        for i, (kind, owner, state, tier) in enumerate(kinds[:spans])
+    ]
+    return {"session_id": "thread-1", "stats": {"device_bytes": 10}, "spans": rows}
+
+
+@pytest.mark.parametrize(
+    ("broken", "expected"),
+    [
+        (lambda s: s["spans"][1].pop("state"), r"spans\[1\] has no 'state'"),
+        (lambda s: s.pop("stats"), r"not a session snapshot: missing 'stats'"),
+        (lambda s: s["spans"].append(7), r"spans\[3\] must be an object, got int"),
+        (lambda s: s["spans"][0].update(tokens="many"), r"spans\[0\]\.tokens must be int, got 'many'"),
+    ],
+)
+def test_cli_inspect_malformed_snapshot_is_a_clear_error(tmp_path, capsys, broken, expected) -> None:
+    """A snapshot missing what `inspect` reads exits with rc 2 and a message naming the span and key."""
+    snapshot = _snapshot()
+    broken(snapshot)
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps(snapshot))
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyError" not in err
+    assert re.search(expected, err), err
+    assert str(path) in err
+
+
+def test_span_table_keeps_every_fixed_column_whole_at_80_columns() -> None:
+    """At 80 columns only owner and preview are cut; ids, kinds, states, tiers and sizes stay whole."""
+    with io.StringIO() as out:
+        Console(file=out, width=80, color_system=None).print(span_table(_snapshot()))
+        text = out.getvalue()
+    lines = [line for line in text.splitlines() if line.strip()]
+    header = next(line for line in lines if " kind " in line)
+    for column in ("id", "kind", "owner", "state", "tier", "pin", "tokens", "held", "bytes"):
+        assert re.search(rf"\b{column}\b", header), header
+    rows = [line for line in lines if re.match(r"^\s*\d+ ", line)]
+    assert len(rows) == 3  # one line per span: nothing wrapped
+    for value in ("tool_result", "committed", "archived", "evicted", "dropped", "241.1 KiB", "120.6 KiB"):
+        assert value in text
+    assert all(len(line) <= 80 for line in lines)
+
+
+def test_span_strip_legend_does_not_overlap_the_axis_label() -> None:
+    import matplotlib.pyplot as plt
+
+    figure = span_strip_figure(_snapshot())
+    try:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+        label = figure.axes[0].xaxis.label.get_window_extent(renderer)
+        legend = figure.legends[0].get_window_extent(renderer)
+        assert not label.overlaps(legend)
+        assert legend.y1 <= label.y0  # the legend is its own row, below the label
+    finally:
+        plt.close(figure)

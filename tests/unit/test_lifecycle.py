@@ -136,11 +136,23 @@ def test_event_after_eviction_is_a_noop(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer, rules={"custom:drop": {"owner": "evict"}}).session("t")
     session.extend(TOOL_TURN)
     assert session.apply(Custom(event="drop", owner="call_1")).applied
-    result = session.apply(UserConfirmed("call_1"))
+    result = session.apply(UserRejected("call_1"))
     assert not result.applied and "evicted" in result.reason
     (tool_result,) = by_kind(session, SpanKind.TOOL_RESULT)
     assert not tool_result.pinned
     assert tool_result.tier is Tier.DROPPED and tool_result.token_ids
+
+
+def test_confirmation_after_eviction_brings_the_span_back(tiny_model, tiny_tokenizer):
+    session = make(tiny_model, tiny_tokenizer, rules={"custom:drop": {"owner": "evict"}}).session("t")
+    session.extend(TOOL_TURN)
+    assert session.apply(Custom(event="drop", owner="call_1")).applied
+    result = session.apply(UserConfirmed("call_1"))
+    assert result.applied and result.leases
+    (tool_result,) = by_kind(session, SpanKind.TOOL_RESULT)
+    assert tool_result.pinned and tool_result.state is SpanState.COMMITTED
+    assert tool_result.tier is Tier.DEVICE
+    session.check()
 
 
 def test_illegal_transition_names_state_event_and_allowed():

@@ -1,5 +1,7 @@
-"""Issue 10: `tool_choice` as OpenAI defines it, on the tiny model.
+"""`tool_choice` as OpenAI defines it, on the tiny model, with the grammar off (`grammar=False`).
 
+With the grammar on (the default) the choice is made under the call grammar; that path
+is tested in `test_grammar.py`. Off, and on engine sessions (no decode hook):
 - "any" / "required": a call is forced and the **model** picks the tool among the
   bound ones (each name scored by the model after `<tool_call>{"name": "`), not the
   first listed one.
@@ -52,7 +54,7 @@ def test_resolve_any_means_the_models_pick():
 @pytest.mark.parametrize("choice", ["any", "required"])
 def test_forced_call_goes_to_the_tool_the_model_prefers(backend, choice):
     names = ["search", "lookup", "weather"]
-    llm = ChatAgentKV(backend=backend, max_new_tokens=8)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=8, grammar=False)
     result = llm.bind_tools([tool(n) for n in names], tool_choice=choice).invoke(
         HISTORY, {"metadata": {"thread_id": "t"}}
     )
@@ -104,7 +106,7 @@ def test_none_returns_the_text_answer_when_the_model_starts_a_call(backend, monk
     monkeypatch.setattr(
         chat_models_module, "tool_call_ban", lambda _backend: lambda p, logits: ban(p, boost(p, logits))
     )
-    llm = ChatAgentKV(backend=backend, max_new_tokens=8)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=8, grammar=False)
     result = llm.bind_tools([tool("search")], tool_choice="none").invoke(HISTORY)
     assert result.text.strip() and "<tool" not in result.text
     assert not result.tool_calls and not result.invalid_tool_calls

@@ -10,8 +10,10 @@ tool call and no tag, a bound forced call names its tool.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import pytest
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
@@ -34,15 +36,16 @@ def get_code(name: str) -> str:
     return "4417"
 
 
-def build(llm: ChatAgentKV, order: list[str]) -> Any:
-    """Nodes in `order`: "bound" (forced get_weather), "tools" (answers every call), "answer" (no tools),
-    "other" (a different tool set: forced get_code)."""
-    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+def build(llm: ChatAgentKV, order: list[str], *, system: bool = True, choice: str = "get_weather") -> Any:
+    """Nodes in `order`: "bound" (get_weather with `choice`), "tools" (answers every call), "answer"
+    (no tools), "other" (a different tool set: forced get_code). `system`: SYSTEM leads each call."""
+    bound = llm.bind_tools([get_weather], tool_choice=choice)
     other = llm.bind_tools([get_code], tool_choice="get_code")
+    lead = [SYSTEM] if system else []
 
     def call(model: Any) -> Any:
         def node(state: MessagesState) -> dict[str, list[AnyMessage]]:
-            return {"messages": [model.invoke([SYSTEM, *state["messages"]])]}
+            return {"messages": [model.invoke([*lead, *state["messages"]])]}
 
         return node
 
@@ -65,11 +68,11 @@ def build(llm: ChatAgentKV, order: list[str]) -> Any:
 
 
 def run(
-    tiny_model: Any, tiny_tokenizer: Any, order: list[str], turns: int = 2
+    tiny_model: Any, tiny_tokenizer: Any, order: list[str], turns: int = 2, **shape: Any
 ) -> tuple[TransformersBackend, list[AIMessage]]:
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
     llm = ChatAgentKV(backend=backend, max_new_tokens=6)
-    graph = with_kv_lifecycle(build(llm, order), backend=backend)
+    graph = with_kv_lifecycle(build(llm, order, **shape), backend=backend)
     config = {"configurable": {"thread_id": "t"}}
     for turn in range(turns):
         graph.invoke({"messages": [HumanMessage(f"What is the weather in Paris? ({turn})")]}, config)
@@ -101,6 +104,22 @@ def test_bound_then_unbound_keeps_the_prefix(tiny_model, tiny_tokenizer):
     )
     notes = [m.content for m in messages[1:] if m.role == "system"]
     assert notes == [NO_TOOLS_NOTE, RESTORED_NOTE, NO_TOOLS_NOTE]  # answer, agent again, answer
+
+
+@pytest.mark.parametrize("choice", ["get_weather", "any", "auto"])
+def test_bound_then_unbound_without_a_system_message_keeps_the_prefix(tiny_model, tiny_tokenizer, choice):
+    # Most small graphs start with a user message: the tools block then gets a system message of its
+    # own in front of it, on every call, and the "no tools" note after the tool result stays a note.
+    backend, answers = run(
+        tiny_model, tiny_tokenizer, ["bound", "tools", "answer"], system=False, choice=choice
+    )
+    check_no_crop(answers)
+    assert backend.get("t").stats().cropped_tokens == 0
+    messages = backend.get("t").messages
+    assert messages[0].role == "system" and "get_weather" in messages[0].content
+    assert messages[1].role == "user"
+    notes = [m.content for m in messages[1:] if m.role == "system"]
+    assert notes == [NO_TOOLS_NOTE, RESTORED_NOTE, NO_TOOLS_NOTE]
 
 
 def test_unbound_then_bound_keeps_the_prefix(tiny_model, tiny_tokenizer):
@@ -138,3 +157,28 @@ def test_the_same_question_again_with_other_tools_starts_over(tiny_model, tiny_t
     assert "get_weather" not in messages[0].content
     assert [m.role for m in messages] == ["system", "user", "assistant"]
     assert [c["name"] for c in [*second.tool_calls, *second.invalid_tool_calls]] == ["get_code"]
+
+
+# A template with tool support that writes its own default system prompt when message 0 is not one
+# (the Qwen2.5 shape): the tools travel with message 0, whatever its role.
+TOOLS_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{% set lead = messages[0].content %}"
+    "{%- else %}{% set lead = 'You are a default assistant.' %}{% endif %}"
+    "<|im_start|>system\n{{ lead }}{% if tools %}\n\nTools: {{ tools | tojson }}{% endif %}<|im_end|>\n"
+    "{%- for message in messages %}{% if not (loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- if message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{%- endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_tools_and_default_system_prompt_keep_the_prefix(tiny_model, tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    backend, answers = run(tiny_model, tokenizer, ["bound", "tools", "answer"], turns=1, system=False)
+    assert backend.chat_format.tools_in_template
+    check_no_crop(answers)
+    messages = backend.get("t").messages
+    assert messages[0].role == "user" and messages[0].tools_json and "get_weather" in messages[0].tools_json
+    assert [m.content for m in messages if m.role == "system"] == [NO_TOOLS_NOTE]

@@ -1,0 +1,82 @@
+"""Finishing a constrained answer inside its token budget.
+
+A grammar says what may come next, not how soon the answer can end: a model that
+writes a long string value would be cut by `max_new_tokens` in the middle of its
+JSON. Near the end of the budget the processor therefore estimates how many tokens
+the shortest way out takes (closing the open strings, the fewest required keys
+with the smallest values, the closing brackets) by playing it out on a copy of the
+grammar state, and when the budget left is down to that, it restricts the model to
+those closing tokens. `CLOSING_WINDOW` bounds how early the estimate runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+CLOSING_WINDOW = 64
+"""The estimate runs only in the last this many tokens of the budget."""
+RECHECK_AFTER = 8
+"""Tokens to wait before estimating again when closing tokens found no way out."""
+CLOSERS = frozenset('"}]')
+STOP_RANK = 100.0
+"""The rank of the end-of-turn tokens: the best way to finish is to be finished."""
+_PREFERRED = ('""', "[]", "{}", "0")
+"""Whole tokens that end a value at once (an empty string, array or object, a zero)."""
+
+QUOTE_BONUS = 20.0
+"""How much a token opening with `"` gains inside a string (and a quarter of it lost elsewhere)."""
+
+_RANKS: dict[int, tuple[Any, torch.Tensor]] = {}
+_QUOTES: dict[int, torch.Tensor] = {}
+"""Per rank tensor (by id): 1.0 for closing tokens that open with `"`."""
+_LOCK = threading.Lock()
+
+
+def closing_rank(tokenizer: Any, stop_ids: frozenset[int] | set[int]) -> torch.Tensor:
+    """How much each token id helps close an answer, `[V]` float (0 = not a closer), cached.
+
+    Stop tokens rank highest, then tokens made only of `"`, `}` and `]` (longer first),
+    then `_PREFERRED` values.
+    """
+    with _LOCK:
+        held = _RANKS.get(id(tokenizer))
+        if held is not None and held[0] is tokenizer:
+            return held[1]
+        size = len(tokenizer)
+        rank = torch.zeros(size)
+        quotes = torch.zeros(size)
+        for i in range(size):
+            text = tokenizer.decode([i])
+            if text and set(text) <= CLOSERS:
+                rank[i] = 10.0 + len(text)
+                quotes[i] = float(text.startswith('"'))
+            elif text in _PREFERRED:
+                rank[i] = 5.0
+        for i in stop_ids:
+            if i < size:
+                rank[i] = STOP_RANK
+        _RANKS[id(tokenizer)] = (tokenizer, rank)
+        _QUOTES[id(rank)] = quotes
+        return rank
+
+
+def closing_choice(allowed: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """The one allowed token that best closes the answer, `[V]` bool; all allowed ones when none ranks.
+
+    Inside a string (most of the vocabulary is allowed) a token opening with `"` ends
+    it; elsewhere a `"` would open a new key or value, so brackets come first.
+    """
+    n = min(allowed.numel(), rank.numel())
+    scores = torch.where(allowed[:n], rank[:n], torch.tensor(-1.0))  # [n]
+    if scores.max() <= 0:
+        return allowed
+    quotes = _QUOTES.get(id(rank))
+    if quotes is not None:
+        in_string = int(allowed.sum()) > allowed.numel() // 4
+        scores = scores + quotes[:n] * (QUOTE_BONUS if in_string else -QUOTE_BONUS / 4)
+    out = torch.zeros_like(allowed)
+    out[int(torch.argmax(scores))] = True
+    return out
