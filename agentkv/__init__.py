@@ -1,7 +1,8 @@
 """agentkv: KV-cache lifecycle middleware for agents on local Transformers models."""
 
 from agentkv.backend import SamplingParams, TransformersBackend, UnknownSessionError
-from agentkv.backend.session import ExtendResult, Session, SessionClosedError
+from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
 from agentkv.engines import EngineBackend, EngineSession
 from agentkv.events import (

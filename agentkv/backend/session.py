@@ -22,18 +22,17 @@ from typing import Any, Unpack
 
 import torch
 
-from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
+from agentkv.backend.contracts import ExtendResult, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.prefix import start_from_shared_prefix
-from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
-from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
+from agentkv.backend.session_core import SessionCore
+from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
@@ -45,8 +44,11 @@ from agentkv.store.kvstore import KVStore
 logger = logging.getLogger("agentkv.backend.session")
 
 
-class Session(SessionReadout):
+class Session(SessionCore):
     """One conversation's KV cache. Thread-safe: a per-session lock serialises every call."""
+
+    backend: SessionHost
+    store: KVStore
 
     def __init__(
         self,
@@ -97,18 +99,14 @@ class Session(SessionReadout):
         else:
             self.manager = LifecycleManager(SessionServices(self), self.limits)
 
+    def _attended_tokens(self) -> tuple[int, int]:
+        return self.store.physical.length, self.store.attended_quantized_tokens()
+
     def budget_limits(self) -> BudgetLimits:
         """This session's budget in bytes (device, host, global) with its watermarks."""
         return self.limits
 
     # -- small helpers -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self.closed:
-            msg = (
-                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
-            )
-            raise SessionClosedError(msg)
 
     def span(self, span_id: int) -> Span:
         """The span with this id (KeyError naming the session when absent)."""
@@ -121,9 +119,6 @@ class Session(SessionReadout):
     def token_ids(self) -> list[int]:
         """The whole logical sequence's token ids (nothing is ever lost)."""
         return self.table.token_ids()
-
-    def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
-        return self.table.new_span(kind, token_ids, branch=self.branch, **fields)
 
     # -- encoding ------------------------------------------------------------------------------
 
@@ -236,14 +231,6 @@ class Session(SessionReadout):
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
             )
             return result
-
-    def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
-        span.kind = message.kind
-        span.owner = message.owner
-        span.message_index = index
-        span.fingerprints = frozenset({message.fingerprint()})
-        for call in message.tool_calls:
-            self.manager.register_tool_call(call.id, span)
 
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
@@ -422,7 +409,7 @@ class Session(SessionReadout):
             finally:
                 # The last produced token was not fed back: it is encoded with the end of turn.
                 span.token_ids.extend(answer.tokens[len(span.token_ids) - len(prompt_ids) :])
-                self._finish_answer(span, prefix, answer.text, len(answer.tokens))
+                self._finish_answer(span, prefix, answer.text, len(answer.tokens), computed=False)
 
     def _decode_one(self, span: Span) -> torch.Tensor:
         """Feed the span's last produced token (pending); return next-token logits `[V]`."""
@@ -435,40 +422,6 @@ class Session(SessionReadout):
             msg = "no logits from decode step"
             raise RuntimeError(msg)
         return logits
-
-    def _finish_answer(self, span: Span, prefix: str, text: str, produced: int) -> None:
-        """Close the assistant message the way the template would, so the next turn reuses it."""
-        span.token_ids.extend(self.format.assistant_suffix_ids())
-        content = prefix + text
-        message = ChatMessage("assistant", content, message_id=span.owner)
-        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
-        self.messages.append(message)
-        self.counters.generated_tokens += produced
-        self.table.record("generate", span=span.span_id, tokens=produced, chars=len(text))
-        self.manager.after_operation()
-
-    def bind_message(self, message: Any, span_id: int | None = None) -> None:
-        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls).
-
-        The next `extend` then matches that message to the span's produced ids
-        instead of re-encoding it.
-        """
-        normalized = normalize_messages([message])[0]
-        with self.lock:
-            generated = [s for s in self.spans if s.generated]
-            if span_id is None and not generated:
-                msg = "bind_message: this session has generated nothing yet"
-                raise ValueError(msg)
-            span = generated[-1] if span_id is None else self.span(span_id)
-            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
-            if normalized.owner:
-                span.owner = normalized.owner
-            if normalized.tool_calls:
-                span.kind = SpanKind.TOOL_CALL
-                for call in normalized.tool_calls:
-                    self.manager.register_tool_call(call.id, span)
-            if 0 <= span.message_index < len(self.messages):
-                self.messages[span.message_index] = normalized
 
     # -- scoring without changing the cache ------------------------------------------------------
 
@@ -527,28 +480,6 @@ class Session(SessionReadout):
         if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
             self.forget.on_turn_ended()
         return result
-
-    def pin(
-        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
-    ) -> Lease:
-        """Pin spans (by owner or ids); returns the lease to give back with `release`."""
-        with self.lock:
-            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
-            # Pinning brings back a span that was already demoted: the budget may need enforcing.
-            self.manager.after_operation()
-            return lease
-
-    def release(self, lease: Lease) -> bool:
-        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
-        with self.lock:
-            return self.manager.release(lease)
-
-    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Session:
-        """A branch session sharing this session's KV as a read-only prefix (no copy).
-
-        `config` = the branch's own settings (None = this session's).
-        """
-        return self.backend.fork(self.session_id, branch, config=config)
 
     def detach(self, session_id: str) -> None:
         """Stand alone as the conversation `session_id` (a branch adopted by its thread).

@@ -10,31 +10,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from agentkv.backend.prefix import build_prefix_cache
+from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event, validate_event
 from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
 
 logger = logging.getLogger("agentkv.backend")
 
-
-class UnknownSessionError(KeyError):
-    """No session with that id; the message lists the known ones."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown session"
+__all__ = ["TransformersBackend", "UnknownSessionError"]
 
 
-class TransformersBackend:
+class TransformersBackend(SessionRegistry[Session]):
     """Sessions over one in-process Transformers causal LM.
 
     Args:
@@ -52,6 +46,7 @@ class TransformersBackend:
         *,
         prefill_chunk: int = 1024,
     ) -> None:
+        super().__init__()
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or AgentKVConfig()
@@ -62,67 +57,13 @@ class TransformersBackend:
         )
         """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
         self.model_lock = threading.RLock()
-        self._sessions: dict[str, Session] = {}
-        self._table_lock = threading.Lock()
-        self.noop_events = 0
 
     # -- session table -------------------------------------------------------------------------
 
-    def session(
-        self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None
+    def _new_session(
+        self, session_id: str, *, parent: Session | None, branch: str | None, config: AgentKVConfig | None
     ) -> Session:
-        """The session with this id, created on first use (`create=False` raises when absent).
-
-        `config` applies only when the session is created here (per-run overrides such as
-        LangGraph's `configurable.agentkv`); None = the backend's config. An existing
-        session keeps the config it was created with.
-        """
-        if not isinstance(session_id, str) or not session_id:
-            msg = f"session id: expected a non-empty string, got {session_id!r}"
-            raise ValueError(msg)
-        with self._table_lock:
-            existing = self._sessions.get(session_id)
-            if existing is not None and not existing.closed:
-                return existing
-            if not create:
-                raise UnknownSessionError(self._unknown(session_id))
-            session = Session(self, session_id, config=config)
-            self._sessions[session_id] = session
-            return session
-
-    def get(self, session_id: str) -> Session:
-        """An existing session (raises `UnknownSessionError` naming the known ids)."""
-        return self.session(session_id, create=False)
-
-    def _unknown(self, session_id: str) -> str:
-        known = ", ".join(sorted(self._sessions)[:20]) or "none"
-        return f"unknown session {session_id!r}; known sessions: {known}"
-
-    def __contains__(self, session_id: object) -> bool:
-        with self._table_lock:
-            return session_id in self._sessions
-
-    def sessions(self) -> Iterator[Session]:
-        """A snapshot of the live sessions."""
-        with self._table_lock:
-            return iter(list(self._sessions.values()))
-
-    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> Session:
-        """Create (or get) the branch session `<session_id>/<branch>` sharing the parent's KV prefix.
-
-        `config` applies only when the branch is created here; None = the parent's.
-        """
-        parent = self.get(session_id)
-        child_id = branch_session_id(session_id, branch)
-        with self._table_lock:
-            existing = self._sessions.get(child_id)
-            if existing is not None and not existing.closed:
-                return existing
-        child = Session(self, child_id, parent=parent, branch=branch, config=config)
-        parent.manager.note_branch(branch)
-        with self._table_lock:
-            self._sessions[child_id] = child
-        return child
+        return Session(self, session_id, parent=parent, branch=branch, config=config)
 
     def adopt(self, session_id: str, branch: str) -> Session:
         """Make the branch session `<session_id>/<branch>` the conversation's continuation.
@@ -156,26 +97,12 @@ class TransformersBackend:
             parent.close()
         return child
 
-    def close(self, session_id: str) -> None:
-        """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
-        with self._table_lock:
-            session = self._sessions.pop(session_id, None)
-        if session is None:
-            raise UnknownSessionError(self._unknown(session_id))
-        session.close()
-
-    def apply(self, session_id: str, event: Event) -> Any:
-        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
-        validate_event(event)
-        with self._table_lock:
-            session = self._sessions.get(session_id)
-        if session is None or session.closed:
-            self.noop_events += 1
-            logger.info("event %s for unknown session %r ignored", event.name, session_id)
-            return None
-        return session.apply(event)
-
     # -- global accounting ---------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Device KV bytes of one token; `EngineBackend` has the same."""
+        return self.runner.bytes_per_token
 
     @property
     def max_positions(self) -> int | None:

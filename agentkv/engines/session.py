@@ -16,18 +16,18 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, Unpack
 
-from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.backend.contracts import ExtendResult
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
-from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
+from agentkv.backend.session_core import SessionCore
+from agentkv.chat import ChatFormat, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
-from agentkv.lifecycle import ApplyResult, BudgetLimits, Lease, LifecycleManager, SpanTable
-from agentkv.metrics import SessionStats
+from agentkv.lifecycle import ApplyResult, BudgetLimits, LifecycleManager, SpanTable
 from agentkv.session_ids import is_branch_of
-from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.spans import Span, SpanKind, Tier
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -54,8 +54,8 @@ class EngineHost(Protocol):
         """A snapshot of the live sessions."""
         ...
 
-    def fork(self, session_id: str, branch: str) -> Any:
-        """Create (or get) the branch session."""
+    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> Any:
+        """Create (or get) the branch session (`config`: its own settings)."""
         ...
 
     def close(self, session_id: str) -> None:
@@ -140,8 +140,11 @@ class EngineServices:
         self.session.backend.close(session_id)
 
 
-class EngineSession:
+class EngineSession(SessionCore):
     """One conversation on the engine. Thread-safe: a per-session lock serialises every call."""
+
+    backend: EngineHost
+    store: EngineStore
 
     def __init__(
         self,
@@ -189,39 +192,13 @@ class EngineSession:
         if parent is not None:
             self.manager.inherit(parent.manager)
 
-    # -- the table's fields, for reading ---------------------------------------------------------
-
-    @property
-    def spans(self) -> list[Span]:
-        """The logical sequence's spans."""
-        return self.table.spans
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        """The conversation's messages, as the session holds them."""
-        return self.table.messages
-
-    @property
-    def counters(self) -> Any:
-        """Running totals (prefill and reused tokens come from the engine's usage)."""
-        return self.table.counters
-
-    @property
-    def turn(self) -> int:
-        """The current user turn."""
-        return self.table.turn
+    def _attended_tokens(self) -> tuple[int, int]:
+        return sum(s.length for s in self.spans if s.tier is Tier.DEVICE), 0
 
     def _hint_failed(self, what: str, error: Exception) -> None:
         """A hint the engine did not take is a survived fault of this session (counted and logged)."""
         self.counters.faults += 1
         self.table.record("fault", where=f"engine hint {what}", span=None, error=repr(error))
-
-    def _check_open(self) -> None:
-        if self.closed:
-            msg = (
-                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
-            )
-            raise SessionClosedError(msg)
 
     # -- encoding: spans only, the engine computes KV on the next call ---------------------------
 
@@ -255,9 +232,9 @@ class EngineSession:
                 if message.role == "user":
                     self.manager.on_new_user_turn()
                     self.table.turn += 1
-                span = self.table.new_span(message.kind, ids, branch=self.branch)
+                span = self._new_span(message.kind, ids)
                 span.n_computed = len(ids)  # held by the prompt; the engine computes or reuses it
-                self._describe(span, message, k + offset)
+                self._describe_message(span, message, k + offset)
                 self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
@@ -276,14 +253,6 @@ class EngineSession:
                 seconds=time.perf_counter() - started,
                 applied=applied,
             )
-
-    def _describe(self, span: Span, message: ChatMessage, index: int) -> None:
-        span.kind = message.kind
-        span.owner = message.owner
-        span.message_index = index
-        span.fingerprints = frozenset({message.fingerprint()})
-        for call in message.tool_calls:
-            self.manager.register_tool_call(call.id, span)
 
     def _crop(self, first: Span) -> int:
         """Drop `first` and every span after it (a history rewrite): their engine tails are stale."""
@@ -319,7 +288,7 @@ class EngineSession:
                 msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
                 raise ValueError(msg)
             prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            span = self.table.new_span(SpanKind.ASSISTANT, prompt_ids, branch=self.branch, generated=True)
+            span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True)
             span.owner = message_id
             span.n_computed = len(prompt_ids)
             span.message_index = len(self.messages)
@@ -347,39 +316,12 @@ class EngineSession:
             self.store.completed(prompt + produced)
             self.counters.prefill_tokens += max(0, done.prompt_tokens - done.cached_tokens)
             self.counters.reused_tokens += done.cached_tokens
-            self.counters.generated_tokens += len(produced)
-            self._finish_answer(span, prefix, done.text)
+            self._finish_answer(span, prefix, done.text, len(produced), computed=True)
             return done.text
 
     def stream(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> Iterator[str]:
         """`generate` as one piece (the engine path does not stream token by token)."""
         yield self.generate(max_new_tokens, **options)
-
-    def _finish_answer(self, span: Span, prefix: str, text: str) -> None:
-        span.token_ids.extend(self.format.assistant_suffix_ids())
-        span.n_computed = span.length
-        message = ChatMessage("assistant", prefix + text, message_id=span.owner)
-        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
-        self.messages.append(message)
-        self.table.record("generate", span=span.span_id, chars=len(text))
-        self.manager.after_operation()
-
-    def bind_message(self, message: Any, span_id: int | None = None) -> None:
-        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls)."""
-        normalized = normalize_messages([message])[0]
-        with self.lock:
-            generated = [s for s in self.spans if s.generated]
-            if span_id is None and not generated:
-                msg = "bind_message: this session has generated nothing yet"
-                raise ValueError(msg)
-            span = generated[-1] if span_id is None else self.table.span(span_id)
-            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
-            if normalized.owner:
-                span.owner = normalized.owner
-            if normalized.tool_calls:
-                span.kind = SpanKind.TOOL_CALL
-                for call in normalized.tool_calls:
-                    self.manager.register_tool_call(call.id, span)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -404,55 +346,6 @@ class EngineSession:
                 if not resident:
                     self.store.park()  # the conversation now waits: L1 room goes to others
             return result
-
-    def pin(
-        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
-    ) -> Lease:
-        """Pin spans (never demoted); a committed span's prefix is pinned on LMCache at the next call."""
-        with self.lock:
-            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
-            self.manager.after_operation()
-            return lease
-
-    def release(self, lease: Lease) -> bool:
-        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
-        with self.lock:
-            return self.manager.release(lease)
-
-    def fork(self, branch: str) -> EngineSession:
-        """A branch session on the same salt: the engine shares the prefix, nothing is copied."""
-        return self.backend.fork(self.session_id, branch)
-
-    # -- reporting -------------------------------------------------------------------------------
-
-    def stats(self) -> SessionStats:
-        """Counters and the engine KV this session holds per tier (device = prompt, host = L2 archive)."""
-        with self.lock:
-            tiers = self.store.bytes_by_tier()
-            by_state = {state.value: 0 for state in SpanState}
-            for span in self.spans:
-                by_state[span.state.value] += span.length
-            c = self.counters
-            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
-            return SessionStats.from_counters(
-                c,
-                session_id=self.session_id,
-                device_bytes=tiers.device,
-                quantized_bytes=tiers.quantized,
-                host_bytes=tiers.host,
-                shared_device_bytes=tiers.shared,
-                tokens_by_state=by_state,
-                attended_tokens=sum(s.length for s in self.spans if s.tier is Tier.DEVICE),
-                logical_tokens=self.table.logical_length,
-                spans=len(self.spans),
-                turn=self.turn,
-                **self.manager.budget.figures(),
-            )
-
-    def check(self) -> None:
-        """Verify the lifecycle invariants."""
-        with self.lock:
-            self.manager.check()
 
     def close(self) -> None:
         """Unpin and delete this session's KV on the engine; forget its spans.

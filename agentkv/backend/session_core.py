@@ -1,0 +1,112 @@
+"""The lifecycle verbs every session has, whatever runs it: pin, release, bind, fork, the answer's close.
+
+`Session` (a local model over a `KVStore`) and `EngineSession` (a served engine over an
+`EngineStore`) differ in how they encode and decode; what they do with the span table
+and the lifecycle manager around that is this class, so a fix to it is made once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Self
+
+from agentkv.backend.contracts import SessionClosedError
+from agentkv.backend.readout import SessionReadout
+from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
+from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.leases import Lease
+from agentkv.spans import Span, SpanKind
+
+__all__ = ["SessionCore"]
+
+
+class SessionCore(SessionReadout):
+    """What both sessions do with their table and manager; the subclass encodes, decodes and closes."""
+
+    config: AgentKVConfig
+    format: ChatFormat
+    branch: str | None
+    closed: bool
+
+    def _check_open(self) -> None:
+        if self.closed:
+            msg = (
+                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
+            )
+            raise SessionClosedError(msg)
+
+    def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
+        return self.table.new_span(kind, token_ids, branch=self.branch, **fields)
+
+    def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
+        """Tie `span` to the message at `index` (kind, owner, fingerprint, tool call ids)."""
+        span.kind = message.kind
+        span.owner = message.owner
+        span.message_index = index
+        span.fingerprints = frozenset({message.fingerprint()})
+        for call in message.tool_calls:
+            self.manager.register_tool_call(call.id, span)
+
+    def _finish_answer(self, span: Span, prefix: str, text: str, produced: int, *, computed: bool) -> None:
+        """Close the assistant message the way the template would, so the next turn reuses it.
+
+        `computed`: the end-of-turn ids are held already (the engine computes them on the
+        next call with the rest of the prompt); False leaves them pending for the local model.
+        """
+        span.token_ids.extend(self.format.assistant_suffix_ids())
+        if computed:
+            span.n_computed = span.length
+        message = ChatMessage("assistant", prefix + text, message_id=span.owner)
+        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
+        self.messages.append(message)
+        self.counters.generated_tokens += produced
+        self.table.record("generate", span=span.span_id, tokens=produced, chars=len(text))
+        self.manager.after_operation()
+
+    def bind_message(self, message: Any, span_id: int | None = None) -> None:
+        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls).
+
+        The next `extend` then matches that message to the span's produced ids
+        instead of re-encoding it.
+        """
+        normalized = normalize_messages([message])[0]
+        with self.lock:
+            generated = [s for s in self.spans if s.generated]
+            if span_id is None and not generated:
+                msg = "bind_message: this session has generated nothing yet"
+                raise ValueError(msg)
+            span = generated[-1] if span_id is None else self.table.span(span_id)
+            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
+            if normalized.owner:
+                span.owner = normalized.owner
+            if normalized.tool_calls:
+                span.kind = SpanKind.TOOL_CALL
+                for call in normalized.tool_calls:
+                    self.manager.register_tool_call(call.id, span)
+            if 0 <= span.message_index < len(self.messages):
+                self.messages[span.message_index] = normalized
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def pin(
+        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
+    ) -> Lease:
+        """Pin spans (by owner or ids); returns the lease to give back with `release`."""
+        with self.lock:
+            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
+            # Pinning brings back a span that was already demoted: the budget may need enforcing.
+            self.manager.after_operation()
+            return lease
+
+    def release(self, lease: Lease) -> bool:
+        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
+        with self.lock:
+            return bool(self.manager.release(lease))
+
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Self:
+        """A branch session sharing this session's KV as a read-only prefix (no copy).
+
+        `config` = the branch's own settings (None = this session's).
+        """
+        child: Self = self.backend.fork(self.session_id, branch, config=config)
+        return child
