@@ -15,7 +15,6 @@ lifecycle a few services (`SessionPort`: recompute a span, encode text, ...).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Unpack
@@ -59,15 +58,9 @@ class Session(SessionCore):
         branch: str | None = None,
         config: AgentKVConfig | None = None,
     ) -> None:
-        self.backend = backend
-        self.session_id = session_id
-        # A branch keeps its parent's settings: its budget and rules are the conversation's.
-        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
-        self.format = backend.chat_format
+        self.parent = parent
+        self._open(backend, session_id, parent, branch, config)
         self.runner = backend.runner
-        self.lock = threading.RLock()
-        self.limits = BudgetLimits.resolve(self.config.budget, self.runner.bytes_per_token)
-        """The budget in bytes, resolved once; the manager enforces it (device and host alike)."""
         self.store = KVStore(
             self.runner.num_layers,
             self.runner.device,
@@ -85,9 +78,6 @@ class Session(SessionCore):
         """True after `extend(..., prefill=False)` until the next answer encodes the pending tokens."""
         self.last_prompt: PromptRead | None = None
         """What the latest answer's first token read (see `PromptRead`); None before any answer."""
-        self.branch = branch
-        self.parent = parent
-        self.closed = False
         self.ended = False
         """True after `SessionClosed` until the next `extend` starts the conversation over."""
         self.manager: LifecycleManager

@@ -7,14 +7,16 @@ and the lifecycle manager around that is this class, so a fix to it is made once
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Self
 
-from agentkv.backend.contracts import SessionClosedError
+from agentkv.backend.contracts import BackendHost, SessionClosedError
 from agentkv.backend.readout import SessionReadout
 from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.leases import Lease
+from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.spans import Span, SpanKind
 
 __all__ = ["SessionCore"]
@@ -27,6 +29,26 @@ class SessionCore(SessionReadout):
     format: ChatFormat
     branch: str | None
     closed: bool
+    limits: BudgetLimits
+
+    def _open(
+        self,
+        backend: BackendHost,
+        session_id: str,
+        parent: SessionCore | None,
+        branch: str | None,
+        config: AgentKVConfig | None,
+    ) -> None:
+        """The fields every session starts with; a branch keeps its parent's settings (budget, rules)."""
+        self.backend = backend
+        self.session_id = session_id
+        self.config = config or (parent.config if parent is not None else backend.config)
+        self.format = backend.chat_format
+        self.lock = threading.RLock()
+        self.branch = branch
+        self.closed = False
+        self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
+        """The budget in bytes, resolved once; the manager enforces it (device and host alike)."""
 
     def _check_open(self) -> None:
         if self.closed:

@@ -11,34 +11,29 @@ answer; the engine's own usage figures become the session's prefill / reuse coun
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, Unpack
 
-from agentkv.backend.contracts import ExtendResult
+from agentkv.backend.contracts import BackendHost, ExtendResult
+from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
-from agentkv.chat import ChatFormat, normalize_messages
+from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
-from agentkv.lifecycle import ApplyResult, BudgetLimits, LifecycleManager, SpanTable
-from agentkv.session_ids import is_branch_of
+from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
 from agentkv.spans import Span, SpanKind, Tier
 
 logger = logging.getLogger("agentkv.engines")
 
 
-class EngineHost(Protocol):
-    """What an engine session needs from the backend that owns it (`EngineBackend` provides it)."""
+class EngineHost(BackendHost, Protocol):
+    """What an engine session needs from its backend beyond any host's (`EngineBackend` provides it)."""
 
-    config: AgentKVConfig
-    chat_format: ChatFormat
-    tokenizer: Any
-    bytes_per_token: int
     vllm: VLLMClient
     gate: AdmissionGate | None
 
@@ -50,69 +45,27 @@ class EngineHost(Protocol):
         """The LMCache instance hints go to (None = no coordinator)."""
         ...
 
-    def sessions(self) -> Iterator[Any]:
-        """A snapshot of the live sessions."""
-        ...
-
-    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> Any:
-        """Create (or get) the branch session (`config`: its own settings)."""
-        ...
-
-    def close(self, session_id: str) -> None:
-        """Unpin and delete a session's KV and forget it."""
-        ...
-
-    def device_bytes(self) -> int:
-        """Engine KV bytes across the sessions."""
-        ...
-
     def sole_holder(self, session: Any) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (its pins are all its own)."""
         ...
 
 
-class EngineServices:
+class EngineServices(SessionServicesBase):
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
 
+    session: EngineSession
+
     def __init__(self, session: EngineSession) -> None:
-        self.session = session
-
-    @property
-    def session_id(self) -> str:
-        """The session's id."""
-        return self.session.session_id
-
-    @property
-    def config(self) -> AgentKVConfig:
-        """The session's configuration."""
-        return self.session.config
-
-    @property
-    def table(self) -> SpanTable:
-        """The session's span table."""
-        return self.session.table
+        super().__init__(session)
 
     @property
     def store(self) -> EngineStore:
         """The session's engine store."""
         return self.session.store
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Engine KV bytes of one token."""
-        return self.session.backend.bytes_per_token
-
     def recompute(self, span: Span) -> None:
         """Nothing to do now: the span is back in the prompt, the engine computes it on the next call."""
         del span
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` (no chat template)."""
-        return self.session.format.encode(text)
-
-    def token_text(self, token: int) -> str:
-        """One token's text."""
-        return str(self.session.backend.tokenizer.decode([token]))
 
     def background_logprobs(self) -> Any:
         """No model here: recall weighs words by their rarity in the session alone."""
@@ -125,19 +78,6 @@ class EngineServices:
     def global_device_bytes(self) -> int:
         """Engine KV bytes across the backend's sessions."""
         return self.session.backend.device_bytes()
-
-    def child_branches(self) -> list[tuple[str, str | None]]:
-        """`(session_id, branch)` of the live branch sessions forked from this one."""
-        session = self.session
-        return [
-            (child.session_id, child.branch)
-            for child in session.backend.sessions()
-            if is_branch_of(child.session_id, session.session_id) and child.parent is session
-        ]
-
-    def close_child(self, session_id: str) -> None:
-        """Close a branch session forked from this one (its tail is deleted on the engine)."""
-        self.session.backend.close(session_id)
 
 
 class EngineSession(SessionCore):
@@ -155,16 +95,8 @@ class EngineSession(SessionCore):
         branch: str | None = None,
         config: AgentKVConfig | None = None,
     ) -> None:
-        self.backend = backend
-        self.session_id = session_id
-        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
-        self.format = backend.chat_format
-        self.lock = threading.RLock()
-        self.branch = branch
         self.parent = parent
-        self.closed = False
-        self.store: EngineStore
-        self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
+        self._open(backend, session_id, parent, branch, config)
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
         self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
         self.conversation_id: str = parent.conversation_id if parent is not None else session_id
