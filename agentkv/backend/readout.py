@@ -36,6 +36,10 @@ class ReadableStore(Protocol):
         """Bytes held for one span."""
         ...
 
+    def close(self) -> None:
+        """Free everything the store holds."""
+        ...
+
 
 class SessionReadout:
     """The reading half of `Session`: properties over its `SpanTable`, stats and snapshots."""

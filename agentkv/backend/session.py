@@ -37,7 +37,7 @@ from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import PromptRead
-from agentkv.spans import ATTENDED_STATES, Span, SpanKind, SpanState, Tier
+from agentkv.spans import ATTENDED_STATES, Span, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
@@ -145,15 +145,7 @@ class Session(SessionCore):
             message_spans = self.table.message_spans()
             # After `SessionClosed` nothing is matched: the history given is encoded anew, as on a
             # fresh session, never answered over the released spans' tokens.
-            k = 0
-            restart = self.ended
-            while (
-                not restart
-                and k < len(message_spans)
-                and k < len(incoming)
-                and incoming[k].fingerprint() in message_spans[k].fingerprints
-            ):
-                k += 1
+            k = self._matched_messages(incoming, message_spans, restart=self.ended)
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
@@ -177,9 +169,7 @@ class Session(SessionCore):
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
                 index = k + offset
-                if message.role == "user":
-                    self.manager.on_new_user_turn()
-                    self.table.turn += 1
+                self._count_turn(message)
                 if offset == 0 and partial:
                     # The rewritten message keeps its unchanged leading tokens; it is new content.
                     span = self.spans[-1]
@@ -221,6 +211,17 @@ class Session(SessionCore):
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
             )
             return result
+
+    def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if self.ended:
+            msg = (
+                f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
+                "call extend(messages) with the conversation to start it over, then answer"
+            )
+            raise ValueError(msg)
+        # The answer is closed with the template's end-of-turn ids: they need positions too.
+        suffix = len(self.format.assistant_suffix_ids())
+        self._check_positions(self.logical_length + prompt_tokens + max_new_tokens + suffix)
 
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
@@ -350,23 +351,7 @@ class Session(SessionCore):
 
     def _decode(self, params: SamplingParams, prefix: str, message_id: str | None) -> Iterator[str]:
         with self.lock:
-            self._check_open()
-            if not self.messages:
-                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
-                raise ValueError(msg)
-            if self.ended:
-                msg = (
-                    f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
-                    "call extend(messages) with the conversation to start it over, then answer"
-                )
-                raise ValueError(msg)
-            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            # The answer is closed with the template's end-of-turn ids: they need positions too.
-            suffix = len(self.format.assistant_suffix_ids())
-            self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens + suffix)
-            span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
-            span.message_index = len(self.messages)
-            self.manager.on_span_created(span)
+            span, prompt_tokens = self._open_answer(prefix, message_id, params.max_new_tokens)
             deferred, self.prefill_deferred = self.prefill_deferred, False
             try:
                 self._prefill()  # the deferred messages and the generation prompt: one forward
@@ -398,7 +383,7 @@ class Session(SessionCore):
                 )
             finally:
                 # The last produced token was not fed back: it is encoded with the end of turn.
-                span.token_ids.extend(answer.tokens[len(span.token_ids) - len(prompt_ids) :])
+                span.token_ids.extend(answer.tokens[len(span.token_ids) - prompt_tokens :])
                 self._finish_answer(span, prefix, answer.text, len(answer.tokens), computed=False)
 
     def _decode_one(self, span: Span) -> torch.Tensor:
@@ -454,14 +439,8 @@ class Session(SessionCore):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
-        with self.lock:
-            self._check_open()
-            return self._apply_locked(event, enforce=True)
-
     def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
-        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        """Apply one event with the lock held: forget requests, a conversation's end, a turn's end."""
         if isinstance(event, ForgetRequested):
             return self.forget.request(event)
         result = self.manager.apply(event, enforce=enforce)
@@ -506,13 +485,6 @@ class Session(SessionCore):
             self.last_logits = parent.last_logits
             self.manager = LifecycleManager(SessionServices(self), self.limits)
             self.manager.inherit(parent.manager)
-
-    def close(self) -> None:
-        """Free the session's KV (tokens are dropped with it)."""
-        with self.lock:
-            self.store.close()
-            self.table.clear()
-            self.closed = True
 
 
 def _attended(span: Span) -> int:

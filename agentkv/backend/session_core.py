@@ -15,8 +15,10 @@ from agentkv.backend.contracts import BackendHost, SessionClosedError
 from agentkv.backend.readout import SessionReadout
 from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
+from agentkv.events import Event
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
+from agentkv.lifecycle.results import ApplyResult
 from agentkv.spans import Span, SpanKind
 
 __all__ = ["SessionCore"]
@@ -56,6 +58,51 @@ class SessionCore(SessionReadout):
                 f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
             )
             raise SessionClosedError(msg)
+
+    def _matched_messages(
+        self, incoming: Sequence[ChatMessage], message_spans: Sequence[Span], *, restart: bool = False
+    ) -> int:
+        """How many leading `incoming` messages the table already holds (matched by fingerprint).
+
+        `restart`: match nothing (the history is encoded anew).
+        """
+        k = 0
+        while (
+            not restart
+            and k < len(message_spans)
+            and k < len(incoming)
+            and incoming[k].fingerprint() in message_spans[k].fingerprints
+        ):
+            k += 1
+        return k
+
+    def _count_turn(self, message: ChatMessage) -> None:
+        """A user message opens a turn: the manager hears of it, then the table's turn moves on."""
+        if message.role == "user":
+            self.manager.on_new_user_turn()
+            self.table.turn += 1
+
+    def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise when this session cannot answer now (the subclass adds its own limits)."""
+        del prompt_tokens, max_new_tokens
+
+    def _open_answer(self, prefix: str, message_id: str | None, max_new_tokens: int) -> tuple[Span, int]:
+        """The assistant span an answer is decoded into, holding its prompt; `(span, prompt length)`.
+
+        Raises:
+            SessionClosedError: the session is closed.
+            ValueError: nothing to answer (no messages), or the subclass's `_check_answer` refuses.
+        """
+        self._check_open()
+        if not self.messages:
+            msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
+            raise ValueError(msg)
+        prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
+        self._check_answer(len(prompt_ids), max_new_tokens)
+        span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
+        span.message_index = len(self.messages)
+        self.manager.on_span_created(span)
+        return span, len(prompt_ids)
 
     def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
         return self.table.new_span(kind, token_ids, branch=self.branch, **fields)
@@ -110,6 +157,16 @@ class SessionCore(SessionReadout):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    def apply(self, event: Event) -> ApplyResult:
+        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
+        with self.lock:
+            self._check_open()
+            return self._apply_locked(event, enforce=True)
+
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        return self.manager.apply(event, enforce=enforce)
+
     def pin(
         self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
     ) -> Lease:
@@ -132,3 +189,10 @@ class SessionCore(SessionReadout):
         """
         child: Self = self.backend.fork(self.session_id, branch, config=config)
         return child
+
+    def close(self) -> None:
+        """Free the session's KV (on the engine: unpin and delete it); its spans are forgotten."""
+        with self.lock:
+            self.store.close()
+            self.table.clear()
+            self.closed = True

@@ -26,7 +26,7 @@ from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
-from agentkv.spans import Span, SpanKind, Tier
+from agentkv.spans import Span, Tier
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -149,21 +149,13 @@ class EngineSession(SessionCore):
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
-            k = 0
-            while (
-                k < len(message_spans)
-                and k < len(incoming)
-                and incoming[k].fingerprint() in message_spans[k].fingerprints
-            ):
-                k += 1
+            k = self._matched_messages(incoming, message_spans)
             reused = sum(s.length for s in message_spans[:k])
             cropped = self._crop(message_spans[k]) if k < len(message_spans) else 0
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
-                if message.role == "user":
-                    self.manager.on_new_user_turn()
-                    self.table.turn += 1
+                self._count_turn(message)
                 span = self._new_span(message.kind, ids)
                 span.n_computed = len(ids)  # held by the prompt; the engine computes or reuses it
                 self._describe_message(span, message, k + offset)
@@ -215,16 +207,8 @@ class EngineSession(SessionCore):
             raise ValueError(msg)
         stops = list(params.stop)
         with self.lock:
-            self._check_open()
-            if not self.messages:
-                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
-                raise ValueError(msg)
-            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True)
-            span.owner = message_id
-            span.n_computed = len(prompt_ids)
-            span.message_index = len(self.messages)
-            self.manager.on_span_created(span)
+            span, prompt_tokens = self._open_answer(prefix, message_id, max_new_tokens)
+            span.n_computed = prompt_tokens  # the prompt holds it; the engine computes or reuses it
             prompt = self.store.prompt()
             gate = self.backend.gate
             if gate is not None:  # waits while the residents' working sets fill the cache (bounded)
@@ -257,8 +241,8 @@ class EngineSession(SessionCore):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held; the engine hears of it on the next call (`EngineStore.sync`).
 
         `TurnEnded` pins what the turn committed at once (`EngineStore.refit_pins`), then
         parks the conversation (`EngineStore.park`): the chunks its pin keeps on L2 give up
@@ -267,17 +251,15 @@ class EngineSession(SessionCore):
         are what that call reads); one that gives its place up gets its pin refitted to its
         new share (the residents' room).
         """
-        with self.lock:
-            self._check_open()
-            result = self.manager.apply(event)
-            if isinstance(event, TurnEnded):
-                gate = self.backend.gate
-                working_set = len(self.store.prompt())
-                resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
-                self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
-                if not resident:
-                    self.store.park()  # the conversation now waits: L1 room goes to others
-            return result
+        result = super()._apply_locked(event, enforce=enforce)
+        if isinstance(event, TurnEnded):
+            gate = self.backend.gate
+            working_set = len(self.store.prompt())
+            resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
+            self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
+            if not resident:
+                self.store.park()  # the conversation now waits: L1 room goes to others
+        return result
 
     def close(self) -> None:
         """Unpin and delete this session's KV on the engine; forget its spans.
@@ -285,10 +267,8 @@ class EngineSession(SessionCore):
         Pin requests that timed out (maybe applied) and could not be checked yet go to the
         root conversation, which checks them once it holds the salt alone.
         """
+        super().close()
         with self.lock:
-            self.store.close()
-            self.table.clear()
-            self.closed = True
             uncertain, self.store.uncertain_pins = self.store.uncertain_pins, []
             gate = self.backend.gate
             if gate is not None and self.parent is None:  # a branch shares its root's residency
