@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget|threads|tools`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,7 +140,7 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak|forget|engine`."""
+    """`agentkv bench reuse|memory|soak|forget|engine|threads|tools`."""
     console = Console()
     if not console.is_terminal:  # a pipe or file would get 80 columns and squeeze the wide tables
         console = Console(width=220)
@@ -222,6 +222,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with _progress(args) as bars:
             result = run_forget_bench(model, tokenizer, budgets=forget_budgets, out_dir=out, progress=bars)
         console.print(forget_table(result))
+    elif args.which == "threads":
+        from agentkv.bench.threads import run_threads_bench
+
+        counts = tuple(int(n) for n in _names(args.counts) or ["1", "8", "32"])
+        with _progress(args) as bars:
+            result = run_threads_bench(
+                model, tokenizer, counts=counts, turns=args.turns or 3, out_dir=out, progress=bars
+            )
+        console.print(_threads_table(result))
+    elif args.which == "tools":
+        try:
+            from agentkv_langchain.tool_bench import run_tools_bench, tools_table
+        except ImportError as e:
+            msg = f"agentkv bench tools needs LangChain and LangGraph: {AGENTS_EXTRA_HINT} ({e})"
+            raise CommandError(msg) from e
+        with _progress(args) as bars:
+            result = run_tools_bench(model, tokenizer, out_dir=out, progress=bars)
+        console.print(tools_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -230,6 +248,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_kv("soak", summary, console)
     console.print(f"results in {out}/")
     return 0
+
+
+def _threads_table(result: dict[str, Any]) -> Table:
+    """`bench threads`: one row per N, shared vs unshared."""
+    settings = result["settings"]
+    table = Table(
+        title=(
+            f"agentkv bench threads: same {settings['system_prompt_tokens']}-token system prompt + tools, "
+            f"{settings['turns']} turns per thread (prefix cache on | off)"
+        )
+    )
+    for name in (
+        "N",
+        "TTFT 1st call thr 1 ms",
+        "TTFT 1st call thr 2..N ms (on | off)",
+        "TTFT follow-up ms",
+        "1st / follow-up",
+        "prefill tokens (on | off)",
+        "device MiB (on | off)",
+        "prefix MiB",
+        "same answers",
+    ):
+        table.add_column(name, justify="right")
+    mib = 1024 * 1024
+    for r in result["rows"]:
+        table.add_row(
+            str(r["threads"]),
+            f"{r['first_call_ttft_s_thread1'] * 1000:,.0f}",
+            f"{r['first_call_ttft_s_threads2N_shared'] * 1000:,.0f} | "
+            f"{r['first_call_ttft_s_threads2N_unshared'] * 1000:,.0f}",
+            f"{r['followup_ttft_s_shared'] * 1000:,.0f}",
+            f"{r['first_call_over_followup']:.2f}",
+            f"{r['prefill_tokens_shared']:,} | {r['prefill_tokens_unshared']:,}",
+            f"{r['device_bytes_shared'] / mib:,.1f} | {r['device_bytes_unshared'] / mib:,.1f}",
+            f"{r['prefix_bytes'] / mib:,.1f}",
+            "yes" if r["answers_identical"] else "NO",
+        )
+    return table
 
 
 def _names(value: str | None) -> list[str] | None:
@@ -403,10 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak", "forget", "engine"],
+        choices=["reuse", "memory", "soak", "forget", "engine", "threads", "tools"],
         help=(
             "reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
+            "threads: N threads sharing one system prompt + tools block (prefix cache on vs off); "
             "forget: the forgetting side thread on tool-heavy traces; "
+            "tools: tool calls and structured output with and without the grammar; "
             "engine: tool agents on vLLM + LMCache (start it with scripts/serve.sh)"
         ),
     )
@@ -444,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model", help="HF id, model directory or .gguf path (default: SmolLM2-135M-Instruct)"
     )
-    bench.add_argument("--turns", type=int, help="turns (reuse: 30, ~4.5k tokens; soak: 300)")
+    bench.add_argument("--turns", type=int, help="turns (reuse: 30, ~4.5k tokens; soak: 300; threads: 3)")
+    bench.add_argument("--counts", help="threads: comma-separated thread counts (default 1,8,32)")
     bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument(
         "--methods",

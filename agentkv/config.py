@@ -38,9 +38,11 @@ from agentkv.config_sections import (
     QuantizationConfig,
     RecallConfig,
     Section,
-    cross_field_problems,
     policy_as_mapping,
+    trigger_problem,
+    watermark_problem,
 )
+from agentkv.config_sessions import SessionsConfig
 from agentkv.config_text import (
     ConfigProblems,
     Loc,
@@ -66,6 +68,7 @@ __all__ = [
     "PrefixCacheConfig",
     "QuantizationConfig",
     "RecallConfig",
+    "SessionsConfig",
     "parse_bytes",
     "rule_problems",
 ]
@@ -110,6 +113,11 @@ class AgentKVConfig(Section):
         description="Event -> {target: action} overrides of the default rules.",
     )
     """Event -> {target: action} overrides of the default rules."""
+    sessions: SessionsConfig = Field(
+        default_factory=SessionsConfig,
+        description="How many sessions hold KV, and for how long when idle (backend-wide).",
+    )
+    """How many sessions hold KV, and for how long when idle (backend-wide)."""
     callbacks: CallbacksConfig = Field(
         default_factory=CallbacksConfig, description="LangChain callback handler settings."
     )
@@ -298,6 +306,30 @@ def rule_problems(rules: Mapping[str, Mapping[str, str]]) -> list[tuple[tuple[st
             elif action not in ACTIONS:
                 problems.append(((event, target), unknown_value("action", action, ACTIONS)))
     return problems
+
+
+def cross_field_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
+    """Cross-field problems of a raw `agentkv:` mapping whose own values are each valid."""
+    problems: list[tuple[Loc, str]] = []
+    budget = data.get("budget")
+    if isinstance(budget, Mapping):
+        fields = BudgetConfig.model_fields
+        high = budget.get("high_watermark", fields["high_watermark"].default)
+        low = budget.get("low_watermark", fields["low_watermark"].default)
+        if _is_fraction(high) and _is_fraction(low):
+            problem = watermark_problem(float(high), float(low))
+            if problem is not None:
+                problems.append((("budget", *problem[0]), problem[1]))
+    forget = data.get("forget")
+    if isinstance(forget, Mapping) and forget.get("enabled") is True and "every_turns" in forget:
+        problem = trigger_problem(True, forget["every_turns"], forget.get("on_high_watermark") is True)
+        if problem is not None:
+            problems.append((("forget", *problem[0]), problem[1]))
+    return problems
+
+
+def _is_fraction(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
 
 
 def cross_field_lines(

@@ -229,6 +229,13 @@ class QuantizationConfig(Section):
         ),
     )
     """Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."""
+    host_bits: Literal[8, 4] | None = Field(
+        default=None,
+        description=(
+            "Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."
+        ),
+    )
+    """Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."""
     attended_residual_tokens: int = Field(
         default=64,
         ge=0,
@@ -503,7 +510,7 @@ class CallbacksConfig(Section):
 # Pydantic runs a section's "after" validators only when all its fields are valid, so
 # a file with a bad field and a watermark-order error would show the second only once
 # the first is fixed. These checks take plain values: the validators call them on the
-# model, `cross_field_problems` on the raw data when validation failed elsewhere.
+# model, `agentkv.config.cross_field_lines` on the raw data when validation failed.
 
 
 def watermark_problem(high: float, low: float) -> tuple[Loc, str] | None:
@@ -521,30 +528,6 @@ def trigger_problem(
         msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
         return (("every_turns",), msg)
     return None
-
-
-def cross_field_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
-    """Cross-field problems of a raw `agentkv:` mapping whose own values are each valid."""
-    problems: list[tuple[Loc, str]] = []
-    budget = data.get("budget")
-    if isinstance(budget, Mapping):
-        fields = BudgetConfig.model_fields
-        high = budget.get("high_watermark", fields["high_watermark"].default)
-        low = budget.get("low_watermark", fields["low_watermark"].default)
-        if _is_fraction(high) and _is_fraction(low):
-            problem = watermark_problem(float(high), float(low))
-            if problem is not None:
-                problems.append((("budget", *problem[0]), problem[1]))
-    forget = data.get("forget")
-    if isinstance(forget, Mapping) and forget.get("enabled") is True and "every_turns" in forget:
-        problem = trigger_problem(True, forget["every_turns"], forget.get("on_high_watermark") is True)
-        if problem is not None:
-            problems.append((("forget", *problem[0]), problem[1]))
-    return problems
-
-
-def _is_fraction(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
 
 
 DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")

@@ -17,6 +17,7 @@ class Counters:
     shared_prefix_tokens: int = 0
     generated_tokens: int = 0
     cropped_tokens: int = 0
+    encoded_tokens: int = 0
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0
@@ -52,22 +53,22 @@ class PromptRead:
 
     `attended_tokens` = tokens of the cache the first answer token attended (the whole
     prompt, generation prompt included, as held: evicted or archived spans are not in
-    it). `encoded_total` = the session's `prefill_tokens + rehydrated_tokens` at that
-    moment, so a caller that read the totals before its call knows how many of the
-    attended tokens it encoded itself (the rest were read from the cache).
+    it). `encoded_total` = the session's `encoded_tokens` at that moment, so a caller
+    that read the stats before its call knows how many tokens it encoded itself (the
+    rest of the attended ones were read from the cache).
     """
 
     attended_tokens: int
     encoded_total: int
 
-    def usage(self, encoded_before: int) -> tuple[int, int]:
-        """`(input_tokens, cache_read)` of a call that started when `encoded_total` was `encoded_before`.
+    def usage(self, encoded_before: int) -> tuple[int, int, int]:
+        """`(input_tokens, cache_read, new_tokens)` of a call begun at `encoded_tokens == encoded_before`.
 
-        `input_tokens = cache_read + new tokens` exactly; tokens encoded by the call and
+        `input_tokens = cache_read + new_tokens` exactly; tokens encoded by the call and
         demoted before the answer was read do not count (the answer never attended them).
         """
         new = min(max(0, self.encoded_total - encoded_before), self.attended_tokens)
-        return self.attended_tokens, self.attended_tokens - new
+        return self.attended_tokens, self.attended_tokens - new, new
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class SessionStats:
     tokens_by_state: dict[str, int]
     generated_tokens: int = 0
     cropped_tokens: int = 0
+    encoded_tokens: int = 0
+    """Tokens run through the model into this session's cache: prefills, spans recomputed from
+    their tokens, and each generated token fed back (scoring forwards that leave the cache as it
+    was are not counted)."""
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0

@@ -1,9 +1,10 @@
 """A LangGraph tool-calling assistant whose KV cache follows the agent's lifecycle.
 
 Ten-plus scripted user turns; on the turns that need a tool the model is forced to
-call it (`tool_choice=<tool>`, so even the 135M default model writes a parseable
-call), the tool returns a long result, and the model answers from it. agentkv
-turns the agent's moments into cache events:
+call it (`tool_choice=<tool>`, decoded under the tool's grammar, so even the 135M
+default model's call parses and follows its schema), the tool returns a long
+result, and the model answers from it. agentkv turns the agent's moments into
+cache events:
 
 - `ToolCallCompleted`: the tool result is COMMITTED (kept), the call that asked
   for it is released (EVICTABLE: the first thing to go under pressure);

@@ -70,6 +70,7 @@ class Session(SessionCore):
             attended_residual_tokens=self.config.quantization.attended_residual_tokens,
             attended_key_bits=self.config.quantization.attended_key_bits,
             attended_sink_tokens=self.config.quantization.attended_sink_tokens,
+            host_bits=self.config.quantization.host_bits,
         )
         self.table = SpanTable(session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
@@ -79,7 +80,7 @@ class Session(SessionCore):
         self.last_prompt: PromptRead | None = None
         """What the latest answer's first token read (see `PromptRead`); None before any answer."""
         self.ended = False
-        """True after `SessionClosed` until the next `extend` starts the conversation over."""
+        """True after `SessionClosed` until the next call brings the released history back (`_restart`)."""
         self.manager: LifecycleManager
         """Events, budgets and recall for this session (`agentkv.lifecycle`)."""
         self.forget = ForgetController(self)
@@ -143,14 +144,11 @@ class Session(SessionCore):
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
-            # After `SessionClosed` nothing is matched: the history given is encoded anew, as on a
-            # fresh session, never answered over the released spans' tokens.
-            k = self._matched_messages(incoming, message_spans, restart=self.ended)
+            k = self._matched_messages(incoming, message_spans)
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            # Read from the cache: the matched messages' tokens the model attends (a pending tail is
-            # encoded later, an archived or evicted span is not attended: neither is a cache read).
+            # A cache read: attended, computed tokens (not a pending tail, not a released span).
             reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
@@ -185,7 +183,8 @@ class Session(SessionCore):
                     self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
-            self.ended = False
+            if self.ended:
+                self._restart()  # the kept messages' released KV, pending with the new messages
             applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
@@ -213,15 +212,24 @@ class Session(SessionCore):
             return result
 
     def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """After `SessionClosed` the released history comes back first; the answer must fit the positions."""
         if self.ended:
-            msg = (
-                f"session {self.session_id!r} was ended by SessionClosed: its history is released; "
-                "call extend(messages) with the conversation to start it over, then answer"
-            )
-            raise ValueError(msg)
+            self._restart()
         # The answer is closed with the template's end-of-turn ids: they need positions too.
         suffix = len(self.format.assistant_suffix_ids())
         self._check_positions(self.logical_length + prompt_tokens + max_new_tokens + suffix)
+
+    def _restart(self) -> None:
+        """The conversation goes on after `SessionClosed`: bring back every span it released.
+
+        A released span keeps its token ids: it is recomputed from them at its logical
+        positions, in the next prefill with the call's new tokens, exactly as a session
+        never closed holds it. An answer never reads a history the model does not attend.
+        """
+        self.ended = False
+        for span in self.spans:
+            if span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
+                self.manager.mover.move(span, SpanState.COMMITTED, reason="session_restarted", lazily=True)
 
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
@@ -307,6 +315,7 @@ class Session(SessionCore):
         """
         before = self.runner.forward_seconds
         self.store.physical.compact_pending()  # a forward must never attend a removed slot
+        self.counters.encoded_tokens += len(feed)
         try:
             return self.runner.forward_observed(
                 self.store.physical, feed, self.manager.policy, window=self.config.commit.window, **kwargs
@@ -361,10 +370,7 @@ class Session(SessionCore):
                 self.manager.on_span_removed(span)
                 self.store.forget(span)
                 raise
-            self.last_prompt = PromptRead(
-                attended_tokens=self.store.physical.length,
-                encoded_total=self.counters.prefill_tokens + self.counters.rehydrated_tokens,
-            )
+            self.last_prompt = PromptRead(self.store.physical.length, self.counters.encoded_tokens)
             if deferred:
                 self.manager.after_operation()  # the budget check `extend` would have made
             logits = self.last_logits
@@ -445,7 +451,7 @@ class Session(SessionCore):
             return self.forget.request(event)
         result = self.manager.apply(event, enforce=enforce)
         if isinstance(event, SessionClosed):
-            self.ended = True  # the next `extend` starts over (see there)
+            self.ended = True  # the next call brings the released history back (`_restart`)
         if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
             self.forget.on_turn_ended()
         return result

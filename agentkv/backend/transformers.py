@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ class TransformersBackend(SessionRegistry[Session]):
         tokenizer: its tokenizer; a chat template is used when present, else ChatML (with a warning).
         config: the agentkv configuration (defaults when None).
         prefill_chunk: tokens per forward when encoding long inputs (bounds peak memory).
+        clock: the clock of the idle bound (`agentkv.sessions.idle_seconds`), in seconds.
     """
 
     def __init__(
@@ -45,8 +48,9 @@ class TransformersBackend(SessionRegistry[Session]):
         config: AgentKVConfig | None = None,
         *,
         prefill_chunk: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
+        super().__init__(clock)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or AgentKVConfig()

@@ -21,6 +21,8 @@ Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in 
 - `agentkv-nohost`: the same without a host tier (`NOHOST_TIER`): archived spans
   are dropped and recall recomputes them from their token ids.
 - `agentkv-int4`: archived spans go to the int4 archive (on the device, not attended).
+- `agentkv-host8`, `agentkv-archive-host8`: `agentkv` / `agentkv-archive` with the host
+  archive held as int8 codes (`quantization.host_bits: 8`).
 - `agentkv-q4`, `agentkv-q2`: `agentkv-nohost` with the attended cache held at
   int4 / int2 (KIVI, `agentkv.store.attended`): the budget counts the bytes held,
   so about five (int4) to eight (int2) times more history stays attended.

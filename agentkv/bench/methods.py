@@ -35,6 +35,10 @@ ARCHIVE_ONLY: Mapping[str, Any] = {"quantization": {"attended_bits": None}}
 """No attended quantized tier: pressure archives spans at once (the default before the sixth session)."""
 
 
+HOST8: Mapping[str, Any] = {"quantization": {"host_bits": 8}}
+"""The host archive as int8 codes (KIVI groups of 32): about a quarter of the fp32 host bytes."""
+
+
 @dataclass(frozen=True)
 class Method:
     """One way to run a session under a budget."""
@@ -85,6 +89,15 @@ METHODS: dict[str, Method] = {
             "agentkv-nohost-archive", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=ARCHIVE_ONLY
         ),
         Method("agentkv-int4-archive", "lifecycle", archive_tier="int4", events=True, extra=ARCHIVE_ONLY),
+        # The host archive held as int8 codes (`quantization.host_bits`), with and without the attended tier.
+        Method("agentkv-host8", "lifecycle", archive_tier="host", events=True, extra=HOST8),
+        Method(
+            "agentkv-archive-host8",
+            "lifecycle",
+            archive_tier="host",
+            events=True,
+            extra={"quantization": {"attended_bits": None, "host_bits": 8}},
+        ),
         # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
         # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
         Method(

@@ -22,7 +22,7 @@ from agentkv.backend.session_core import SessionCore
 from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.engines.admission import Admission, AdmissionGate
-from agentkv.engines.store import EngineStore, EngineTarget
+from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
@@ -99,6 +99,8 @@ class EngineSession(SessionCore):
         self._open(backend, session_id, parent, branch, config)
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
         self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
+        self.engine_sequence: list[int] = list(parent.engine_sequence) if parent is not None else []
+        """Token ids of this session's last engine call (prompt and answer): its own cached prefix."""
         self.conversation_id: str = parent.conversation_id if parent is not None else session_id
         """The root conversation: branches share its residency at the admission gate."""
         self.last_admission: Admission | None = None
@@ -232,6 +234,11 @@ class EngineSession(SessionCore):
             self.store.completed(prompt + produced)
             self.counters.prefill_tokens += max(0, done.prompt_tokens - done.cached_tokens)
             self.counters.reused_tokens += done.cached_tokens
+            # Cached tokens past what this session itself sent came from another session's
+            # prompt: the engine's prefix cache shared them (the field the local backend fills).
+            own = common_prefix(self.engine_sequence, prompt)
+            self.counters.shared_prefix_tokens += max(0, done.cached_tokens - own)
+            self.engine_sequence = prompt + produced
             self._finish_answer(span, prefix, done.text, len(produced), computed=True)
             return done.text
 

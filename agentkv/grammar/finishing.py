@@ -23,6 +23,8 @@ RECHECK_AFTER = 8
 CLOSERS = frozenset('"}]')
 STOP_RANK = 100.0
 """The rank of the end-of-turn tokens: the best way to finish is to be finished."""
+SEPARATORS = (",", ", ")
+"""Tokens that end a value when a required key or item still has to follow (below the closers)."""
 _PREFERRED = ('""', "[]", "{}", "0")
 """Whole tokens that end a value at once (an empty string, array or object, a zero)."""
 
@@ -39,7 +41,7 @@ def closing_rank(tokenizer: Any, stop_ids: frozenset[int] | set[int]) -> torch.T
     """How much each token id helps close an answer, `[V]` float (0 = not a closer), cached.
 
     Stop tokens rank highest, then tokens made only of `"`, `}` and `]` (longer first),
-    then `_PREFERRED` values.
+    then a separator (a required key may still follow), then `_PREFERRED` values.
     """
     with _LOCK:
         held = _RANKS.get(id(tokenizer))
@@ -53,6 +55,8 @@ def closing_rank(tokenizer: Any, stop_ids: frozenset[int] | set[int]) -> torch.T
             if text and set(text) <= CLOSERS:
                 rank[i] = 10.0 + len(text)
                 quotes[i] = float(text.startswith('"'))
+            elif text in SEPARATORS:
+                rank[i] = 6.0
             elif text in _PREFERRED:
                 rank[i] = 5.0
         for i in stop_ids:

@@ -5,15 +5,12 @@ The budget in bytes and its watermarks are `agentkv.lifecycle.limits.BudgetLimit
 session under them.
 
 Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
-- *span mode* (agentkv's `lifecycle` policy, and `full`): pressure demotes whole
-  spans — evictable first; then, with an attended quantized tier, spans are held
-  quantized and still attended (lowest priority first: committed spans in the
-  demotion order of `agentkv.lifecycle.demotion`, then recalled, then the current
-  turn, then pinned); then committed spans are archived in that order, then
-  quantized archives are evicted. Demotion order: full
-  precision -> attended quantized (keys at 8 bits, then at 4, when the tier holds
-  8-bit keys) -> archived -> evicted. Spans were compressed
-  once, at commit.
+- *span mode* (agentkv's `lifecycle` policy, and `full`): pressure moves whole spans
+  down their rungs (full precision -> attended quantized -> archived -> dropped), one
+  rung per span chosen by the placement planner (`agentkv.lifecycle.placement`) so
+  that the limit holds at the least value lost: evictable spans first, pinned and
+  active spans last and never out of attention, the spans the current question needs
+  after the rest. Spans were compressed once, at commit.
 - *token mode* (generic baselines: window, StreamingLLM, H2O, SnapKV, …): pressure
   re-scores every attended token and keeps the top ones, as those methods do.
 """
@@ -24,13 +21,13 @@ import logging
 from typing import Any
 
 from agentkv.lifecycle.compression import Compressor
-from agentkv.lifecycle.demotion import demotion_key, demotion_order
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.placement import ATTENDED_RUNGS, Rung, plan_placement
 from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.rungs import lifecycle_class, span_options
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedQuantizer
 
 logger = logging.getLogger(__name__)
 
@@ -143,116 +140,79 @@ class BudgetKeeper:
         return not span.pinned and span.span_id not in self.marks.recalled
 
     def _demote_spans(self, target: int) -> None:
-        """Demote whole spans until device usage is at most `target` bytes.
+        """Bring device usage to at most `target` bytes with one placement plan (re-planned if short).
 
-        Order: the grace queue (evictable spans, oldest first), then committed spans on
-        the device in the demotion order (`agentkv.lifecycle.demotion`: what this turn's
-        user message needs last, the least value per byte first), then quantized archives.
-        Spans recalled for this turn go last, least relevant first, and only as far as
-        the limit itself (the high watermark, not `target`): recall chose them for the
-        question being answered, but the budget is a limit and the turn's own new content
-        (a long tool result arriving after the recall) must fit. Pinned and active spans
-        are never demoted. Usage is re-read only after a move (`usage_bytes` sums every
-        block).
+        `agentkv.lifecycle.rungs` gives every span its rungs and value,
+        `agentkv.lifecycle.placement` picks one rung per span (the least value lost per
+        byte saved first), and the mover applies the moves. Spans recalled for this turn
+        move only while usage is over the limit itself (the high watermark, not
+        `target`): recall chose them for the question being answered, but the budget is
+        a limit and the turn's own new content must fit. The store's byte figures are
+        estimates before a move (int4 keys; a tier with 8-bit keys holds more): when usage
+        is still over `target` after the moves, the plan is made again from what the store
+        now holds (a few times at most). With 8-bit keys, once nothing is left to quantize,
+        keys drop to 4 bits (in the planner's order) before any span leaves attention.
         """
-        spans = self.table.spans
-        marks = self.marks
-        usage = self.usage_bytes()
         limit = self.last_limit
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
-
-        def demote(candidates: list[Span], state: SpanState, *, recalled: bool = False) -> bool:
-            nonlocal usage
-            goal = hard if recalled else target
-            for span in candidates:
-                if usage <= goal:
-                    return True
-                if span.pinned or (span.span_id in marks.recalled) is not recalled:
+        for _ in range(5):
+            usage = self.usage_bytes()
+            if usage <= target:
+                return
+            choices = span_options(
+                self.table.spans,
+                self.port.store,
+                self.marks,
+                archive_tier=self.mover.archive_tier,
+                token_bytes=self.port.bytes_per_token,
+            )
+            plan = plan_placement(choices, usage, target, hard_target=hard)
+            by_id = {s.span_id: s for s in self.table.spans}
+            order = [by_id[c.span_id] for c in choices if c.span_id in plan.rungs]
+            leaving = [
+                s
+                for s in order
+                if plan.rungs[s.span_id] not in ATTENDED_RUNGS and s.state is not SpanState.EVICTABLE
+            ]
+            if leaving and self.mover.can_coarsen():
+                # 8-bit keys drop to 4 bits before any span leaves attention: the rest of the plan first.
+                staying = [s for s in order if s not in leaving]
+                self._apply(staying, plan.rungs)
+                if staying or self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - target):
                     continue
-                was_recallable = span.span_id in marks.recallable
-                if self.mover.move(span, state, reason="budget") is None:
+            if not plan.rungs:
+                if self.mover.coarsen(self._attended_in_order(), usage - target):
                     continue
-                # Archived by the budget, or an archive the budget evicted: still recallable
-                # (restored, or recomputed from its token ids). Released spans are not.
-                if state is SpanState.ARCHIVED or was_recallable:
-                    marks.recallable.add(span.span_id)
-                usage = self.usage_bytes()
-            return usage <= goal
+                return
+            self._apply(order, plan.rungs)
+            if self.usage_bytes() >= usage:
+                return  # nothing moved (every move failed): the plan would repeat itself
 
-        def in_order(state: SpanState, tier: Tier) -> list[Span]:
-            # What this turn's user message does not need first, least value per byte first.
-            return demotion_order((s for s in spans if s.state is state and s.tier is tier), marks)
+    def _attended_in_order(self) -> list[Span]:
+        """Attended spans, the lifecycle's lowest class first (the order keys drop to 4 bits in)."""
+        attended = [s for s in self.table.spans if s.tier is Tier.DEVICE]
+        return sorted(attended, key=lambda s: (lifecycle_class(s, self.marks), s.start))
 
-        # 1. The grace queue: evictable spans go first, oldest first.
-        evictable = sorted((s for s in spans if s.state is SpanState.EVICTABLE), key=lambda s: s.start)
-        if demote(evictable, SpanState.EVICTED):
-            return
-        # 2. With an attended quantized tier: hold spans quantized, still attended, before archiving any.
-        if self._quantize_attended(target):
-            return
-        usage = self.usage_bytes()
-        # 3. Committed spans on the device, least value per byte first (whole spans: never re-scored).
-        if demote(in_order(SpanState.COMMITTED, Tier.DEVICE), SpanState.ARCHIVED):
-            return
-        # 4. Quantized archives still count on the device: the least value per byte goes.
-        if demote(in_order(SpanState.ARCHIVED, Tier.QUANTIZED), SpanState.EVICTED):
-            return
-        # 5. Last resort: what recall brought in for this turn, least relevant first.
-        relevance = marks.relevance
-        recalled = sorted(
-            (s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE),
-            key=lambda s: (relevance.get(s.span_id, 0.0), s.start),
-        )
-        demote(recalled, SpanState.ARCHIVED, recalled=True)
-
-    def _quantize_attended(self, target: int) -> bool:
-        """Quantize device spans in attention, lowest priority first, until usage <= `target`.
-
-        Priority, lowest first (the lifecycle's own order): committed spans in the demotion
-        order (`agentkv.lifecycle.demotion`); spans recalled for this turn by relevance;
-        the current turn's active spans oldest first; pinned spans last. The store keeps
-        the attention sinks and the residual window in full precision. With 8-bit keys,
-        every candidate is quantized before any span's keys drop to 4 bits (in the same
-        order): a span's keys go to 4 bits only when quantizing all of them did not
-        suffice. Returns whether usage is at `target`.
-        """
-        store = self.port.store
-        if not isinstance(store, AttendedQuantizer):
-            return False
+    def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:
+        """Make the planned moves through the mover: drops and archives, then one quantization pass."""
         marks = self.marks
-        device = [s for s in self.table.spans if s.tier is Tier.DEVICE and s.state is not SpanState.EVICTABLE]
-
-        def rank(span: Span) -> tuple[int, bool, float, int]:
-            if span.pinned:
-                return (3, False, 0.0, span.start)
-            if span.state is SpanState.ACTIVE:
-                return (2, False, 0.0, span.start)
-            if span.span_id in marks.recalled:
-                return (1, False, marks.relevance.get(span.span_id, 0.0), span.start)
-            return (0, *demotion_key(span, marks))
-
-        usage = self.usage_bytes()
-        if usage <= target:
-            return True
-        ranked = sorted(device, key=rank)
-        with self.mover.timer.timed("store_seconds"):
-            try:
-                # One pass over the layers for every span the one-by-one loop below would take;
-                # the loop then only runs if the store's estimate fell short.
-                store.quantize_attended_until(ranked, usage - target)
-                usage = self.usage_bytes()
-                for span in ranked:
-                    if usage <= target:
-                        return True
-                    if store.quantize_attended(span):
-                        usage = self.usage_bytes()
-                if usage > target:  # 8-bit keys: hold them at 4 bits, same order, before archiving
-                    store.coarsen_attended_until(ranked, usage - target)
-                    usage = self.usage_bytes()
-            except Exception as e:  # noqa: BLE001 - every slot is still attended: archive instead
-                self.mover.fault("quantization in attention", None, e)
-                return self.usage_bytes() <= target
-        return usage <= target
+        quantize: list[Span] = []
+        for span in spans:
+            rung = rungs[span.span_id]
+            if rung is Rung.ATTENDED_Q:
+                quantize.append(span)
+                continue
+            state = SpanState.EVICTED if rung is Rung.DROPPED else SpanState.ARCHIVED
+            was_recallable = span.span_id in marks.recallable
+            committed = span.state is SpanState.COMMITTED
+            if self.mover.move(span, state, reason="budget") is None:
+                continue
+            # Archived or dropped by the budget, or an archive the budget evicted: still recallable
+            # (restored, or recomputed from its token ids). Released spans are not.
+            if state is SpanState.ARCHIVED or was_recallable or committed:
+                marks.recallable.add(span.span_id)
+        if quantize:
+            self.mover.hold_quantized(quantize)
 
     def _enforce_host_budget(self) -> None:
         limit = self.limits.host_bytes

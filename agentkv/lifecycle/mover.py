@@ -157,6 +157,39 @@ class Mover:
             self.promote(span, reason=reason)
         return True
 
+    def hold_quantized(self, spans: Sequence[Span]) -> int:
+        """Hold attended spans quantized in attention (the store's attended tier), in one pass; bytes freed.
+
+        A failure is a recorded fault: every slot is still attended, and the next plan
+        archives instead.
+        """
+        store = self.port.store
+        if not isinstance(store, AttendedQuantizer):
+            return 0
+        with self.timer.timed("store_seconds"):
+            try:
+                return store.quantize_attended_until(spans, None)
+            except Exception as e:  # noqa: BLE001 - every slot is still attended
+                self.fault("quantization in attention", None, e)
+                return 0
+
+    def can_coarsen(self) -> bool:
+        """Whether the store holds 8-bit keys in attention that could drop to 4 bits."""
+        store = self.port.store
+        return isinstance(store, AttendedQuantizer) and store.fine_key_bytes() > 0
+
+    def coarsen(self, spans: Sequence[Span], free_bytes: int) -> int:
+        """Hold 8-bit keys of `spans` at 4 bits, in order, until `free_bytes` are freed; bytes freed."""
+        store = self.port.store
+        if free_bytes <= 0 or not isinstance(store, AttendedQuantizer) or not store.fine_key_bytes():
+            return 0
+        with self.timer.timed("store_seconds"):
+            try:
+                return store.coarsen_attended_until(spans, free_bytes)
+            except Exception as e:  # noqa: BLE001 - the keys stay at 8 bits, still attended
+                self.fault("key coarsening", None, e)
+                return 0
+
     def promote(self, span: Span, *, reason: str) -> bool:
         """Hold an attended span held quantized at full precision again, recomputed from its token ids.
 

@@ -14,6 +14,7 @@ from functools import cached_property
 import torch
 
 from agentkv.store.block import KVBlock
+from agentkv.store.quantized import QuantizedBlock
 
 
 class HostMemoryError(RuntimeError):
@@ -58,10 +59,15 @@ def check_host_limit(current: int, adding: int, limit: int | None) -> None:
 
 @dataclass(eq=False)
 class HostBlock:
-    """A `KVBlock` whose tensors live on the CPU and own their storage."""
+    """A `KVBlock` whose tensors live on the CPU and own their storage, at full precision or quantized.
 
-    block: KVBlock
-    """The host copy; on CUDA machines its tensors are in pinned (page-locked) memory."""
+    Full precision (`offload`) restores exactly. Quantized (`offload_quantized`,
+    `agentkv.quantization.host_bits`) holds KIVI-style int8 / int4 codes: about 1/4 /
+    1/8 of the fp32 bytes plus scales, restored with the quantized tier's error.
+    """
+
+    block: KVBlock | QuantizedBlock
+    """The host copy; on CUDA machines a full-precision copy's tensors are in pinned (page-locked) memory."""
 
     @classmethod
     def offload(cls, block: KVBlock, *, fresh: bool = False) -> HostBlock:
@@ -95,6 +101,31 @@ class HostBlock:
             torch.cuda.current_stream(device).synchronize()
         return cls(KVBlock(keys=keys, values=values, offsets=list(block.offsets)))
 
+    @classmethod
+    def offload_quantized(
+        cls, block: KVBlock, *, bits: int, group_size: int, residual_tokens: int = 0
+    ) -> HostBlock:
+        """Quantize a block where it is (on the GPU, where that is fast), then copy the codes to host memory.
+
+        Args:
+            block: The block to copy; it is not modified.
+            bits: 8 or 4.
+            group_size: Quantization group size (keys per channel over tokens, values per token).
+            residual_tokens: Trailing tokens kept at full precision (see `QuantizedBlock.from_block`).
+
+        Returns:
+            The host block holding the quantized copy.
+        """
+        quantized = QuantizedBlock.from_block(
+            block, bits=bits, group_size=group_size, residual_tokens=residual_tokens
+        )
+        return cls(quantized.to("cpu"))
+
+    @property
+    def bits(self) -> int | None:
+        """Code width of a quantized copy; None for a full-precision one."""
+        return self.block.keys[0].bits if isinstance(self.block, QuantizedBlock) and self.block.keys else None
+
     @property
     def num_tokens(self) -> int:
         """Number of tokens held."""
@@ -126,6 +157,8 @@ class HostBlock:
         Returns:
             A block on `device`.
         """
+        if isinstance(self.block, QuantizedBlock):  # moves the compact codes, dequantizes on `device`
+            return self.block.to_block(device=device)
         if torch.device(device).type == "cpu":
             return KVBlock(
                 keys=[k.clone() for k in self.block.keys],

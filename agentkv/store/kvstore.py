@@ -50,6 +50,7 @@ class KVStore:
         attended_residual_tokens: int = 64,
         attended_key_bits: int | None = None,
         attended_sink_tokens: int = 4,
+        host_bits: int | None = None,
     ) -> None:
         factory: LayerFactory = SharedPrefixLayer
         if attended_bits is not None:
@@ -72,6 +73,8 @@ class KVStore:
         self.group_size = group_size
         self.residual_tokens = residual_tokens
         self.host_limit_bytes = host_limit_bytes
+        self.host_bits = host_bits
+        """Bits of the host archive's quantized copies (None: full precision, restored exactly)."""
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
         self.digests: dict[int, PageDigest] = {}
         """Per span id, its page key digest (page recall); kept while the span's KV is archived or dropped."""
@@ -124,6 +127,7 @@ class KVStore:
             attended_residual_tokens=self.attended_residual_tokens,
             attended_key_bits=self.attended_key_bits,
             attended_sink_tokens=self.attended_sink_tokens,
+            host_bits=self.host_bits,
         )
         child.physical = self.physical.fork()
         return child
@@ -250,6 +254,10 @@ class KVStore:
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
         return int(layers[0].is_fine(slots).sum())
 
+    def quantizable_tokens(self, span: Span) -> int:
+        """The span's slots `quantize_attended` would quantize now (exact, neither sinks nor residual)."""
+        return int(self._attended_candidates(span).numel())
+
     def _attended_candidates(self, span: Span) -> torch.Tensor:
         """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
         physical = self.physical
@@ -332,8 +340,7 @@ class KVStore:
         block = self.physical.extract(slots)
         stored: HostBlock | QuantizedBlock
         if tier == "host":
-            check_host_limit(self.host_bytes(), block.nbytes, self.host_limit_bytes)
-            stored = HostBlock.offload(block, fresh=True)  # `extract` made new tensors
+            stored = self._host_copy(block)
             new_tier = Tier.HOST
         else:
             stored = QuantizedBlock.from_block(
@@ -347,6 +354,27 @@ class KVStore:
         self.physical.remove(slots)
         self.blocks[span.span_id] = stored
         span.tier = new_tier
+
+    def _host_copy(self, block: KVBlock) -> HostBlock:
+        """The host tier's copy of an extracted block: quantized when `host_bits` asks and it is smaller.
+
+        Per-channel key statistics cost a scale and a zero per channel per token group,
+        however few tokens it holds, so a span of a few tokens can take more bytes
+        quantized than in full precision: such a span is held exactly.
+
+        Raises:
+            HostMemoryError: The copy does not fit under `host_limit_bytes`.
+        """
+        stored: HostBlock | None = None
+        if self.host_bits is not None:
+            stored = HostBlock.offload_quantized(
+                block, bits=self.host_bits, group_size=self.group_size, residual_tokens=self.residual_tokens
+            )
+            if stored.nbytes >= block.nbytes:
+                stored = None
+        adding = block.nbytes if stored is None else stored.nbytes
+        check_host_limit(self.host_bytes(), adding, self.host_limit_bytes)
+        return stored or HostBlock.offload(block, fresh=True)  # `extract` made new tensors
 
     def drop(self, span: Span) -> None:
         """Release a span's KV wherever it is; its token ids stay, so it can be recomputed."""

@@ -163,6 +163,10 @@ class AttendedQuantizer(Protocol):
         """Slots held quantized in attention (of one span, or all)."""
         ...
 
+    def quantizable_tokens(self, span: Span) -> int:
+        """The span's slots `quantize_attended` would quantize now (the placement planner's estimate)."""
+        ...
+
     def quantized_offsets(self, span: Span) -> list[int]:
         """Offsets of the span's tokens held quantized in attention, sorted."""
         ...

@@ -18,12 +18,19 @@ from typing import Any
 
 from agentkv import AgentKVConfig, TransformersBackend, load_model
 
-__all__ = ["BACKEND_WIDE", "ConfigLike", "resolve_config", "session_settings", "shared_backend"]
+__all__ = [
+    "BACKEND_WIDE",
+    "ConfigLike",
+    "check_backend_wide",
+    "resolve_config",
+    "session_settings",
+    "shared_backend",
+]
 
 ConfigLike = AgentKVConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 """What `config=` accepts everywhere: a config, a YAML-shaped mapping, a graph YAML path, or None."""
 
-BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "callbacks")
+BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "sessions", "callbacks")
 """Config keys that belong to a backend (which model, where) or to the callback handler, not to a session."""
 
 _backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
@@ -74,7 +81,28 @@ def session_settings(config: AgentKVConfig | None, backend_config: AgentKVConfig
     """
     if config is None:
         return None
+    check_backend_wide(config, backend_config)
     return None if _session_part(config) == _session_part(backend_config) else config
+
+
+def check_backend_wide(config: AgentKVConfig, backend_config: AgentKVConfig) -> None:
+    """Refuse settings that only a backend can honour when the backend was made with others.
+
+    `agentkv.sessions` bounds the backend's whole session table: a config that asks for
+    other bounds than the backend it lands on would be ignored, so it is an error.
+
+    Raises:
+        ValueError: `config.sessions` differs from the backend's (the message says how to fix it).
+    """
+    if config.sessions != backend_config.sessions:
+        msg = (
+            f"agentkv.sessions is backend-wide: this backend bounds its sessions with "
+            f"{backend_config.sessions.model_dump()}, the config asks for {config.sessions.model_dump()}. "
+            "Give the bounds to the first ChatAgentKV(config=...) / with_kv_lifecycle(config=...) of "
+            "the process (the one that loads the model), or pass backend=TransformersBackend(model, "
+            "tokenizer, config) made with them"
+        )
+        raise ValueError(msg)
 
 
 def _session_part(config: AgentKVConfig) -> dict[str, Any]:

@@ -81,6 +81,7 @@ from agentkv_langchain.decisions import (
     resume_decision,
 )
 from agentkv_langchain.fanout import BranchSelector
+from agentkv_langchain.replays import NodeReplays
 from agentkv_langchain.runs import (
     RunContext,
     RunTracking,
@@ -212,6 +213,8 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         """Per session: tool outcomes waiting for the result to be encoded."""
         self._failed_inputs: set[tuple[str, str]] = set()
         """`(session, tool_call_id)` of error results already reported (from a tool run or an input)."""
+        self.replays = NodeReplays()
+        """Answers per graph task; decisions held for a node that asks the model again on resume."""
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -331,9 +334,12 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         context = self._exit(run_id)
         if context is None:
             return
+        due: list[Event] = []
         for generations in getattr(response, "generations", None) or []:
             for generation in generations:
                 message = getattr(generation, "message", None)
+                if isinstance(message, AIMessage) and message.id and context.checkpoint_ns:
+                    due += self.replays.answered(context.session_id, context.checkpoint_ns, message.id)
                 if isinstance(message, AIMessage) and message.tool_calls:
                     records = [
                         ToolCallRecord(
@@ -344,6 +350,8 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
                     with self._lock:
                         self._tool_calls[context.session_id] = records
         self.flush(context.session_id)
+        for event in due:  # a decision about this answer's first version, made before the node re-ran
+            self._emit(context.session_id, event)
 
     @_guarded
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -413,6 +421,8 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         self._forget_root(run_id)
         self.flush(thread=context.thread)
         interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
+        for event in self.replays.finish(context.session_id, interrupted=interrupted):
+            self._emit(context.session_id, event)
         if interrupted:
             logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
             return
@@ -429,10 +439,15 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         context = self._exit(run_id)
         if context is not None and is_bubble_up(error):
             self._mark_interrupted(context.root)
+            if context.checkpoint_ns:
+                self.replays.paused(context.session_id, context.checkpoint_ns)
         if parent_run_id is None:
             self._forget_root(run_id)
             if context is not None:
                 self.flush(thread=context.thread)
+                paused = context.interrupted or is_bubble_up(error)
+                for event in self.replays.finish(context.session_id, interrupted=paused):
+                    self._emit(context.session_id, event)
                 if context.branch is None and not (context.interrupted or is_bubble_up(error)):
                     self._settle(context.thread, at_end=True)
 
@@ -467,7 +482,8 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
                 pending.pop(interrupt_id, None)
             session_id = root.session_id
             records = list(self._tool_calls.get(session_id, ()))
-        for event_ in decision_events(answered, records):
+        # A decision about an answer the resumed node makes again waits for that new answer.
+        for event_ in self.replays.resumed(session_id, decision_events(answered, records)):
             self._emit(session_id, event_)
 
     # -- custom events ---------------------------------------------------------------------------

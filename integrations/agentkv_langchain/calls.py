@@ -127,20 +127,22 @@ def history_before_answer(session: AnySession, output_tokens: int) -> int:
 
 
 def call_usage(
-    session: AnySession, before: SessionStats, output_tokens: int, extended: ExtendResult
-) -> tuple[int, int]:
-    """`(input_tokens, cache_read)` of the model call that started when the session read `before`.
+    session: AnySession, before: SessionStats, after: SessionStats, output_tokens: int, extended: ExtendResult
+) -> tuple[int, int, int]:
+    """`(input_tokens, cache_read, new_tokens)` of the call that ran between `before` and `after`.
 
     A local session says what the answer's first token attended (`Session.last_prompt`):
     `input_tokens` = those tokens, `cache_read` = the ones the call did not encode itself,
-    so `input_tokens = cache_read + new tokens` exactly and no token the model did not
-    attend is counted as read. An engine session reports its history and the reused
-    messages (the engine's own prefix cache decides the rest).
+    `new_tokens` = the ones it did (new messages, the previous answer's pending end, spans
+    recomputed from their tokens), so `input_tokens = cache_read + new_tokens` exactly and
+    no token the model did not attend is counted as read. An engine session reports its
+    history, the reused messages and its prefill (the engine's prefix cache decides the rest).
     """
     prompt = session.last_prompt if isinstance(session, Session) else None
     if prompt is None:
-        return history_before_answer(session, output_tokens), extended.reused_tokens
-    return prompt.usage(before.prefill_tokens + before.rehydrated_tokens)
+        new = after.prefill_tokens - before.prefill_tokens
+        return history_before_answer(session, output_tokens), extended.reused_tokens, new
+    return prompt.usage(before.encoded_tokens)
 
 
 _BANS: dict[int, ToolCallBan] = {}

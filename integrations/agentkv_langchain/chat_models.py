@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 import time
 import uuid
@@ -85,8 +84,6 @@ from agentkv_langchain.toolset import outside
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
-logger = logging.getLogger("agentkv.langchain")
-
 
 class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A local Transformers model whose KV cache lives across an agent's calls.
@@ -110,11 +107,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     Usage: `usage_metadata["input_tokens"]` counts the tokens the answer's first token
     attended (its prompt as the cache holds it: an evicted or archived span is not in
     it), and `["input_token_details"]["cache_read"]` the ones of those read from the
-    cache, so `input_tokens = cache_read + tokens encoded in this call` exactly (on an
-    `EngineBackend`, the engine's own figures: `input_tokens` is the prompt it was sent,
-    `cache_read` the part it reused, `prompt_tokens_details.cached_tokens`);
-    `response_metadata` also has `prefill_tokens` and `rehydrated_tokens` (encoded by
-    the model in this call: new tokens, and evicted spans recomputed), `reused_tokens`,
+    cache; `response_metadata["prefill_tokens"]` the ones the call encoded (new
+    messages, the previous answer's end, spans recomputed from their tokens), so
+    `input_tokens = cache_read + prefill_tokens` exactly (on an `EngineBackend`, the
+    engine's own figures: `input_tokens` is the prompt it was sent, `cache_read` the
+    part it reused, `prompt_tokens_details.cached_tokens`). `response_metadata` also
+    has `rehydrated_tokens` (of those, recomputed spans), `reused_tokens`,
     `session_id` and `time_to_first_token_s` (seconds from the call's start to its
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
@@ -163,7 +161,6 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     _session_config: AgentKVConfig | None = PrivateAttr(default=None)
     """Settings of the sessions this model creates when `config=` differs from the shared backend's."""
-    _warned: set[str] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="before")
     @classmethod
@@ -183,12 +180,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     @model_validator(mode="after")
     def _own_session_settings(self) -> Self:
-        """`config=` on the shared backend: this model's sessions get these settings.
-
-        The shared backend is per model, so a `ChatAgentKV()` made earlier in the process
-        fixed its default settings; a later `ChatAgentKV(config=...)` passes its own
-        budget, policy and rules to every session it creates instead of inheriting them.
-        """
+        """`config=` on the shared backend (defaults: its first caller's) applies to this model's sessions."""
         if self.config is not None:
             wanted = resolve_config(self.config, model=self.model)
             self._session_config = session_settings(wanted, self.backend.config)
@@ -585,10 +577,13 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             )
             output_tokens = after.generated_tokens - before.generated_tokens
             if local:
-                input_tokens, cache_read = call_usage(session, before, output_tokens, extended)
+                input_tokens, cache_read, new_tokens = call_usage(
+                    session, before, after, output_tokens, extended
+                )
             else:  # the engine's own usage: the prompt it was sent and the part it reused
                 cache_read = after.reused_tokens - before.reused_tokens
-                input_tokens = after.prefill_tokens - before.prefill_tokens + cache_read
+                new_tokens = after.prefill_tokens - before.prefill_tokens
+                input_tokens = new_tokens + cache_read
         finish = (
             "tool_calls"
             if calls
@@ -612,7 +607,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 "model_name": self.model_name,
                 "finish_reason": finish,
                 "session_id": session.session_id,
-                "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                "prefill_tokens": new_tokens,
                 "rehydrated_tokens": after.rehydrated_tokens - before.rehydrated_tokens,
                 "reused_tokens": extended.reused_tokens if local else cache_read,
                 "cropped_tokens": extended.cropped_tokens,
@@ -627,15 +622,4 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         The one place a call picks its KV cache; a subclass that wants another cache per
         call (a stateless baseline that re-encodes everything) overrides only this.
         """
-        session = session_for(self.backend, metadata, self.session_id, self._session_config)
-        wanted = self._session_config
-        if wanted is not None and session.config != wanted and session.session_id not in self._warned:
-            self._warned.add(session.session_id)
-            logger.warning(
-                "session %r already exists with other agentkv settings than this ChatAgentKV(config=...); "
-                "it keeps them (settings apply when a session is created). Use a new thread_id, or "
-                "close the session first (backend.close(%r))",
-                session.session_id,
-                session.session_id,
-            )
-        return session
+        return session_for(self.backend, metadata, self.session_id, self._session_config)

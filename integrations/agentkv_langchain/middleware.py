@@ -39,7 +39,6 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command
 
 from agentkv import (
-    AgentKVConfig,
     Backend,
     Event,
     ToolCallCompleted,
@@ -48,6 +47,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv_langchain.backends import ConfigLike, resolve_config, shared_backend
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
 from agentkv_langchain.sessions import THREAD_KEY, SessionKey
 
@@ -73,24 +73,31 @@ class AgentKVMiddleware(AgentMiddleware):
     value itself.
 
     Args:
-        backend: The backend the agent's `ChatAgentKV` uses.
+        backend: The backend the agent's `ChatAgentKV` uses; None = the process-wide
+            `shared_backend(config)`, the one `ChatAgentKV()` without a backend uses.
         handler: Where events go (and are recorded); None = a new one for `backend`.
-        config: Settings (`callbacks.raise_error`); None = the backend's.
+        config: Settings (`callbacks.raise_error`), in any form `shared_backend` reads (an
+            `AgentKVConfig`, a YAML-shaped mapping, a graph YAML path); None = the backend's.
         hitl: The agent's `HumanInTheLoopMiddleware`, to recognise approvals.
         session_id: A fixed session, as in `ChatAgentKV(session_id=...)`.
     """
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | None = None,
         *,
         handler: KVLifecycleCallbackHandler | None = None,
-        config: AgentKVConfig | None = None,
+        config: ConfigLike = None,
         hitl: Any = None,
         session_id: str | None = None,
     ) -> None:
         super().__init__()
-        self.handler = handler or KVLifecycleCallbackHandler(backend, config=config, session_id=session_id)
+        if handler is None:
+            settings = resolve_config(config)
+            if backend is None:
+                backend = shared_backend(settings)
+            handler = KVLifecycleCallbackHandler(backend, config=settings, session_id=session_id)
+        self.handler = handler
         self.session_id = session_id
         self.hitl = hitl
 

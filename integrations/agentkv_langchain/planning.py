@@ -68,6 +68,12 @@ class CallPlanning:
         With a session, the thread keeps the tools block it started with and a changed
         tool set becomes a note (see `agentkv_langchain.toolset`).
         """
+        if not messages:
+            msg = (
+                "ChatAgentKV: no messages to answer; pass the conversation, at least one message "
+                "(e.g. [HumanMessage('...')]); in a graph, the state's messages reached the model empty"
+            )
+            raise ValueError(msg)
         options = dict(kwargs)
         tools: list[dict[str, Any]] = list(options.pop("tools", None) or [])
         choice = resolve_tool_choice(options.pop("tool_choice", None), tool_names(tools))

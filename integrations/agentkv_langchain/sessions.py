@@ -27,16 +27,20 @@ session) or `open_session` (how a key becomes a session); `session_for` composes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from threading import Lock
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig, ensure_config
 
 from agentkv import AgentKVConfig, AnySession, Backend
 from agentkv.session_ids import branch_session_id
+
+logger = logging.getLogger("agentkv.langchain")
 
 __all__ = [
     "BRANCH_KEY",
@@ -168,9 +172,30 @@ def open_session(backend: Backend, key: SessionKey, config: AgentKVConfig | None
     backend's); a branch keeps its thread's.
     """
     session = backend.session(key.thread, config=config)
+    if config is not None and session.config != config:
+        _warn_kept_settings(session.session_id)
     if key.branch is None:
         return session
     return backend.fork(key.thread, key.branch)
+
+
+_warned: set[str] = set()
+_warned_lock = Lock()
+
+
+def _warn_kept_settings(session_id: str) -> None:
+    """Say once per session that it keeps the settings it was created with (never silently)."""
+    with _warned_lock:
+        if session_id in _warned:
+            return
+        _warned.add(session_id)
+    logger.warning(
+        "session %r already exists with other agentkv settings than this ChatAgentKV(config=...); it "
+        "keeps them: settings apply when a session is created. Use a new thread_id, or close it first "
+        "(backend.close(%r))",
+        session_id,
+        session_id,
+    )
 
 
 def session_for(

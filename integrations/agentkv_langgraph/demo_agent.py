@@ -2,11 +2,11 @@
 
 A LangGraph `StateGraph`: the model node ⇄ a `ToolNode` with two tools, driven by a
 scripted conversation of twelve user turns. On the turns that need a tool the model
-is forced to call it (`tool_choice=<tool>`, so even the 135M default model writes a
-parseable call); the tool returns a long result (snippets plus boilerplate, as real
-tools do) and the model answers from it. One lookup names an unknown record and
-fails, so the conversation has every moment the lifecycle cares about: completed
-calls, a failed call, turn ends.
+is forced to call it (`tool_choice=<tool>`, decoded under the tool's grammar, so even
+the 135M default model's call parses and follows its schema); the tool returns a long
+result (snippets plus boilerplate, as real tools do) and the model answers from it.
+One lookup names an unknown record and fails, so the conversation has every moment
+the lifecycle cares about: completed calls, a failed call, turn ends.
 
 It lives in the shipped package (not in `examples/`, which is not a package) so that
 `agentkv demo` runs from an installed wheel; the example script imports it from here.

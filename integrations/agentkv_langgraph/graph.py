@@ -31,7 +31,13 @@ from langchain_core.runnables.config import merge_configs
 from langgraph.pregel import Pregel
 
 from agentkv import AgentKVConfig, AnySession, Backend
-from agentkv_langchain.backends import BACKEND_WIDE, ConfigLike, resolve_config, shared_backend
+from agentkv_langchain.backends import (
+    BACKEND_WIDE,
+    ConfigLike,
+    check_backend_wide,
+    resolve_config,
+    shared_backend,
+)
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
 from agentkv_langchain.fanout import BranchSelector
 from agentkv_langchain.sessions import DEFAULT_THREAD
@@ -172,6 +178,8 @@ def with_kv_lifecycle(
     settings = resolve_config(config)
     if backend is None:
         backend = shared_backend(settings)
+    if settings is not None:
+        check_backend_wide(settings, backend.config)
     base = settings or backend.config
     handler = KVLifecycleCallbackHandler(
         backend,

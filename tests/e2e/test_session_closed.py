@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from agentkv import SessionClosed, TransformersBackend
+from agentkv import AgentKVConfig, SessionClosed, TransformersBackend
+from agentkv.spans import Tier
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import send_event, with_kv_lifecycle
 
@@ -47,42 +47,42 @@ def closing_graph(llm: ChatAgentKV) -> Any:
     return builder.compile(checkpointer=InMemorySaver())
 
 
-def test_a_thread_continued_after_session_closed_starts_over(tiny_backend: TransformersBackend):
-    llm = ChatAgentKV(backend=tiny_backend, max_new_tokens=8)
-    graph = with_kv_lifecycle(closing_graph(llm), backend=tiny_backend)
-    closed = {"configurable": {"thread_id": "closed"}}
+def test_a_thread_continued_after_session_closed_starts_over(long_tiny_model, tiny_tokenizer):
+    backend = TransformersBackend(long_tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+    llm = ChatAgentKV(backend=backend, max_new_tokens=8)
+    graph = with_kv_lifecycle(closing_graph(llm), backend=backend)
     first = HumanMessage("The secret code is 4417. Remember the code.")
-    graph.invoke({"messages": [first], "close": True}, closed)
-    session = tiny_backend.get("closed")
-    assert session.stats().tokens_by_state["evicted"] > 0  # the conversation was released
     question = HumanMessage("What is the secret code?")
-    out = graph.invoke({"messages": [question], "close": False}, closed)
-    again = out["messages"][-1]
+    answers = {}
+    for thread, close in (("closed", True), ("open", False)):
+        config = {"configurable": {"thread_id": thread}}
+        graph.invoke({"messages": [first], "close": close}, config)
+        if close:
+            assert backend.get(thread).stats().tokens_by_state["evicted"] > 0  # released
+        answers[thread] = graph.invoke({"messages": [question], "close": False}, config)["messages"][-1]
 
-    # The same history on a fresh thread.
-    fresh = {"configurable": {"thread_id": "fresh"}}
-    history = out["messages"][:-2]
-    reference = graph.invoke({"messages": [*history, question], "close": False}, fresh)["messages"][-1]
-
+    again, reference = answers["closed"], answers["open"]
     assert isinstance(again, AIMessage) and isinstance(reference, AIMessage)
+    # The released history came back from its tokens: the same answer as a thread never closed.
     assert again.content == reference.content
     usage, meta = again.usage_metadata, again.response_metadata
     assert usage is not None and reference.usage_metadata is not None
     assert usage["input_tokens"] == reference.usage_metadata["input_tokens"]
-    # Only what the session still attended (a pinned prefix) can be read; the rest is encoded again.
+    # Nothing released counts as read: it was encoded again (recomputed from its tokens) in this call.
     assert usage["input_tokens"] == usage["input_token_details"]["cache_read"] + meta["prefill_tokens"]
-    assert meta["prefill_tokens"] >= usage["input_tokens"] - len(session.spans[0].token_ids)
-    assert session.stats().attended_tokens == tiny_backend.get("fresh").stats().attended_tokens
-    assert session.stats().tokens_by_state["evicted"] == 0
+    assert meta["rehydrated_tokens"] > 0 and meta["prefill_tokens"] >= meta["rehydrated_tokens"]
+    closed, never = backend.get("closed").stats(), backend.get("open").stats()
+    assert closed.attended_tokens == never.attended_tokens
+    assert closed.tokens_by_state["evicted"] == 0
 
 
-def test_answering_a_closed_session_without_its_history_is_refused(tiny_backend: TransformersBackend):
+def test_generate_after_session_closed_brings_the_history_back(tiny_backend: TransformersBackend):
     session = tiny_backend.session("direct")
     session.extend([{"role": "user", "content": "The secret code is 4417."}])
     session.generate(max_new_tokens=4)
     session.apply(SessionClosed())
-    with pytest.raises(ValueError, match="SessionClosed"):
-        session.generate(max_new_tokens=4)
-    session.extend([{"role": "user", "content": "What is the code?"}])  # starts over from this history
-    assert session.generate(max_new_tokens=4) is not None
+    assert session.stats().attended_tokens < session.stats().logical_tokens
+    session.generate(max_new_tokens=4)  # straight on: the released spans are recomputed first
     assert session.stats().tokens_by_state["evicted"] == 0
+    assert all(s.tier is Tier.DEVICE and s.n_computed > 0 for s in session.spans)
+    session.check()

@@ -61,3 +61,25 @@ def test_create_agent_tool_loop_ends_on_the_default_model():
     events = agent.agentkv.handler.events_for("one-line")
     assert ToolCallCompleted(tool_call_id=results[0].tool_call_id) in events and events[-1] == TurnEnded()
     assert agent.agentkv.handler.errors == 0
+
+
+def test_create_agent_middleware_without_a_backend_shares_the_model_backend():
+    from langchain.agents import create_agent
+
+    from agentkv_langchain import AgentKVMiddleware
+
+    llm = ChatAgentKV(max_new_tokens=48, tool_use="call_then_answer")
+    kv = AgentKVMiddleware()  # no backend: the process-wide one, as ChatAgentKV() uses
+    assert kv.handler.backend is llm.backend
+    agent = create_agent(llm, [get_weather], middleware=[kv], checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "one-line-middleware"}, "recursion_limit": 12}
+    out = agent.invoke({"messages": [HumanMessage("What is the weather in Paris?")]}, config)
+    results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert len(results) == 1
+    events = kv.handler.events_for("one-line-middleware")
+    assert ToolCallCompleted(tool_call_id=results[0].tool_call_id) in events and events[-1] == TurnEnded()
+    # The events met the model's spans: the tool result is committed in the thread's session.
+    session = llm.backend.get("one-line-middleware")
+    (result,) = session.spans_owned_by(results[0].tool_call_id)
+    assert result.state.value == "committed"
+    assert kv.handler.errors == 0

@@ -269,7 +269,17 @@ def _replayed(
         sent.append((event.name, result.applied))
         return result
 
+    extend = session.extend
+
+    def extend_spy(messages: Any, **kwargs: Any) -> Any:
+        # A confirmation arrives with the user message that gives it (`extend(..., events=...)`).
+        result = extend(messages, **kwargs)
+        for event, applied in zip(kwargs.get("events", ()), result.applied, strict=True):
+            sent.append((event.name, applied.applied))
+        return result
+
     session.apply = spy  # type: ignore[method-assign]
+    session.extend = extend_spy  # type: ignore[method-assign]
     steps: list[str] = []
     history = replay(session, workload, events=events, on_step=steps.append)
     assert steps == [f"t{i}" for i in range(1, 9)]

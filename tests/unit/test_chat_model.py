@@ -519,7 +519,8 @@ def test_call_end_counts_brackets_outside_strings():
 def test_forced_call_stops_when_the_call_is_complete(llm, monkeypatch):
     """A model that closes the call and rambles on is cut at the call's last brace."""
     real_stream = Session.stream
-    script = ["Paris", '"}', "}", " and then", " more", " noise"]
+    # One tool bound: "any" prefills its call up to the arguments; the model writes the rest.
+    script = ['{"city": "Paris', '"}', "}", " and then", " more", " noise"]
     served: list[str] = []
 
     def close_then_ramble(self, *args, **kwargs):
@@ -535,7 +536,7 @@ def test_forced_call_stops_when_the_call_is_complete(llm, monkeypatch):
     monkeypatch.setattr(Session, "stream", close_then_ramble)
     result = llm.bind_tools([get_weather], tool_choice="any").invoke(HISTORY)
     assert [(c["name"], c["args"]) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
-    assert served == ["Paris", '"}', "}"]
+    assert served == script[:3]
     assert result.response_metadata["finish_reason"] == "tool_calls"
 
 
@@ -574,3 +575,32 @@ def test_resolve_tool_choice():
     assert resolve_tool_choice({"name": "b"}, names) == "b"
     with pytest.raises(ValueError, match="at least one bound tool"):
         resolve_tool_choice("any", [])
+
+
+def test_empty_messages_are_refused_in_chat_model_terms(llm, backend):
+    def agent(state: MessagesState) -> dict:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    with pytest.raises(ValueError, match="ChatAgentKV: no messages to answer") as caught:
+        graph.invoke({"messages": []}, {"configurable": {"thread_id": "empty"}})
+    assert "extend(" not in str(caught.value)  # an API a ChatAgentKV user never calls
+    with pytest.raises(ValueError, match="ChatAgentKV: no messages to answer"):
+        llm.invoke([])
+
+
+def test_assistant_dict_without_content_goes_to_a_session_not_through_langchain(llm, backend):
+    call = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "name": "get_weather", "args": {"city": "Paris"}}],
+    }
+    history = [{"role": "user", "content": "Weather in Paris?"}, call]
+    result = {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    backend.session("direct").extend([*history, result])  # the session's rule: content may be omitted
+    with pytest.raises(ValueError, match="must contain 'role' and 'content'"):
+        llm.invoke([*history, result])  # LangChain converts the dicts first and refuses it
+    answer = llm.invoke([history[0], {**call, "content": ""}, result])  # as the docs say to write it
+    assert isinstance(answer, AIMessage)

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 import agentkv.config as config_module
 import agentkv.config_engine as config_engine
 import agentkv.config_sections as config_sections
+import agentkv.config_sessions as config_sessions
 from agentkv.config import (
     ALLOWED_POLICIES,
     AgentKVConfig,
@@ -594,7 +595,13 @@ def _config_models() -> list[type[BaseModel]]:
         cls
         for _, cls in inspect.getmembers(config_module, inspect.isclass)
         if issubclass(cls, BaseModel)
-        and cls.__module__ in (config_module.__name__, config_sections.__name__, config_engine.__name__)
+        and cls.__module__
+        in (
+            config_module.__name__,
+            config_sections.__name__,
+            config_engine.__name__,
+            config_sessions.__name__,
+        )
         and cls is not config_sections.Section
     ]
 
@@ -604,6 +611,7 @@ def test_every_field_is_described_and_its_docstring_matches() -> None:
         inspect.getsource(config_module)
         + inspect.getsource(config_sections)
         + inspect.getsource(config_engine)
+        + inspect.getsource(config_sessions)
     )
     tree = ast.parse(source)
     docstrings: dict[tuple[str, str], str] = {}
@@ -618,7 +626,7 @@ def test_every_field_is_described_and_its_docstring_matches() -> None:
                 ):
                     docstrings[(node.name, stmt.target.id)] = str(after.value.value)
     models = _config_models()
-    assert len(models) == 10
+    assert len(models) == 11
     for model in models:
         assert model.model_config.get("extra") == "forbid" and model.model_config.get("frozen") is True
         for name, field in model.model_fields.items():

@@ -539,3 +539,33 @@ def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
         _mode_config("lfu", "http://v:1", COORD, CHUNK, 384)
     with pytest.raises(ValueError, match="modes: expected some of"):
         run_engine_bench(vllm_url="http://v:1", coordinator_url=COORD, modes=("lru", "mru"))
+
+
+def test_engine_sessions_report_prefixes_the_engine_shared_across_threads(
+    sim: SimLMCache, tiny_tokenizer: Any
+) -> None:
+    from agentkv import AgentKVConfig
+    from agentkv.engines import EngineBackend
+
+    engine = {"vllm_url": "http://v:8000", "coordinator_url": COORD, "chunk_size": CHUNK, "salt": "shared"}
+    settings = AgentKVConfig.model_validate({"engine": engine})
+    backend = EngineBackend(tiny_tokenizer, settings, bytes_per_token=10, transport=fake_engine(sim))
+    system = {"role": "system", "content": "You are a rail assistant with timetable tools. " * 6}
+    first, second = backend.session("a"), backend.session("b")
+    first.extend([system, {"role": "user", "content": "Zurich to Vienna?"}])
+    first.generate(4)
+    assert first.stats().shared_prefix_tokens == 0  # nothing to share yet
+    second.extend([system, {"role": "user", "content": "Bern to Milan?"}])
+    second.generate(4)
+    shared = second.stats().shared_prefix_tokens
+    assert shared >= CHUNK and shared == second.stats().reused_tokens  # the same field as the local backend
+    second.extend(
+        [
+            system,
+            {"role": "user", "content": "Bern to Milan?"},
+            {"role": "assistant", "content": " ok"},
+            {"role": "user", "content": "And back?"},
+        ]
+    )
+    second.generate(4)
+    assert second.stats().shared_prefix_tokens == shared  # its own history is not someone else's prefix

@@ -173,6 +173,19 @@ def test_a_tight_budget_still_closes_the_call(backend):
         check_weather(result.tool_calls[0]["args"])
 
 
+def test_a_long_number_is_ended_for_the_next_required_key(backend):
+    """A random model writes digits until the budget; finishing ends the number with a comma."""
+    add = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    llm = ChatAgentKV(backend=backend, max_new_tokens=40, temperature=1.0, seed=4)
+    result = llm.bind_tools([tool("add", add)], tool_choice="add").invoke(HISTORY)
+    assert not result.invalid_tool_calls and result.tool_calls
+    assert set(result.tool_calls[0]["args"]) == {"a", "b"}
+
+
 def boost(tokenizer: Any, text: str) -> Any:
     """A processor that pushes the model to write `text` first, whatever it would write."""
     target = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -294,3 +294,202 @@ def test_illegal_moves_name_the_allowed_ones(bad: SpanState) -> None:
     manager.move(span, SpanState.EVICTED, reason="test")
     with pytest.raises(ValueError, match="allowed from evicted: committed"):
         manager.move(span, bad, reason="test")
+
+
+# -- the placement planner -------------------------------------------------------------------------
+
+QUANTIZED_TOKEN_BYTES = 2
+"""A token held at int4 in the simulated attended tier (a full-precision one is `BYTES_PER_TOKEN`)."""
+
+
+class FakeQuantizingStore(FakeStore):
+    """`FakeStore` with an attended quantized tier: a quantized token costs `QUANTIZED_TOKEN_BYTES`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quantized: dict[int, int] = {}
+        """span id → tokens held quantized in attention."""
+
+    def quantize_attended(self, span: Span) -> int:
+        return self.quantize_attended_until([span], None)
+
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
+        freed = 0
+        for span in spans:
+            if free_bytes is not None and freed >= free_bytes:
+                break
+            more = self.quantizable_tokens(span)
+            self.quantized[span.span_id] = self.quantized.get(span.span_id, 0) + more
+            freed += more * (BYTES_PER_TOKEN - QUANTIZED_TOKEN_BYTES)
+        return freed
+
+    def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
+        return 0
+
+    def fine_key_bytes(self) -> int:
+        return 0
+
+    def attended_floor(self) -> Any:
+        from agentkv.store.protocol import AttendedFloor
+
+        return AttendedFloor(QUANTIZED_TOKEN_BYTES, BYTES_PER_TOKEN, 0, 0)
+
+    def attended_quantized_tokens(self, span: Span | None = None) -> int:
+        if span is None:
+            return sum(self.quantized.values())
+        return self.quantized.get(span.span_id, 0) if span.tier is Tier.DEVICE else 0
+
+    def quantizable_tokens(self, span: Span) -> int:
+        if span.tier is not Tier.DEVICE:
+            return 0
+        return span.held_tokens - self.quantized.get(span.span_id, 0)
+
+    def quantized_offsets(self, span: Span) -> list[int]:
+        return span.kept_offsets[: self.attended_quantized_tokens(span)]
+
+    def recompute_pending(self, span: Span) -> None:
+        self.quantized.pop(span.span_id, None)
+
+    def drop(self, span: Span) -> None:
+        self.quantized.pop(span.span_id, None)
+        super().drop(span)
+
+    def archive(self, span: Span, tier: str) -> None:
+        self.quantized.pop(span.span_id, None)
+        super().archive(span, tier)
+
+
+def quantizing(**config: Any) -> tuple[FakePort, LifecycleManager]:
+    agentkv_config = AgentKVConfig.from_dict(config)
+    port = FakePort(agentkv_config)
+    store = FakeQuantizingStore()
+    port.store = store
+
+    def bytes_by_tier() -> TierBytes:
+        device = host = quantized = 0
+        for span in port.table.spans:
+            if span.tier is Tier.DEVICE:
+                q = store.quantized.get(span.span_id, 0)
+                device += (span.held_tokens - q) * BYTES_PER_TOKEN + q * QUANTIZED_TOKEN_BYTES
+            elif span.tier is Tier.HOST:
+                host += span.held_tokens * BYTES_PER_TOKEN
+            elif span.tier is Tier.QUANTIZED:
+                quantized += span.held_tokens * BYTES_PER_TOKEN // 4
+        return TierBytes(device, quantized, host)
+
+    store.bytes_by_tier = bytes_by_tier  # type: ignore[method-assign]
+    port._bytes_by_tier = bytes_by_tier  # type: ignore[method-assign]
+    manager = LifecycleManager(port, BudgetLimits.resolve(agentkv_config.budget, BYTES_PER_TOKEN))
+    return port, manager
+
+
+def conversation(port: FakePort, manager: LifecycleManager, turns: int, seed: int) -> list[Span]:
+    """A system prompt and `turns` user/answer/tool turns of pseudo-random lengths, each turn ended."""
+    import random
+
+    rng = random.Random(seed)
+    spans = [port.add(manager, SpanKind.SYSTEM, " ".join(f"s{i}" for i in range(rng.randint(2, 8))))]
+    for t in range(turns):
+        for kind in (SpanKind.USER, SpanKind.ASSISTANT, SpanKind.TOOL_RESULT):
+            words = " ".join(f"w{t}x{i}" for i in range(rng.randint(1, 30)))
+            span = port.add(manager, kind, words)
+            span.score = rng.random() * 3
+            spans.append(span)
+        manager.apply(TurnEnded())
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("archive_tier", ["host", "int8", "drop"])
+def test_the_planner_meets_the_limit_and_never_demotes_pinned_or_active_spans(
+    seed: int, archive_tier: str
+) -> None:
+    port, manager = quantizing(budget={"device_tokens": 40}, archive_tier=archive_tier)
+    spans = conversation(port, manager, turns=5, seed=seed)
+    pinned = spans[2]
+    manager.pin(span_ids=[pinned.span_id], reason="confirmed", commit=True)
+    active = port.add(manager, SpanKind.USER, "the new question arrives now")
+    manager.after_operation()
+    usage = manager.budget.usage_bytes()
+    limit = manager.budget.limits.device_bytes
+    assert limit is not None and usage <= manager.budget.limits.high_bytes(limit)
+    assert manager.budget_satisfied
+    for span in (spans[0], pinned, active):
+        assert span.tier is Tier.DEVICE and span.state not in (SpanState.ARCHIVED, SpanState.EVICTED)
+    assert active.state is SpanState.ACTIVE
+    manager.check()
+
+
+def test_every_span_is_held_at_int4_before_any_leaves_attention() -> None:
+    port, manager = quantizing(budget={"device_tokens": 60})
+    spans = conversation(port, manager, turns=4, seed=1)
+    manager.after_operation()
+    store = port.store
+    assert isinstance(store, FakeQuantizingStore)
+    assert all(s.tier is Tier.DEVICE for s in spans), "int4 in attention fits all of it"
+    assert store.attended_quantized_tokens() > 0 and manager.budget_satisfied
+
+
+def test_a_pinned_prompt_larger_than_the_budget_is_held_at_int4_never_dropped() -> None:
+    port, manager = quantizing(budget={"device_tokens": 20})
+    prompt = port.add(manager, SpanKind.SYSTEM, " ".join(f"tool{i}" for i in range(60)))
+    assert prompt.pinned
+    port.add(manager, SpanKind.USER, "hi")
+    manager.after_operation()
+    store = port.store
+    assert isinstance(store, FakeQuantizingStore)
+    assert prompt.tier is Tier.DEVICE and prompt.state is SpanState.COMMITTED
+    assert store.attended_quantized_tokens(prompt) == prompt.length  # the cheaper rung, still attended
+
+
+def value_lost(port: FakePort, store: FakeQuantizingStore) -> float:
+    """What the held set lost: a span's score times the share of it not held at full precision."""
+    lost = 0.0
+    for span in port.table.spans:
+        if span.tier is not Tier.DEVICE:
+            lost += span.score
+        else:
+            lost += 0.25 * span.score * store.attended_quantized_tokens(span) / max(1, span.held_tokens)
+    return lost
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_more_budget_never_loses_more_value(seed: int) -> None:
+    """Monotone in the budget: each larger limit leaves at least as much attended, losing no more."""
+    results = []
+    for tokens in (20, 40, 80, 160, 320):
+        port, manager = quantizing(budget={"device_tokens": tokens})
+        conversation(port, manager, turns=6, seed=seed)
+        manager.after_operation()
+        store = port.store
+        assert isinstance(store, FakeQuantizingStore)
+        attended = sum(s.held_tokens for s in port.table.spans if s.tier is Tier.DEVICE)
+        results.append((attended, value_lost(port, store)))
+    for (fewer, lost_small), (more, lost_large) in zip(results, results[1:], strict=False):
+        assert more >= fewer and lost_large <= lost_small + 1e-9, results
+
+
+def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step() -> None:
+    from agentkv.lifecycle.placement import Rung, RungOption, SpanOptions, plan_placement
+
+    def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
+        options = (
+            RungOption(Rung.FULL, tokens * 10, 0.0),
+            RungOption(Rung.ATTENDED_Q, tokens * 2, 0.25),
+            RungOption(Rung.ARCHIVED, 0, 0.9),
+        )
+        return SpanOptions(span_id, value, options, klass=klass, order=span_id)
+
+    choices = [span(1, 100, 1.0), span(2, 10, 5.0, klass=1), span(3, 50, 0.1)]
+    usage = 1600
+    # Int4 for all three is 320 bytes: reached without archiving anything.
+    plan = plan_placement(choices, usage, target=400)
+    assert set(plan.rungs.values()) == {Rung.ATTENDED_Q} and plan.met
+    # The needed span (class 1) is the last to be quantized.
+    plan = plan_placement(choices, usage, target=1200)
+    assert 2 not in plan.rungs and plan.met
+    # Below int4 for all, the span of least value per byte leaves attention first.
+    plan = plan_placement(choices, usage, target=250)
+    assert plan.rungs[3] is Rung.ARCHIVED and plan.rungs.get(2) is Rung.ATTENDED_Q and plan.met
+    # A limit nothing can meet archives every archivable span and says so.
+    assert not plan_placement(choices, usage, target=-1).met

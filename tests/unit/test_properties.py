@@ -197,17 +197,17 @@ def assert_accounting(session: Any) -> None:
 
 
 def global_device_bytes(backend: TransformersBackend) -> int:
-    """Device bytes of all sessions, a tensor shared by a branch and its parent counted once."""
+    """Device bytes of all sessions and the prefix cache, a storage shared by several counted once."""
     storages: dict[int, int] = {}
     quantized = 0
+    held = [] if backend.prefix_cache is None else list(backend.prefix_cache.tensors())
     for session in backend.sessions():
         for layer in session.store.physical.cache.managed_layers:
-            for t in [*layer.prefix_tensors(), *layer.own_tensors()]:
-                if t.numel():
-                    storages[t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()] = (
-                        _nbytes(t)
-                    )
+            held += [*layer.prefix_tensors(), *layer.own_tensors()]
         quantized += held_bytes(session)[1]
+    for t in held:
+        if t.numel():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values()) + quantized
 
 

@@ -1,0 +1,254 @@
+"""The placement planner: one rung per span, chosen in one pass, so the limits hold at the least loss.
+
+Every place a span's KV can be is a **rung** with a device cost (bytes, from the
+store) and a fidelity cost (the fraction of the span's value lost there):
+
+    full precision  ->  8-bit keys  ->  int4 / int2 attended  ->  archived  ->  dropped
+
+A span's **value** comes from a strategy (`PlacementStrategy.value`, the way sglang's
+radix cache takes an eviction strategy): its commit score, raised by its relevance to
+the current question. The loss of holding span `s` at rung `r` is `value(s) * fidelity(r)`.
+
+`plan_placement` is a multiple-choice knapsack solved greedily in one pass: each span
+steps down its rungs, and the steps of all spans are taken in the lifecycle's order
+until the device total is at the target. That order is lexicographic: every step that
+keeps a span attended (int4 in attention) before any step that takes one out of
+attention (measured best on the recall sets: `agentkv bench memory`,
+docs/benchmarks.md); within each kind, the lifecycle's class (the rest, then what the
+current question needs, then the current turn, then pinned spans); within a class, the
+least value lost per byte saved (GreedyDual-Size). A span's allowed rungs bound how far
+it may go: pinned and active spans are never archived or dropped, only held at a
+cheaper attended rung, so a pinned prompt larger than the budget is held at int4
+instead of leaving the budget unmet at full precision.
+
+Pure: no store, no model. `agentkv.lifecycle.budget` builds the options from the store
+and applies the plan through the mover.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+
+class Rung(Enum):
+    """Where a span's KV is, from the most faithful to the cheapest."""
+
+    FULL = "full"
+    """Attended at the model's dtype."""
+    KEYS8 = "keys8"
+    """Attended, keys at 8 bits (two 4-bit planes), values quantized."""
+    ATTENDED_Q = "attended_q"
+    """Attended at the tier's bits (int4 or int2), sinks and residual window exact."""
+    ARCHIVED = "archived"
+    """Not attended, held on the archive tier (host exact, or int8/int4 on the device)."""
+    DROPPED = "dropped"
+    """Not held: recomputed from its token ids when needed."""
+
+
+ATTENDED_RUNGS: frozenset[Rung] = frozenset({Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q})
+"""Rungs that keep a span attended (all a pinned or active span may occupy)."""
+
+DEFAULT_FIDELITY: Mapping[Rung, float] = {
+    Rung.FULL: 0.0,
+    Rung.KEYS8: 0.05,
+    Rung.ATTENDED_Q: 0.25,
+    Rung.ARCHIVED: 0.9,
+    Rung.DROPPED: 1.0,
+}
+"""Fraction of a span's value lost at each rung, before calibration on the loaded model.
+
+An archived span is not attended but comes back exactly (or nearly) when recalled; a
+dropped one must be recomputed, against whatever the cache holds then.
+"""
+
+
+@dataclass(frozen=True)
+class RungOption:
+    """One rung a span may occupy, with what it costs there."""
+
+    rung: Rung
+    device_bytes: int
+    """Device bytes the span holds at this rung (what the device budget counts)."""
+    fidelity: float
+    """Fraction of the span's value lost at this rung (0 = none)."""
+
+
+@dataclass(frozen=True)
+class SpanOptions:
+    """One span's choice: where it is now and where it may go."""
+
+    span_id: int
+    value: float
+    """What losing the span entirely costs (the strategy's value)."""
+    options: tuple[RungOption, ...]
+    """The current rung first, then the cheaper rungs the span may be moved to."""
+    klass: int = 0
+    """The lifecycle's class: a lower class gives up each kind of step before a higher one."""
+    order: int = 0
+    """Tie-break between equal steps: the lower goes first (the span's start: older first)."""
+    released: bool = False
+    """Released by a rule (the grace queue): its steps come before every other span's."""
+    hard: bool = False
+    """Leaves attention only while the total is over `plan_placement`'s `hard_target` (recalled spans)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What `plan_placement` chose."""
+
+    rungs: dict[int, Rung]
+    """The chosen rung of every span that moves (span id -> rung); spans absent stay."""
+    device_bytes: int
+    """The estimated device total once the moves are made."""
+    loss: float
+    """The estimated value lost by the moves."""
+    met: bool
+    """Whether the estimated total is at or under the target."""
+
+
+@dataclass(order=True)
+class _Step:
+    leaves: bool
+    """The step takes the span out of attention (archived or dropped): after every step that does not."""
+    klass: int
+    slope: float
+    order: int
+    span_id: int = field(compare=False)
+    index: int = field(compare=False)
+    """Index in the span's chain of the rung this step reaches."""
+
+
+def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
+    """The rungs a span steps through: current first, then each cheaper rung that saves bytes.
+
+    Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
+    less than the one before it (an inconsistent input) is taken at the earlier loss.
+    """
+    current = options[0]
+    cheaper = sorted(
+        (o for o in options[1:] if o.device_bytes < current.device_bytes),
+        key=lambda o: (-o.device_bytes, o.fidelity),
+    )
+    chain = [current]
+    for option in cheaper:
+        if option.device_bytes == chain[-1].device_bytes:
+            continue
+        if option.fidelity < chain[-1].fidelity:
+            option = RungOption(option.rung, option.device_bytes, chain[-1].fidelity)
+        chain.append(option)
+    return chain
+
+
+def _slope(value: float, a: RungOption, b: RungOption) -> float:
+    saved = a.device_bytes - b.device_bytes
+    return value * (b.fidelity - a.fidelity) / saved if saved > 0 else float("inf")
+
+
+def plan_placement(
+    choices: Iterable[SpanOptions], usage: int, target: int, *, hard_target: int | None = None
+) -> Placement:
+    """Choose a rung for every span so that the device total is at most `target`, losing the least.
+
+    Steps are taken in the lifecycle's order: released spans (the grace queue) first,
+    oldest first; then every step that keeps a span attended
+    (int4 in attention) before any that takes one out of attention; within each, the
+    lower class first (`SpanOptions.klass`: the rest, then what the current question
+    needs, then active, then pinned); within a class, the least value lost per byte
+    saved first. The last step, the one that closes the gap, is the closing step that
+    loses least in that order (not the one with the best rate, which may save far more
+    than needed).
+
+    Args:
+        choices: every span that may move, with its value and its rungs (current first).
+        usage: the device total now (bytes).
+        target: the total to reach (the low watermark).
+        hard_target: the total above which `hard` spans may leave attention too (the high
+            watermark); None = they move like any other.
+
+    Returns:
+        The moves (span id -> rung), the estimated total and loss, and whether `target` is met.
+    """
+    chains: dict[int, list[RungOption]] = {}
+    heap: list[_Step] = []
+    spans: dict[int, SpanOptions] = {}
+
+    def step_to(choice: SpanOptions, index: int) -> _Step:
+        chain = chains[choice.span_id]
+        before, after = chain[index - 1], chain[index]
+        leaves = after.rung not in ATTENDED_RUNGS and not choice.released
+        klass = -1 if choice.released else choice.klass
+        slope = _slope(choice.value, before, after)
+        return _Step(leaves, klass, slope, choice.order, choice.span_id, index)
+
+    for choice in choices:
+        chain = step_chain(choice.options)
+        if len(chain) < 2:
+            continue
+        chains[choice.span_id] = chain
+        spans[choice.span_id] = choice
+        heap.append(step_to(choice, 1))
+    heapq.heapify(heap)
+    total = usage
+
+    def blocked(step: _Step) -> bool:
+        return spans[step.span_id].hard and step.leaves and hard_target is not None and total <= hard_target
+
+    def saved(step: _Step) -> int:
+        chain = chains[step.span_id]
+        return chain[step.index - 1].device_bytes - chain[step.index].device_bytes
+
+    def lost(step: _Step) -> float:
+        chain = chains[step.span_id]
+        return spans[step.span_id].value * (chain[step.index].fidelity - chain[step.index - 1].fidelity)
+
+    loss = 0.0
+    at: dict[int, int] = {}
+    while heap and total > target:
+        step = heapq.heappop(heap)
+        if blocked(step):
+            continue
+        if saved(step) >= total - target:
+            # The last step: any step that alone closes the gap will do; take the least loss.
+            closing = [s for s in heap if saved(s) >= total - target and not blocked(s)]
+            best = min(closing, key=lambda s: (s.leaves, s.klass, lost(s), s.order), default=step)
+            if (best.leaves, best.klass, lost(best)) < (step.leaves, step.klass, lost(step)):
+                heap.remove(best)
+                heap.append(step)
+                heapq.heapify(heap)
+                step = best
+        total -= saved(step)
+        loss += lost(step)
+        at[step.span_id] = step.index
+        if step.index + 1 < len(chains[step.span_id]):
+            heapq.heappush(heap, step_to(spans[step.span_id], step.index + 1))
+    rungs = {span_id: chains[span_id][index].rung for span_id, index in at.items()}
+    return Placement(rungs=rungs, device_bytes=total, loss=loss, met=total <= target)
+
+
+class PlacementStrategy(Protocol):
+    """The value of a span: what the planner loses by holding it at a cheaper rung."""
+
+    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
+        """A span's value from its commit score, its held tokens and the lifecycle's weight for it."""
+        ...
+
+
+@dataclass(frozen=True)
+class GreedyDualValue:
+    """GreedyDual-Size (Cao & Irani 1997): the commit score is the value of a hit, whatever the span's size.
+
+    The planner divides by bytes, so a long log and a short user fact of equal score
+    are not equally cheap to keep. `weight` is the lifecycle's prior (pinned, active,
+    needed by the current question, recalled for it), multiplied in.
+    """
+
+    floor: float = 1e-3
+    """Value of a span scored 0 (never committed with a score): still more than nothing."""
+
+    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
+        """`(score + floor) * weight`."""
+        return (max(0.0, score) + self.floor) * weight
