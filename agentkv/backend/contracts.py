@@ -13,20 +13,16 @@ from agentkv.lifecycle.results import ApplyResult
 from agentkv.store.prefix_cache import PrefixCache
 
 
-class SessionHost(Protocol):
-    """What a session needs from the backend that owns it (`TransformersBackend` provides it)."""
+class BackendHost(Protocol):
+    """What any session needs from the backend that owns it (both backends provide it)."""
 
     config: AgentKVConfig
     chat_format: ChatFormat
-    runner: ModelRunner
     tokenizer: Any
-    model_lock: Any
-    """A lock serialising model forwards (attention hooks live on the shared model)."""
-    prefix_cache: PrefixCache | None
-    """Leading system messages' KV shared across sessions (None: each session encodes its own)."""
 
-    def __contains__(self, session_id: object) -> bool:
-        """Whether a session with this id is live."""
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token (the local model's, or the served engine's)."""
         ...
 
     def sessions(self) -> Iterator[Any]:
@@ -42,7 +38,21 @@ class SessionHost(Protocol):
         ...
 
     def device_bytes(self) -> int:
-        """Device KV bytes across all sessions."""
+        """Device KV bytes across all sessions (the engine: their prompts)."""
+        ...
+
+
+class SessionHost(BackendHost, Protocol):
+    """What a local session needs from its backend (`TransformersBackend` provides it)."""
+
+    runner: ModelRunner
+    model_lock: Any
+    """A lock serialising model forwards (attention hooks live on the shared model)."""
+    prefix_cache: PrefixCache | None
+    """Leading system messages' KV shared across sessions (None: each session encodes its own)."""
+
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a session with this id is live."""
         ...
 
     def relieve_device(self, free_bytes: int) -> int:

@@ -12,13 +12,13 @@ from typing import Any, Protocol
 
 import torch
 
+from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
-from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span
 from agentkv.store.kvstore import KVStore
 
@@ -41,36 +41,18 @@ class ServedSession(Protocol):
         ...
 
 
-class SessionServices:
-    """`SessionPort` over a session."""
+class SessionServices(SessionServicesBase):
+    """`SessionPort` over a local session: recompute and attention probes run the model."""
+
+    session: ServedSession
 
     def __init__(self, session: ServedSession) -> None:
-        self.session = session
-
-    @property
-    def session_id(self) -> str:
-        """The session's id."""
-        return self.session.session_id
-
-    @property
-    def config(self) -> AgentKVConfig:
-        """The session's configuration."""
-        return self.session.config
-
-    @property
-    def table(self) -> SpanTable:
-        """The session's span table."""
-        return self.session.table
+        super().__init__(session)
 
     @property
     def store(self) -> KVStore:
         """The session's store."""
         return self.session.store
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Device bytes of one attended token's KV."""
-        return self.session.runner.bytes_per_token
 
     def recompute(self, span: Span) -> None:
         """Compute a dropped span's KV from its token ids at its logical positions.
@@ -157,14 +139,6 @@ class SessionServices:
             physical.truncate(before)
         return probe
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` (no chat template)."""
-        return self.session.format.encode(text)
-
-    def token_text(self, token: int) -> str:
-        """One token's text."""
-        return str(self.session.backend.tokenizer.decode([token]))
-
     def background_logprobs(self) -> Any:
         """The model's next-token log-probs `[V]` after a newline alone (recall's word weights)."""
         session = self.session
@@ -193,16 +167,3 @@ class SessionServices:
         ):
             usage = backend.device_bytes()
         return usage
-
-    def child_branches(self) -> list[tuple[str, str | None]]:
-        """`(session_id, branch)` of the live branch sessions forked from this one."""
-        session = self.session
-        return [
-            (child.session_id, child.branch)
-            for child in session.backend.sessions()
-            if is_branch_of(child.session_id, session.session_id) and child.parent is session
-        ]
-
-    def close_child(self, session_id: str) -> None:
-        """Close a branch session forked from this one."""
-        self.session.backend.close(session_id)

@@ -1,8 +1,10 @@
 """What a session tells without changing anything: its table's fields, stats, snapshots, the log.
 
-`Session` inherits these from `SessionReadout`, so the encoding and decoding in
-`agentkv.backend.session` stay on one screen. Every method reads; none writes the
-cache or the span table (`stats` only raises the peak-bytes counter).
+`Session` and `EngineSession` inherit these from `SessionReadout` (through
+`agentkv.backend.session_core`), so the encoding and decoding of each stay on one
+screen. Every method reads; none writes the cache or the span table (`stats` only
+raises the peak-bytes counter). What differs by store (how many tokens the model
+attends) is `_attended_tokens`.
 """
 
 from __future__ import annotations
@@ -10,27 +12,42 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
-from agentkv.backend.contracts import SessionHost
 from agentkv.chat import ChatMessage
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, LogRecord, SessionStats
 from agentkv.spans import Span, SpanState
-from agentkv.store.kvstore import KVStore
+from agentkv.store.protocol import TierBytes
 
-__all__ = ["SessionReadout"]
+__all__ = ["ReadableStore", "SessionReadout"]
+
+
+class ReadableStore(Protocol):
+    """What the readout reads of a session's store (`KVStore`, `EngineStore`)."""
+
+    def bytes_by_tier(self) -> TierBytes:
+        """Bytes held per tier, now."""
+        ...
+
+    def span_bytes(self, span: Span) -> int:
+        """Bytes held for one span."""
+        ...
+
+    def close(self) -> None:
+        """Free everything the store holds."""
+        ...
 
 
 class SessionReadout:
     """The reading half of `Session`: properties over its `SpanTable`, stats and snapshots."""
 
-    backend: SessionHost
+    backend: Any
     session_id: str
     lock: threading.RLock
-    store: KVStore
+    store: ReadableStore
     table: SpanTable
     manager: LifecycleManager
 
@@ -71,6 +88,10 @@ class SessionReadout:
         """Tokens in the logical sequence (held or not)."""
         return self.table.logical_length
 
+    def _attended_tokens(self) -> tuple[int, int]:
+        """`(attended, attended quantized)` tokens the model reads now (the subclass knows its store)."""
+        raise NotImplementedError
+
     # -- reporting -------------------------------------------------------------------------------
 
     def stats(self) -> SessionStats:
@@ -82,6 +103,7 @@ class SessionReadout:
                 by_state[span.state.value] += span.length
             c = self.counters
             c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
+            attended, attended_quantized = self._attended_tokens()
             return SessionStats.from_counters(
                 c,
                 session_id=self.session_id,
@@ -91,8 +113,8 @@ class SessionReadout:
                 shared_device_bytes=tiers.shared,
                 digest_bytes=tiers.digest,
                 tokens_by_state=by_state,
-                attended_tokens=self.store.physical.length,
-                attended_quantized_tokens=self.store.attended_quantized_tokens(),
+                attended_tokens=attended,
+                attended_quantized_tokens=attended_quantized,
                 logical_tokens=self.logical_length,
                 spans=len(self.spans),
                 turn=self.turn,

@@ -15,38 +15,39 @@ lifecycle a few services (`SessionPort`: recompute a span, encode text, ...).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Unpack
 
 import torch
 
-from agentkv.backend.contracts import ExtendResult, SessionClosedError, SessionHost
+from agentkv.backend.contracts import ExtendResult, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.prefix import start_from_shared_prefix
-from agentkv.backend.readout import SessionReadout
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
-from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
+from agentkv.backend.session_core import SessionCore
+from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import PromptRead
-from agentkv.spans import ATTENDED_STATES, Span, SpanKind, SpanState, Tier
+from agentkv.spans import ATTENDED_STATES, Span, SpanState, Tier
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
 
 
-class Session(SessionReadout):
+class Session(SessionCore):
     """One conversation's KV cache. Thread-safe: a per-session lock serialises every call."""
+
+    backend: SessionHost
+    store: KVStore
 
     def __init__(
         self,
@@ -57,15 +58,9 @@ class Session(SessionReadout):
         branch: str | None = None,
         config: AgentKVConfig | None = None,
     ) -> None:
-        self.backend = backend
-        self.session_id = session_id
-        # A branch keeps its parent's settings: its budget and rules are the conversation's.
-        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
-        self.format = backend.chat_format
+        self.parent = parent
+        self._open(backend, session_id, parent, branch, config)
         self.runner = backend.runner
-        self.lock = threading.RLock()
-        self.limits = BudgetLimits.resolve(self.config.budget, self.runner.bytes_per_token)
-        """The budget in bytes, resolved once; the manager enforces it (device and host alike)."""
         self.store = KVStore(
             self.runner.num_layers,
             self.runner.device,
@@ -84,9 +79,6 @@ class Session(SessionReadout):
         """True after `extend(..., prefill=False)` until the next answer encodes the pending tokens."""
         self.last_prompt: PromptRead | None = None
         """What the latest answer's first token read (see `PromptRead`); None before any answer."""
-        self.branch = branch
-        self.parent = parent
-        self.closed = False
         self.ended = False
         """True after `SessionClosed` until the next call brings the released history back (`_restart`)."""
         self.manager: LifecycleManager
@@ -98,18 +90,14 @@ class Session(SessionReadout):
         else:
             self.manager = LifecycleManager(SessionServices(self), self.limits)
 
+    def _attended_tokens(self) -> tuple[int, int]:
+        return self.store.physical.length, self.store.attended_quantized_tokens()
+
     def budget_limits(self) -> BudgetLimits:
         """This session's budget in bytes (device, host, global) with its watermarks."""
         return self.limits
 
     # -- small helpers -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self.closed:
-            msg = (
-                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
-            )
-            raise SessionClosedError(msg)
 
     def span(self, span_id: int) -> Span:
         """The span with this id (KeyError naming the session when absent)."""
@@ -122,9 +110,6 @@ class Session(SessionReadout):
     def token_ids(self) -> list[int]:
         """The whole logical sequence's token ids (nothing is ever lost)."""
         return self.table.token_ids()
-
-    def _new_span(self, kind: SpanKind, token_ids: list[int], **fields: Any) -> Span:
-        return self.table.new_span(kind, token_ids, branch=self.branch, **fields)
 
     # -- encoding ------------------------------------------------------------------------------
 
@@ -159,13 +144,7 @@ class Session(SessionReadout):
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
-            k = 0
-            while (
-                k < len(message_spans)
-                and k < len(incoming)
-                and incoming[k].fingerprint() in message_spans[k].fingerprints
-            ):
-                k += 1
+            k = self._matched_messages(incoming, message_spans)
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
@@ -188,9 +167,7 @@ class Session(SessionReadout):
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
                 index = k + offset
-                if message.role == "user":
-                    self.manager.on_new_user_turn()
-                    self.table.turn += 1
+                self._count_turn(message)
                 if offset == 0 and partial:
                     # The rewritten message keeps its unchanged leading tokens; it is new content.
                     span = self.spans[-1]
@@ -234,6 +211,14 @@ class Session(SessionReadout):
             )
             return result
 
+    def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """After `SessionClosed` the released history comes back first; the answer must fit the positions."""
+        if self.ended:
+            self._restart()
+        # The answer is closed with the template's end-of-turn ids: they need positions too.
+        suffix = len(self.format.assistant_suffix_ids())
+        self._check_positions(self.logical_length + prompt_tokens + max_new_tokens + suffix)
+
     def _restart(self) -> None:
         """The conversation goes on after `SessionClosed`: bring back every span it released.
 
@@ -245,14 +230,6 @@ class Session(SessionReadout):
         for span in self.spans:
             if span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
                 self.manager.mover.move(span, SpanState.COMMITTED, reason="session_restarted", lazily=True)
-
-    def _describe_message(self, span: Span, message: ChatMessage, index: int) -> None:
-        span.kind = message.kind
-        span.owner = message.owner
-        span.message_index = index
-        span.fingerprints = frozenset({message.fingerprint()})
-        for call in message.tool_calls:
-            self.manager.register_tool_call(call.id, span)
 
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
@@ -383,19 +360,7 @@ class Session(SessionReadout):
 
     def _decode(self, params: SamplingParams, prefix: str, message_id: str | None) -> Iterator[str]:
         with self.lock:
-            self._check_open()
-            if not self.messages:
-                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
-                raise ValueError(msg)
-            if self.ended:
-                self._restart()
-            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            # The answer is closed with the template's end-of-turn ids: they need positions too.
-            suffix = len(self.format.assistant_suffix_ids())
-            self._check_positions(self.logical_length + len(prompt_ids) + params.max_new_tokens + suffix)
-            span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
-            span.message_index = len(self.messages)
-            self.manager.on_span_created(span)
+            span, prompt_tokens = self._open_answer(prefix, message_id, params.max_new_tokens)
             deferred, self.prefill_deferred = self.prefill_deferred, False
             try:
                 self._prefill()  # the deferred messages and the generation prompt: one forward
@@ -424,8 +389,8 @@ class Session(SessionReadout):
                 )
             finally:
                 # The last produced token was not fed back: it is encoded with the end of turn.
-                span.token_ids.extend(answer.tokens[len(span.token_ids) - len(prompt_ids) :])
-                self._finish_answer(span, prefix, answer.text, len(answer.tokens))
+                span.token_ids.extend(answer.tokens[len(span.token_ids) - prompt_tokens :])
+                self._finish_answer(span, prefix, answer.text, len(answer.tokens), computed=False)
 
     def _decode_one(self, span: Span) -> torch.Tensor:
         """Feed the span's last produced token (pending); return next-token logits `[V]`."""
@@ -438,40 +403,6 @@ class Session(SessionReadout):
             msg = "no logits from decode step"
             raise RuntimeError(msg)
         return logits
-
-    def _finish_answer(self, span: Span, prefix: str, text: str, produced: int) -> None:
-        """Close the assistant message the way the template would, so the next turn reuses it."""
-        span.token_ids.extend(self.format.assistant_suffix_ids())
-        content = prefix + text
-        message = ChatMessage("assistant", content, message_id=span.owner)
-        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
-        self.messages.append(message)
-        self.counters.generated_tokens += produced
-        self.table.record("generate", span=span.span_id, tokens=produced, chars=len(text))
-        self.manager.after_operation()
-
-    def bind_message(self, message: Any, span_id: int | None = None) -> None:
-        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls).
-
-        The next `extend` then matches that message to the span's produced ids
-        instead of re-encoding it.
-        """
-        normalized = normalize_messages([message])[0]
-        with self.lock:
-            generated = [s for s in self.spans if s.generated]
-            if span_id is None and not generated:
-                msg = "bind_message: this session has generated nothing yet"
-                raise ValueError(msg)
-            span = generated[-1] if span_id is None else self.span(span_id)
-            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
-            if normalized.owner:
-                span.owner = normalized.owner
-            if normalized.tool_calls:
-                span.kind = SpanKind.TOOL_CALL
-                for call in normalized.tool_calls:
-                    self.manager.register_tool_call(call.id, span)
-            if 0 <= span.message_index < len(self.messages):
-                self.messages[span.message_index] = normalized
 
     # -- scoring without changing the cache ------------------------------------------------------
 
@@ -514,14 +445,8 @@ class Session(SessionReadout):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
-        with self.lock:
-            self._check_open()
-            return self._apply_locked(event, enforce=True)
-
     def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
-        """Apply one event with the lock held (`enforce`: check the budget after it)."""
+        """Apply one event with the lock held: forget requests, a conversation's end, a turn's end."""
         if isinstance(event, ForgetRequested):
             return self.forget.request(event)
         result = self.manager.apply(event, enforce=enforce)
@@ -530,28 +455,6 @@ class Session(SessionReadout):
         if isinstance(event, TurnEnded) and event.turn in (None, self.turn):
             self.forget.on_turn_ended()
         return result
-
-    def pin(
-        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
-    ) -> Lease:
-        """Pin spans (by owner or ids); returns the lease to give back with `release`."""
-        with self.lock:
-            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
-            # Pinning brings back a span that was already demoted: the budget may need enforcing.
-            self.manager.after_operation()
-            return lease
-
-    def release(self, lease: Lease) -> bool:
-        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
-        with self.lock:
-            return self.manager.release(lease)
-
-    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> Session:
-        """A branch session sharing this session's KV as a read-only prefix (no copy).
-
-        `config` = the branch's own settings (None = this session's).
-        """
-        return self.backend.fork(self.session_id, branch, config=config)
 
     def detach(self, session_id: str) -> None:
         """Stand alone as the conversation `session_id` (a branch adopted by its thread).
@@ -588,13 +491,6 @@ class Session(SessionReadout):
             self.last_logits = parent.last_logits
             self.manager = LifecycleManager(SessionServices(self), self.limits)
             self.manager.inherit(parent.manager)
-
-    def close(self) -> None:
-        """Free the session's KV (tokens are dropped with it)."""
-        with self.lock:
-            self.store.close()
-            self.table.clear()
-            self.closed = True
 
 
 def _attended(span: Span) -> int:

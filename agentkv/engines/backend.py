@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from agentkv.backend.registry import SessionRegistry
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.config_engine import EngineConfig
@@ -32,8 +32,6 @@ from agentkv.engines.planner import EnginePinPlanner
 from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
-from agentkv.events import Event, validate_event
-from agentkv.session_ids import branch_session_id
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -48,7 +46,7 @@ def kv_bytes_per_token(model_dir: str | Path, dtype_bytes: int = 2) -> int:
     return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * dtype_bytes)
 
 
-class EngineBackend:
+class EngineBackend(SessionRegistry[EngineSession]):
     """Sessions over a served model.
 
     Args:
@@ -72,6 +70,7 @@ class EngineBackend:
             msg = "EngineBackend: expected a config with an `engine:` block (vllm_url, ...), got none"
             raise ValueError(msg)
         engine: EngineConfig = config.engine
+        super().__init__()
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -111,9 +110,6 @@ class EngineBackend:
         """Load control by working set (`engine.admission_tokens`): who may call now; None = everyone."""
         self._target: EngineTarget | None = None
         self._target_lock = threading.Lock()
-        self._sessions: dict[str, EngineSession] = {}
-        self._table_lock = threading.Lock()
-        self.noop_events = 0
 
     @classmethod
     def from_config(cls, config: AgentKVConfig) -> EngineBackend:
@@ -175,72 +171,15 @@ class EngineBackend:
 
     # -- session table ---------------------------------------------------------------------------
 
-    def session(
-        self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None
+    def _new_session(
+        self,
+        session_id: str,
+        *,
+        parent: EngineSession | None,
+        branch: str | None,
+        config: AgentKVConfig | None,
     ) -> EngineSession:
-        """The session with this id, created on first use (`create=False` raises KeyError when absent)."""
-        if not isinstance(session_id, str) or not session_id:
-            msg = f"session id: expected a non-empty string, got {session_id!r}"
-            raise ValueError(msg)
-        with self._table_lock:
-            existing = self._sessions.get(session_id)
-            if existing is not None and not existing.closed:
-                return existing
-            if not create:
-                raise KeyError(self._unknown(session_id))
-            session = EngineSession(self, session_id, config=config)
-            self._sessions[session_id] = session
-            return session
-
-    def get(self, session_id: str) -> EngineSession:
-        """An existing session (KeyError naming the known ids)."""
-        return self.session(session_id, create=False)
-
-    def _unknown(self, session_id: str) -> str:
-        known = ", ".join(sorted(self._sessions)[:20]) or "none"
-        return f"unknown session {session_id!r}; known sessions: {known}"
-
-    def __contains__(self, session_id: object) -> bool:
-        with self._table_lock:
-            return session_id in self._sessions
-
-    def sessions(self) -> Iterator[EngineSession]:
-        """A snapshot of the live sessions."""
-        with self._table_lock:
-            return iter(list(self._sessions.values()))
-
-    def fork(self, session_id: str, branch: str) -> EngineSession:
-        """Create (or get) the branch session sharing the parent's prefix on the engine (same salt)."""
-        parent = self.get(session_id)
-        child_id = branch_session_id(session_id, branch)
-        with self._table_lock:
-            existing = self._sessions.get(child_id)
-            if existing is not None and not existing.closed:
-                return existing
-        child = EngineSession(self, child_id, parent=parent, branch=branch)
-        parent.manager.note_branch(branch)
-        with self._table_lock:
-            self._sessions[child_id] = child
-        return child
-
-    def close(self, session_id: str) -> None:
-        """Unpin and delete a session's KV on the engine and forget it (KeyError when absent)."""
-        with self._table_lock:
-            session = self._sessions.pop(session_id, None)
-        if session is None:
-            raise KeyError(self._unknown(session_id))
-        session.close()
-
-    def apply(self, session_id: str, event: Event) -> Any:
-        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
-        validate_event(event)
-        with self._table_lock:
-            session = self._sessions.get(session_id)
-        if session is None or session.closed:
-            self.noop_events += 1
-            logger.info("event %s for unknown session %r ignored", event.name, session_id)
-            return None
-        return session.apply(event)
+        return EngineSession(self, session_id, parent=parent, branch=branch, config=config)
 
     def sole_holder(self, session: EngineSession) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (never with `engine.salt: shared`).

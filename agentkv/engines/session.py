@@ -11,34 +11,29 @@ answer; the engine's own usage figures become the session's prefill / reuse coun
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, Unpack
 
-from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.backend.contracts import BackendHost, ExtendResult
+from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
-from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
+from agentkv.backend.session_core import SessionCore
+from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
-from agentkv.lifecycle import ApplyResult, BudgetLimits, Lease, LifecycleManager, SpanTable
-from agentkv.metrics import SessionStats
-from agentkv.session_ids import is_branch_of
-from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
+from agentkv.spans import Span, Tier
 
 logger = logging.getLogger("agentkv.engines")
 
 
-class EngineHost(Protocol):
-    """What an engine session needs from the backend that owns it (`EngineBackend` provides it)."""
+class EngineHost(BackendHost, Protocol):
+    """What an engine session needs from its backend beyond any host's (`EngineBackend` provides it)."""
 
-    config: AgentKVConfig
-    chat_format: ChatFormat
-    tokenizer: Any
-    bytes_per_token: int
     vllm: VLLMClient
     gate: AdmissionGate | None
 
@@ -50,69 +45,27 @@ class EngineHost(Protocol):
         """The LMCache instance hints go to (None = no coordinator)."""
         ...
 
-    def sessions(self) -> Iterator[Any]:
-        """A snapshot of the live sessions."""
-        ...
-
-    def fork(self, session_id: str, branch: str) -> Any:
-        """Create (or get) the branch session."""
-        ...
-
-    def close(self, session_id: str) -> None:
-        """Unpin and delete a session's KV and forget it."""
-        ...
-
-    def device_bytes(self) -> int:
-        """Engine KV bytes across the sessions."""
-        ...
-
     def sole_holder(self, session: Any) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (its pins are all its own)."""
         ...
 
 
-class EngineServices:
+class EngineServices(SessionServicesBase):
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
 
+    session: EngineSession
+
     def __init__(self, session: EngineSession) -> None:
-        self.session = session
-
-    @property
-    def session_id(self) -> str:
-        """The session's id."""
-        return self.session.session_id
-
-    @property
-    def config(self) -> AgentKVConfig:
-        """The session's configuration."""
-        return self.session.config
-
-    @property
-    def table(self) -> SpanTable:
-        """The session's span table."""
-        return self.session.table
+        super().__init__(session)
 
     @property
     def store(self) -> EngineStore:
         """The session's engine store."""
         return self.session.store
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Engine KV bytes of one token."""
-        return self.session.backend.bytes_per_token
-
     def recompute(self, span: Span) -> None:
         """Nothing to do now: the span is back in the prompt, the engine computes it on the next call."""
         del span
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` (no chat template)."""
-        return self.session.format.encode(text)
-
-    def token_text(self, token: int) -> str:
-        """One token's text."""
-        return str(self.session.backend.tokenizer.decode([token]))
 
     def background_logprobs(self) -> Any:
         """No model here: recall weighs words by their rarity in the session alone."""
@@ -126,22 +79,12 @@ class EngineServices:
         """Engine KV bytes across the backend's sessions."""
         return self.session.backend.device_bytes()
 
-    def child_branches(self) -> list[tuple[str, str | None]]:
-        """`(session_id, branch)` of the live branch sessions forked from this one."""
-        session = self.session
-        return [
-            (child.session_id, child.branch)
-            for child in session.backend.sessions()
-            if is_branch_of(child.session_id, session.session_id) and child.parent is session
-        ]
 
-    def close_child(self, session_id: str) -> None:
-        """Close a branch session forked from this one (its tail is deleted on the engine)."""
-        self.session.backend.close(session_id)
-
-
-class EngineSession:
+class EngineSession(SessionCore):
     """One conversation on the engine. Thread-safe: a per-session lock serialises every call."""
+
+    backend: EngineHost
+    store: EngineStore
 
     def __init__(
         self,
@@ -152,16 +95,8 @@ class EngineSession:
         branch: str | None = None,
         config: AgentKVConfig | None = None,
     ) -> None:
-        self.backend = backend
-        self.session_id = session_id
-        self.config: AgentKVConfig = config or (parent.config if parent is not None else backend.config)
-        self.format = backend.chat_format
-        self.lock = threading.RLock()
-        self.branch = branch
         self.parent = parent
-        self.closed = False
-        self.store: EngineStore
-        self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
+        self._open(backend, session_id, parent, branch, config)
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
         self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
         self.engine_sequence: list[int] = list(parent.engine_sequence) if parent is not None else []
@@ -191,39 +126,13 @@ class EngineSession:
         if parent is not None:
             self.manager.inherit(parent.manager)
 
-    # -- the table's fields, for reading ---------------------------------------------------------
-
-    @property
-    def spans(self) -> list[Span]:
-        """The logical sequence's spans."""
-        return self.table.spans
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        """The conversation's messages, as the session holds them."""
-        return self.table.messages
-
-    @property
-    def counters(self) -> Any:
-        """Running totals (prefill and reused tokens come from the engine's usage)."""
-        return self.table.counters
-
-    @property
-    def turn(self) -> int:
-        """The current user turn."""
-        return self.table.turn
+    def _attended_tokens(self) -> tuple[int, int]:
+        return sum(s.length for s in self.spans if s.tier is Tier.DEVICE), 0
 
     def _hint_failed(self, what: str, error: Exception) -> None:
         """A hint the engine did not take is a survived fault of this session (counted and logged)."""
         self.counters.faults += 1
         self.table.record("fault", where=f"engine hint {what}", span=None, error=repr(error))
-
-    def _check_open(self) -> None:
-        if self.closed:
-            msg = (
-                f"session {self.session_id!r} is closed; backend.session({self.session_id!r}) makes a new one"
-            )
-            raise SessionClosedError(msg)
 
     # -- encoding: spans only, the engine computes KV on the next call ---------------------------
 
@@ -242,24 +151,16 @@ class EngineSession:
         with self.lock:
             self._check_open()
             message_spans = self.table.message_spans()
-            k = 0
-            while (
-                k < len(message_spans)
-                and k < len(incoming)
-                and incoming[k].fingerprint() in message_spans[k].fingerprints
-            ):
-                k += 1
+            k = self._matched_messages(incoming, message_spans)
             reused = sum(s.length for s in message_spans[:k])
             cropped = self._crop(message_spans[k]) if k < len(message_spans) else 0
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
-                if message.role == "user":
-                    self.manager.on_new_user_turn()
-                    self.table.turn += 1
-                span = self.table.new_span(message.kind, ids, branch=self.branch)
+                self._count_turn(message)
+                span = self._new_span(message.kind, ids)
                 span.n_computed = len(ids)  # held by the prompt; the engine computes or reuses it
-                self._describe(span, message, k + offset)
+                self._describe_message(span, message, k + offset)
                 self.manager.on_span_created(span)
                 self.messages.append(message)
                 new_spans.append(span.span_id)
@@ -278,14 +179,6 @@ class EngineSession:
                 seconds=time.perf_counter() - started,
                 applied=applied,
             )
-
-    def _describe(self, span: Span, message: ChatMessage, index: int) -> None:
-        span.kind = message.kind
-        span.owner = message.owner
-        span.message_index = index
-        span.fingerprints = frozenset({message.fingerprint()})
-        for call in message.tool_calls:
-            self.manager.register_tool_call(call.id, span)
 
     def _crop(self, first: Span) -> int:
         """Drop `first` and every span after it (a history rewrite): their engine tails are stale."""
@@ -316,16 +209,8 @@ class EngineSession:
             raise ValueError(msg)
         stops = list(params.stop)
         with self.lock:
-            self._check_open()
-            if not self.messages:
-                msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
-                raise ValueError(msg)
-            prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
-            span = self.table.new_span(SpanKind.ASSISTANT, prompt_ids, branch=self.branch, generated=True)
-            span.owner = message_id
-            span.n_computed = len(prompt_ids)
-            span.message_index = len(self.messages)
-            self.manager.on_span_created(span)
+            span, prompt_tokens = self._open_answer(prefix, message_id, max_new_tokens)
+            span.n_computed = prompt_tokens  # the prompt holds it; the engine computes or reuses it
             prompt = self.store.prompt()
             gate = self.backend.gate
             if gate is not None:  # waits while the residents' working sets fill the cache (bounded)
@@ -354,44 +239,17 @@ class EngineSession:
             own = common_prefix(self.engine_sequence, prompt)
             self.counters.shared_prefix_tokens += max(0, done.cached_tokens - own)
             self.engine_sequence = prompt + produced
-            self.counters.generated_tokens += len(produced)
-            self._finish_answer(span, prefix, done.text)
+            self._finish_answer(span, prefix, done.text, len(produced), computed=True)
             return done.text
 
     def stream(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> Iterator[str]:
         """`generate` as one piece (the engine path does not stream token by token)."""
         yield self.generate(max_new_tokens, **options)
 
-    def _finish_answer(self, span: Span, prefix: str, text: str) -> None:
-        span.token_ids.extend(self.format.assistant_suffix_ids())
-        span.n_computed = span.length
-        message = ChatMessage("assistant", prefix + text, message_id=span.owner)
-        span.fingerprints = frozenset({message.fingerprint(), message_fingerprint("assistant", text)})
-        self.messages.append(message)
-        self.table.record("generate", span=span.span_id, chars=len(text))
-        self.manager.after_operation()
-
-    def bind_message(self, message: Any, span_id: int | None = None) -> None:
-        """Say which message stands for a generated span (e.g. an AIMessage with parsed tool calls)."""
-        normalized = normalize_messages([message])[0]
-        with self.lock:
-            generated = [s for s in self.spans if s.generated]
-            if span_id is None and not generated:
-                msg = "bind_message: this session has generated nothing yet"
-                raise ValueError(msg)
-            span = generated[-1] if span_id is None else self.table.span(span_id)
-            span.fingerprints = span.fingerprints | {normalized.fingerprint()}
-            if normalized.owner:
-                span.owner = normalized.owner
-            if normalized.tool_calls:
-                span.kind = SpanKind.TOOL_CALL
-                for call in normalized.tool_calls:
-                    self.manager.register_tool_call(call.id, span)
-
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event; the engine hears of it on the next call (`EngineStore.sync`).
+    def _apply_locked(self, event: Event, *, enforce: bool) -> ApplyResult:
+        """Apply one event with the lock held; the engine hears of it on the next call (`EngineStore.sync`).
 
         `TurnEnded` pins what the turn committed at once (`EngineStore.refit_pins`), then
         parks the conversation (`EngineStore.park`): the chunks its pin keeps on L2 give up
@@ -400,66 +258,15 @@ class EngineSession:
         are what that call reads); one that gives its place up gets its pin refitted to its
         new share (the residents' room).
         """
-        with self.lock:
-            self._check_open()
-            result = self.manager.apply(event)
-            if isinstance(event, TurnEnded):
-                gate = self.backend.gate
-                working_set = len(self.store.prompt())
-                resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
-                self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
-                if not resident:
-                    self.store.park()  # the conversation now waits: L1 room goes to others
-            return result
-
-    def pin(
-        self, owner: str | None = None, *, span_ids: Sequence[int] | None = None, reason: str = ""
-    ) -> Lease:
-        """Pin spans (never demoted); a committed span's prefix is pinned on LMCache at the next call."""
-        with self.lock:
-            lease = self.manager.pin(owner=owner, span_ids=span_ids, reason=reason)
-            self.manager.after_operation()
-            return lease
-
-    def release(self, lease: Lease) -> bool:
-        """Give a pin back. Unknown or foreign leases change nothing (returns False)."""
-        with self.lock:
-            return self.manager.release(lease)
-
-    def fork(self, branch: str) -> EngineSession:
-        """A branch session on the same salt: the engine shares the prefix, nothing is copied."""
-        return self.backend.fork(self.session_id, branch)
-
-    # -- reporting -------------------------------------------------------------------------------
-
-    def stats(self) -> SessionStats:
-        """Counters and the engine KV this session holds per tier (device = prompt, host = L2 archive)."""
-        with self.lock:
-            tiers = self.store.bytes_by_tier()
-            by_state = {state.value: 0 for state in SpanState}
-            for span in self.spans:
-                by_state[span.state.value] += span.length
-            c = self.counters
-            c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
-            return SessionStats.from_counters(
-                c,
-                session_id=self.session_id,
-                device_bytes=tiers.device,
-                quantized_bytes=tiers.quantized,
-                host_bytes=tiers.host,
-                shared_device_bytes=tiers.shared,
-                tokens_by_state=by_state,
-                attended_tokens=sum(s.length for s in self.spans if s.tier is Tier.DEVICE),
-                logical_tokens=self.table.logical_length,
-                spans=len(self.spans),
-                turn=self.turn,
-                **self.manager.budget.figures(),
-            )
-
-    def check(self) -> None:
-        """Verify the lifecycle invariants."""
-        with self.lock:
-            self.manager.check()
+        result = super()._apply_locked(event, enforce=enforce)
+        if isinstance(event, TurnEnded):
+            gate = self.backend.gate
+            working_set = len(self.store.prompt())
+            resident = gate is not None and gate.turn_ended(self.conversation_id, working_set)
+            self.store.refit_pins()  # the turn's committed history, pinned before park frees L1
+            if not resident:
+                self.store.park()  # the conversation now waits: L1 room goes to others
+        return result
 
     def close(self) -> None:
         """Unpin and delete this session's KV on the engine; forget its spans.
@@ -467,10 +274,8 @@ class EngineSession:
         Pin requests that timed out (maybe applied) and could not be checked yet go to the
         root conversation, which checks them once it holds the salt alone.
         """
+        super().close()
         with self.lock:
-            self.store.close()
-            self.table.clear()
-            self.closed = True
             uncertain, self.store.uncertain_pins = self.store.uncertain_pins, []
             gate = self.backend.gate
             if gate is not None and self.parent is None:  # a branch shares its root's residency

@@ -27,75 +27,27 @@ slow or answers 4xx makes it a logged no-op (`hint_failures`), never an error fo
 the agent, because the prompt itself carries the whole truth. What a failed hint
 leaves behind is repaired at the next sync that reaches the coordinator: skipped
 deletes are sent again, and a pin or unpin that timed out (it may still be applied
-when the coordinator resumes) is checked against the salt's pin table
-(`agentkv.engines.reconcile`) when the session is the salt's only holder.
+when the coordinator resumes) is checked against the salt's pin table when the
+session is the salt's only holder (`agentkv.engines.pins`). Where hints go and how a
+failure becomes a no-op: `agentkv.engines.hints`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from agentkv.engines.http import EngineError
-from agentkv.engines.lmcache import CoordinatorClient, TierName
-from agentkv.engines.planner import EnginePinPlanner
-from agentkv.engines.reconcile import surplus_sequences
+from agentkv.engines.hints import EngineTarget, HintSender, HintStats
+from agentkv.engines.lmcache import TierName
+from agentkv.engines.pins import SessionPins
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.kvstore import TierBytes
 
-logger = logging.getLogger("agentkv.engines")
+__all__ = ["PINNING_STATES", "EngineStore", "EngineTarget", "HintStats", "common_prefix"]
 
 PINNING_STATES = frozenset({SpanState.COMMITTED})
 """A span in one of these states is part of the pinned prefix."""
-
-
-@dataclass(frozen=True)
-class EngineTarget:
-    """One served engine as a session sees it: the coordinator, the LMCache server it lands on, units.
-
-    Attributes:
-        coordinator: the LMCache coordinator client (pins, lookup, prefetch, deletes).
-        instance_id: the LMCache server this session's requests are routed to (sticky).
-        instance_url: that server's own HTTP API (key-addressed deletes).
-        chunk_size: LMCache's chunk size in tokens (pins and deletes act on whole chunks).
-        prefetch_wait: seconds to wait for a prefetch to complete before the next call.
-        pin_budget_tokens: most tokens one conversation pins (None = its L2 quota, if any).
-        planner: the fleet's pin planner, shared by the backend's sessions (None = each
-            conversation pins within its own budget only).
-    """
-
-    coordinator: CoordinatorClient
-    instance_id: str
-    instance_url: str
-    chunk_size: int = 256
-    prefetch_wait: float = 5.0
-    pin_budget_tokens: int | None = None
-    planner: EnginePinPlanner | None = None
-
-
-@dataclass
-class HintStats:
-    """What the store asked of the engine, and what failed (failures are logged no-ops)."""
-
-    pins: int = 0
-    unpins: int = 0
-    deleted_chunks: int = 0
-    prefetches: int = 0
-    prefetch_completed: int = 0
-    demoted_chunks: int = 0
-    """L1 copies given up at turn end because L2 holds the chunk under this session's pin."""
-    hint_failures: int = 0
-    last_failure: str = ""
-    retried_deletes: int = 0
-    """Deletes skipped by a failed hint and sent again at a later sync."""
-    reconciled_unpins: int = 0
-    """References a timed-out pin (or unpin) left on the coordinator, found and given back."""
-    log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 class EngineStore:
@@ -136,14 +88,18 @@ class EngineStore:
         self.spans = spans
         self.bytes_per_token = bytes_per_token
         self.stats = HintStats()
+        self.hints = HintSender(cache_salt, self.stats, on_failure)
         self.sent: list[int] = list(shared_prefix)
         """The sequence the engine last held KV for (prompt + generated ids)."""
         self.shared_prefix: list[int] = list(shared_prefix)
-        self._commit_pin: list[int] = []
-        self._archive_pins: dict[int, list[int]] = {}
-        self._selected_pins: list[list[int]] = []
-        self.owns_salt: Callable[[], bool] = owns_salt or (lambda: False)
-        self.on_failure = on_failure
+        self.pins: SessionPins | None = (
+            None
+            if target is None
+            else SessionPins(
+                target, cache_salt, self.owner, bytes_per_token, self.hints, owns_salt or (lambda: False)
+            )
+        )
+        """The session's pin references (None without a coordinator)."""
         self._stale_tier: TierName | None = None
         self._archived_since_sync: list[int] = []
         self._dropped_since_sync: list[int] = []
@@ -158,11 +114,7 @@ class EngineStore:
         """Old sequences kept on L2 for archived spans: deleted at close."""
         self._pending_deletes: list[tuple[list[int], int, int | None, TierName]] = []
         """Deletes a failed hint skipped: (sequence, first token, end token or None, tier)."""
-        self.uncertain_pins: list[list[int]] = []
-        """Sequences whose pin or unpin failed: the coordinator may hold a reference we do not want."""
         self._parked = False
-        self._pin_cap: int | None = None
-        self._pin_cap_known = False
 
     # -- the store protocol -----------------------------------------------------------------
 
@@ -286,12 +238,12 @@ class EngineStore:
             self._recalled_since_sync = False
             return
         self._retry_deletes(prompt)
-        self.reconcile_pins()
+        self._pins.reconcile()
         stale_tier = self._stale_tier
         diverged = common_prefix(self.sent, prompt)
         if stale_tier is not None or diverged < len(self.sent):
             self._drop_stale(diverged, stale_tier or "all")
-        self._move_commit_pin(prompt[: self.committed_length()])
+        self._pins.move_commit(prompt[: self.committed_length()])
         if self._recalled_since_sync or self._parked:
             self._prefetch(prompt)
         self._stale_tier = None
@@ -327,18 +279,18 @@ class EngineStore:
         yet; filtering on it left such copies behind. An L1 delete of a key L1 does not
         hold is a no-op on the server; a chunk not (yet) on L2 keeps its only copy.
         """
-        if self.target is None or not self._commit_pin:
+        if self.target is None or not self._pins.commit:
             return
         coordinator = self.target.coordinator
-        pinned = self._commit_pin
-        lookup = self._hint("lookup", lambda: coordinator.lookup(pinned, self.cache_salt))
+        pinned = self._pins.commit
+        lookup = self.hints.send("lookup", lambda: coordinator.lookup(pinned, self.cache_salt))
         if lookup is None:
             return
         keys = [key for p in lookup.placements if "l2" in p.tiers for key in p.keys]
         if not keys:
             return
         url = self.target.instance_url
-        result = self._hint("demote", lambda: coordinator.delete_chunks(url, keys, tier="l1"))
+        result = self.hints.send("demote", lambda: coordinator.delete_chunks(url, keys, tier="l1"))
         if result is not None:
             self.stats.demoted_chunks += result.affected
             self._parked = True
@@ -353,15 +305,13 @@ class EngineStore:
         """
         if self.target is None:
             return
-        self._move_commit_pin(self.prompt()[: self.committed_length()])
+        self._pins.move_commit(self.prompt()[: self.committed_length()])
 
     def select(self) -> None:
         """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""
         if self.target is None:
             return
-        prompt = self._fit(self.prompt(), exclude=None)
-        if prompt and self._pin(prompt):
-            self._selected_pins.append(prompt)
+        self._pins.select(self.prompt())
 
     def close(self) -> None:
         """Unpin everything this session pinned and delete every sequence it wrote (never the shared prefix).
@@ -374,14 +324,7 @@ class EngineStore:
         """
         if self.target is None:
             return
-        for sequence in self._held_pins():
-            self._unpin(sequence)
-        self._commit_pin = []
-        self._archive_pins = {}
-        self._selected_pins = []
-        if self.target.planner is not None:
-            self.target.planner.release(self.owner)
-        self.reconcile_pins()
+        self._pins.release_all()
         pending, self._pending_deletes = self._pending_deletes, []
         for sequence, keep, end, tier in pending:
             self._delete_tail(sequence, max(keep, common_prefix(sequence, self.shared_prefix)), tier, end)
@@ -393,43 +336,29 @@ class EngineStore:
         self._on_l2 = {}
         self.sent = list(self.shared_prefix)
 
+    @property
+    def uncertain_pins(self) -> list[list[int]]:
+        """Sequences whose pin or unpin failed: the coordinator may hold a reference nobody wants."""
+        return [] if self.pins is None else self.pins.uncertain
+
+    @uncertain_pins.setter
+    def uncertain_pins(self, sequences: list[list[int]]) -> None:
+        if self.pins is not None:
+            self.pins.uncertain = sequences
+
     def adopt_uncertain(self, sequences: Sequence[list[int]]) -> None:
         """Take over a closed branch's maybe-applied pins (same salt): checked once this store owns it."""
-        self.uncertain_pins.extend(list(s) for s in sequences if s)
+        if self.pins is not None:
+            self.pins.uncertain.extend(list(s) for s in sequences if s)
 
     def reconcile_pins(self) -> None:
-        """Give back the references a timed-out pin or unpin left on the coordinator (sole holder only).
+        """Give back references failed pins left on the coordinator (`SessionPins.reconcile`)."""
+        if self.pins is not None:
+            self.pins.reconcile()
 
-        The salt's pin table (`GET /cache/pins`) is compared with this store's books: a
-        maybe-applied sequence whose every chunk holds a reference beyond them is unpinned
-        once (`agentkv.engines.reconcile.surplus_sequences`); one that shows none was not
-        applied and is forgotten. Another holder's reference is never taken: only the
-        salt's sole holder reconciles, and only surplus counts are given back.
-        """
-        if self.target is None or not self.uncertain_pins or not self.owns_salt():
-            return
-        coordinator = self.target.coordinator
-        table = self._hint("pin table", lambda: coordinator.pin_counts(self.cache_salt))
-        if table is None:
-            return
-        observed: list[list[int]] = []
-        for sequence in self.uncertain_pins:
-            lookup = self._hint("lookup", functools.partial(coordinator.lookup, sequence, self.cache_salt))
-            if lookup is None:
-                return
-            observed.append([_references(table, p.keys) for p in lookup.placements])
-        uncertain, self.uncertain_pins = self.uncertain_pins, []
-        for index in surplus_sequences(uncertain, self._held_pins(), observed, self.target.chunk_size):
-            if self._unpin(uncertain[index]):
-                self.stats.reconciled_unpins += 1
-
-    def _held_pins(self) -> list[list[int]]:
-        """The sequences this store holds one pin reference on (an archive pin may serve several spans)."""
-        held: list[list[int]] = []
-        for sequence in [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]:
-            if sequence and not any(sequence is other for other in held):
-                held.append(sequence)
-        return held
+    def pin_budget(self) -> int | None:
+        """Most tokens this conversation pins (`SessionPins.budget`)."""
+        return self._pins.budget()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -439,6 +368,13 @@ class EngineStore:
             msg = "no LMCache coordinator configured"
             raise RuntimeError(msg)
         return self.target
+
+    @property
+    def _pins(self) -> SessionPins:
+        if self.pins is None:  # the public entry points return early without a coordinator
+            msg = "no LMCache coordinator configured"
+            raise RuntimeError(msg)
+        return self.pins
 
     def _mark_stale(self, tier: TierName) -> None:
         # "all" wins over "l1": one released span makes the whole old tail garbage.
@@ -465,11 +401,7 @@ class EngineStore:
         kept: list[int] = []
         garbage_from = diverged  # nothing archived there: every chunk after the change is garbage
         if archived and end > diverged // size * size:
-            kept = self._fit(old[:end], exclude=None)
-            # A pin protects them from L2 eviction; only their L1 copy goes.
-            if kept and self._pin(kept):
-                for span_id in archived:
-                    self._archive_pins.setdefault(span_id, kept)
+            kept = self._pins.keep_archived(archived, old[:end])  # safe from L2 eviction; L1 copy goes
             if not any(old[:end] == k for k in self._kept):
                 self._kept.append(old[:end])
             self._delete_tail(old, max(diverged, own), "l1", end)
@@ -496,7 +428,7 @@ class EngineStore:
         if last <= first:
             return
         coordinator = self._target.coordinator
-        lookup = self._hint("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
+        lookup = self.hints.send("lookup", lambda: coordinator.lookup(sequence, self.cache_salt))
         if lookup is None:
             self._pending_deletes.append((list(sequence), keep, end, tier))
             return
@@ -507,7 +439,7 @@ class EngineStore:
             keys = [key for placement in stale for key in placement.keys]
         if not keys:
             return
-        result = self._hint(
+        result = self.hints.send(
             "delete", lambda: coordinator.delete_chunks(self._target.instance_url, keys, tier=tier)
         )
         if result is None:
@@ -522,97 +454,16 @@ class EngineStore:
             self.stats.retried_deletes += 1
             self._delete_tail(sequence, max(keep, common_prefix(sequence, prompt)), tier, end)
 
-    def pin_budget(self) -> int | None:
-        """Most tokens this conversation pins: the configured budget, capped by its L2 quota.
-
-        Pins are exempt from L2 eviction, so pinning more than the salt's L2 quota would
-        hold more than the cache it was given. None = no cap (no quota, no budget). The
-        quota is asked once; a coordinator that does not answer is asked again next time.
-        """
-        target = self._target
-        if not self._pin_cap_known:
-            try:
-                quota = target.coordinator.l2_limit_bytes(self.cache_salt)
-            except (EngineError, ValueError) as e:
-                self._failed("quota", e)
-                return target.pin_budget_tokens
-            caps = [
-                c for c in (target.pin_budget_tokens, _tokens(quota, self.bytes_per_token)) if c is not None
-            ]
-            self._pin_cap = min(caps) if caps else None
-            self._pin_cap_known = True
-        return self._pin_cap
-
-    def _fit(self, sequence: list[int], exclude: list[int] | None) -> list[int]:
-        """The longest whole-chunk prefix of `sequence` that keeps this session's pins within budget.
-
-        Chunks are prefix-chained, so chunk `j` of two sequences is one key when they agree
-        up to its end: the budget counts distinct chunks over every pin the session holds
-        (but `exclude`, the pin about to be replaced). With a fleet planner, the session's
-        share of the fleet budget caps it too (it asks with what it would pin uncapped).
-        """
-        size = self._target.chunk_size
-        whole = sequence[: len(sequence) // size * size]  # pins cover whole chunks only
-        cap = self.pin_budget()
-        planner = self._target.planner
-        if cap is None and planner is None:
-            return whole
-        others = [self._commit_pin, *self._archive_pins.values(), *self._selected_pins]
-        held = {_chunk_id(p, j, size) for p in others if p is not exclude for j in range(len(p) // size)}
-        if planner is not None:
-            new = sum(_chunk_id(whole, j, size) not in held for j in range(len(whole) // size))
-            share = planner.grant(self.owner, (len(held) + new) * size)
-            cap = share if cap is None else min(cap, share)
-        room = (cap or 0) // size - len(held)
-        n = 0
-        while n < len(whole) // size:
-            if _chunk_id(whole, n, size) not in held:
-                if room <= 0:
-                    break
-                room -= 1
-            n += 1
-        return whole[: n * size]
-
-    def _move_commit_pin(self, prefix: list[int]) -> None:
-        whole = self._fit(prefix, exclude=self._commit_pin)
-        if whole == self._commit_pin:
-            return
-        if not whole:  # the committed prefix shrank below one chunk (a history rewrite)
-            self._unpin(self._commit_pin)
-            self._commit_pin = []
-            return
-        # Pin the new prefix first, then give back the old one: shared chunks never drop to 0.
-        if self._pin(whole):
-            if self._commit_pin:
-                self._unpin(self._commit_pin)
-            self._commit_pin = whole
-
-    def _pin(self, sequence: list[int]) -> bool:
-        """One reference on the sequence's chunks; a failed request may still land (then reconciled)."""
-        if self._hint("pin", lambda: self._target.coordinator.pin(sequence, self.cache_salt)):
-            self.stats.pins += 1
-            return True
-        self.uncertain_pins.append(list(sequence))
-        return False
-
-    def _unpin(self, sequence: list[int]) -> bool:
-        """Give one reference back; a failed request may not have landed (then reconciled)."""
-        if self._hint("unpin", lambda: self._target.coordinator.unpin(sequence, self.cache_salt)):
-            self.stats.unpins += 1
-            return True
-        self.uncertain_pins.append(list(sequence))
-        return False
-
     def _prefetch(self, prompt: list[int]) -> None:
         coordinator = self._target.coordinator
         instance = self._target.instance_id
-        started = self._hint("prefetch", lambda: coordinator.prefetch(instance, prompt, self.cache_salt))
+        started = self.hints.send("prefetch", lambda: coordinator.prefetch(instance, prompt, self.cache_salt))
         if started is None or not started.request_id:
             return
         self.stats.prefetches += 1
         deadline = time.monotonic() + self._target.prefetch_wait
         while time.monotonic() < deadline:
-            status = self._hint(
+            status = self.hints.send(
                 "prefetch_status", lambda: coordinator.prefetch_status(instance, started.request_id)
             )
             if status is None:
@@ -621,26 +472,7 @@ class EngineStore:
                 self.stats.prefetch_completed += 1
                 break
             time.sleep(0.05)
-        recalled = [sid for sid, seq in self._archive_pins.items() if common_prefix(seq, prompt) == len(seq)]
-        for span_id in recalled:
-            self._unpin(self._archive_pins.pop(span_id))
-
-    def _hint(self, what: str, send: Callable[[], Any]) -> Any:
-        """Send one hint; an engine error is a logged no-op (None), never the agent's problem."""
-        try:
-            answer = send()
-        except (EngineError, ValueError) as e:
-            self._failed(what, e)
-            return None
-        self.stats.log.append((what, {"answer": answer}))
-        return answer if answer is not None else True
-
-    def _failed(self, what: str, error: Exception) -> None:
-        self.stats.hint_failures += 1
-        self.stats.last_failure = f"{what}: {error}"
-        logger.warning("engine hint %s for salt %r skipped: %s", what, self.cache_salt, error)
-        if self.on_failure is not None:
-            self.on_failure(what, error)
+        self._pins.release_recalled(prompt)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -650,18 +482,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _references(table: dict[tuple[str, int], int], keys: Sequence[dict[str, Any]]) -> int:
-    """A chunk's pin count in the coordinator's table (the least over its ranks' keys; 0 = unlisted)."""
-    counts = [table.get((str(k.get("chunk_hash_hex", "")), int(k.get("kv_rank", 0) or 0)), 0) for k in keys]
-    return min(counts, default=0)
-
-
-def _chunk_id(sequence: Sequence[int], index: int, size: int) -> int:
-    """An identity for chunk `index` of `sequence`: prefix-chained, like LMCache's keys."""
-    return hash(tuple(sequence[: (index + 1) * size]))
-
-
-def _tokens(limit_bytes: int | None, bytes_per_token: int) -> int | None:
-    return None if limit_bytes is None else limit_bytes // bytes_per_token

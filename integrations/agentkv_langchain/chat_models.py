@@ -50,7 +50,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from agentkv import AgentKVConfig, AnySession, Backend, EngineBackend, Session
+from agentkv import AgentKVConfig, AnySession, Backend, EngineBackend, Session, TransformersBackend
 from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
@@ -192,7 +192,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             backend = self.backend
             if isinstance(backend, EngineBackend):
                 self.model_name = backend.engine.served_model
-            else:
+            elif isinstance(backend, TransformersBackend):
                 self.model_name = loaded_model_name(backend.model)
         return self
 

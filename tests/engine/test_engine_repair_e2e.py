@@ -4,7 +4,8 @@ Judged only through LMCache's coordinator (`/cache/pins`, `/directory/lookup`,
 `/directory/keys`) and vLLM's usage and `/metrics`:
 
 - a pin that times out while the coordinator stalls lands when it resumes; the
-  conversation gives that reference back and closes with 0 pins and 0 keys;
+  conversation gives that reference back, sends the skipped delete again, and closes
+  with 0 pins and 0 keys;
 - the turn's committed history is pinned at the turn end;
 - a release and an archive in one step keep the archived chunks on L2 (and `host_bytes`
   counts what L2 holds), and a recall loads them from LMCache;
@@ -135,49 +136,68 @@ def stored(coordinator: CoordinatorClient, sequence: list[int], salt: str, chunk
 
 
 @pytest.mark.engine
-def test_a_stalled_coordinator_leaves_no_pin_and_no_key_after_close(
-    engine_stack: EngineStack, proxy: StallingProxy
-) -> None:
+def test_the_turn_end_pins_what_the_turn_committed(engine_stack: EngineStack) -> None:
     from agentkv import TurnEnded
     from agentkv.engines import EngineBackend
 
     stack = engine_stack
     direct = CoordinatorClient(stack.coordinator_url, stack.model_path, timeout=30)
-    backend = EngineBackend.from_config(engine_config(stack, proxy.url))
+    backend = EngineBackend.from_config(engine_config(stack, stack.coordinator_url))
+    session = backend.session(f"turn-end-{time.time_ns()}")
+    session.extend([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}])
+    session.generate(8)
+    pinned_during_the_turn = direct.pins(session.cache_salt)
+    # What the turn committed (the user's message, the answer) is pinned now, before park,
+    # not when the next turn's first call goes out.
+    session.apply(TurnEnded())
+    committed = session.store.committed_length() // stack.chunk_size
+    assert committed > pinned_during_the_turn
+    assert direct.pins(session.cache_salt) == committed
+    backend.close(session.session_id)
+    assert direct.pins(session.cache_salt) == 0
+
+
+@pytest.mark.engine
+def test_a_coordinator_stalled_mid_turn_leaves_no_pin_and_no_key_after_close(
+    engine_stack: EngineStack, proxy: StallingProxy
+) -> None:
+    from agentkv import ToolCallCompleted
+    from agentkv.engines import EngineBackend
+
+    stack = engine_stack
+    direct = CoordinatorClient(stack.coordinator_url, stack.model_path, timeout=30)
+    # The call's scaffolding is evicted at once (released spans otherwise wait for budget pressure).
+    evict_calls = {"tool_call_completed": {"result": "commit", "call": "evict"}}
+    backend = EngineBackend.from_config(engine_config(stack, proxy.url, rules=evict_calls))
     session = backend.session(f"stall-{time.time_ns()}")
     salt, store = session.cache_salt, session.store
     history: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": USER},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "timetable", "args": {}}]},
+        {"role": "tool", "content": TOOL_RESULT * 2, "tool_call_id": "c1"},
     ]
     session.extend(history)
     history.append({"role": "assistant", "content": session.generate(8)})
-
-    # The turn ends: what it committed is pinned now (before park), not at the next call.
-    session.apply(TurnEnded())
-    committed = store.committed_length() // stack.chunk_size
-    assert committed >= 4
-    assert direct.pins(salt) == committed
-
-    # Next turn; at its end the coordinator stalls: the longer pin times out, and lands later.
-    history.append({"role": "user", "content": " And the way back on Sunday morning, with a bicycle?" * 3})
+    session.apply(ToolCallCompleted("c1"))  # the result is committed, the call's scaffolding evicted
+    history.append({"role": "user", "content": " And the way back on Sunday morning, with a bicycle?" * 2})
     session.extend(history)
-    history.append({"role": "assistant", "content": session.generate(8)})
+
+    # The coordinator stalls while the next call syncs: the stale tail's delete and the moved
+    # commit pin both time out; the agent's call still goes out and is answered.
     proxy.stall()
-    session.apply(TurnEnded())
-    assert store.stats.hint_failures >= 1 and "no answer within 1 s" in store.stats.last_failure
+    history.append({"role": "assistant", "content": session.generate(8)})
+    assert store.stats.hint_failures >= 2 and "no answer within 1 s" in store.stats.last_failure
     assert session.stats().faults == store.stats.hint_failures  # the session sees its faults
     proxy.resume()
-    longer = store.committed_length() // stack.chunk_size
-    assert longer > committed
-    # The late pin landed: the first chunks now carry two references, agentkv's books one.
-    assert wait_for(lambda: direct.pins(salt) == longer)
-    assert max(direct.pin_counts(salt).values()) == 2
+    # The late pin lands: its first chunks now carry one reference more than agentkv's books.
+    assert wait_for(lambda: max(direct.pin_counts(salt).values(), default=0) == 2)
 
-    # A third call: the next sync finds the surplus reference and gives it back.
+    # The next call, coordinator back: the skipped delete is sent again, the surplus given back.
     history.append({"role": "user", "content": " Thanks. Which platform?"})
     session.extend(history)
     session.generate(8)
+    assert store.stats.retried_deletes >= 1
     assert store.stats.reconciled_unpins >= 1
     assert set(direct.pin_counts(salt).values()) == {1}
     wait_for(stored(direct, store.sent, salt, stack.chunk_size), 10)  # let the last stores land first

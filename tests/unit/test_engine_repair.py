@@ -262,3 +262,18 @@ def test_a_recall_and_a_release_in_one_step_delete_the_whole_old_tail(sim: SimLM
     store.drop(spans[3])  # ... and span 3 is released: nothing of the old tail is kept
     turn(store, sim)
     assert sim.held(old, "salt")[2:] == [set()] * 4
+
+
+def test_an_archive_pin_shared_by_two_spans_is_given_back_once(sim: SimLMCache) -> None:
+    spans = make_spans(8, 8, 8, 8)
+    store = make_store(sim, spans)
+    spans[0].state = SpanState.COMMITTED
+    turn(store, sim)  # commit pin on span 0's chunks
+    store.archive(spans[1], "host")
+    store.archive(spans[2], "host")  # one step: one archive pin serves both
+    turn(store, sim)
+    store.restore_many([spans[1], spans[2]])
+    turn(store, sim)
+    commit_keys = sim.keys(spans[0].token_ids, "salt")
+    assert [sim.pins.get(k) for k in commit_keys] == [1, 1]  # the commit pin's reference survives
+    assert set(sim.pins) == set(commit_keys)

@@ -1,0 +1,76 @@
+"""The half of the lifecycle port (`agentkv.lifecycle.port.SessionPort`) every session offers alike.
+
+`SessionServices` (local model) and `EngineServices` (served engine) extend it with
+what differs: how a span's KV is recomputed, what attention or embeddings recall may
+read. The ids, config, table, text encoding and branch sessions are the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from agentkv.chat import ChatFormat
+from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.table import SpanTable
+from agentkv.session_ids import is_branch_of
+
+__all__ = ["PortSession", "SessionServicesBase"]
+
+
+class PortSession(Protocol):
+    """What the common port reads of a session (`Session`, `EngineSession`)."""
+
+    session_id: str
+    config: AgentKVConfig
+    table: SpanTable
+    format: ChatFormat
+    backend: Any
+    """Its backend: `tokenizer`, `bytes_per_token`, `sessions()`, `close(id)`."""
+
+
+class SessionServicesBase:
+    """`SessionPort` services that do not depend on what runs the session."""
+
+    def __init__(self, session: PortSession) -> None:
+        self.session = session
+
+    @property
+    def session_id(self) -> str:
+        """The session's id."""
+        return self.session.session_id
+
+    @property
+    def config(self) -> AgentKVConfig:
+        """The session's configuration."""
+        return self.session.config
+
+    @property
+    def table(self) -> SpanTable:
+        """The session's span table."""
+        return self.session.table
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one attended token (the backend's model or engine)."""
+        return int(self.session.backend.bytes_per_token)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` (no chat template)."""
+        return self.session.format.encode(text)
+
+    def token_text(self, token: int) -> str:
+        """One token's text."""
+        return str(self.session.backend.tokenizer.decode([token]))
+
+    def child_branches(self) -> list[tuple[str, str | None]]:
+        """`(session_id, branch)` of the live branch sessions forked from this one."""
+        session = self.session
+        return [
+            (child.session_id, child.branch)
+            for child in session.backend.sessions()
+            if is_branch_of(child.session_id, session.session_id) and child.parent is session
+        ]
+
+    def close_child(self, session_id: str) -> None:
+        """Close a branch session forked from this one."""
+        self.session.backend.close(session_id)

@@ -1,0 +1,208 @@
+"""The session table both backends share: create, look up, fork, close and route events by id.
+
+`TransformersBackend` and `EngineBackend` differ in what a session runs on (a local
+model and `KVStore`, or a served engine and `EngineStore`); the table of sessions
+over it is one piece of code. A backend subclasses `SessionRegistry` and says how
+to make one of its sessions (`_new_session`). The table also ends sessions the
+`agentkv.sessions` bounds say to end (idle, or beyond `max_live`), for both backends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+from agentkv.backend.retention import SessionUse, sessions_to_end
+from agentkv.config import AgentKVConfig
+from agentkv.events import Event, validate_event
+from agentkv.session_ids import branch_session_id
+
+logger = logging.getLogger("agentkv.backend")
+
+__all__ = ["RegisteredSession", "SessionRegistry", "UnknownSessionError"]
+
+
+class UnknownSessionError(KeyError):
+    """No session with that id; the message lists the known ones."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+class RegisteredSession(Protocol):
+    """What the table needs of a session (both `Session` and `EngineSession` have it)."""
+
+    closed: bool
+    lock: threading.RLock
+
+    @property
+    def parent(self) -> Any:
+        """The session it was forked from (None for a thread)."""
+        ...
+
+    @property
+    def manager(self) -> Any:
+        """The session's lifecycle manager."""
+        ...
+
+    def apply(self, event: Event) -> Any:
+        """Apply a lifecycle event."""
+        ...
+
+    def close(self) -> None:
+        """Free the session's KV."""
+        ...
+
+
+S = TypeVar("S", bound=RegisteredSession)
+
+
+class SessionRegistry(Generic[S]):
+    """Sessions by id, thread-safe; the subclass builds its own kind (`_new_session`).
+
+    Args:
+        clock: the clock of the idle bound (`agentkv.sessions.idle_seconds`), in seconds.
+    """
+
+    config: AgentKVConfig
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: dict[str, S] = {}
+        self._table_lock = threading.Lock()
+        self.noop_events = 0
+        """Events for unknown or closed sessions, ignored (logged)."""
+        self.clock = clock
+        self._last_used: dict[str, float] = {}
+        self.ended_sessions = 0
+        """Sessions closed by the `agentkv.sessions` bounds so far."""
+
+    def _new_session(
+        self, session_id: str, *, parent: S | None, branch: str | None, config: AgentKVConfig | None
+    ) -> S:
+        """A new session of this backend's kind (`parent`/`branch` for a fork)."""
+        raise NotImplementedError
+
+    def session(self, session_id: str, *, create: bool = True, config: AgentKVConfig | None = None) -> S:
+        """The session with this id, created on first use (`create=False` raises when absent).
+
+        `config` applies only when the session is created here (per-run overrides such as
+        LangGraph's `configurable.agentkv`); None = the backend's config. An existing
+        session keeps the config it was created with.
+
+        Raises:
+            ValueError: `session_id` is not a non-empty string.
+            UnknownSessionError: `create=False` and no such live session.
+        """
+        if not isinstance(session_id, str) or not session_id:
+            msg = f"session id: expected a non-empty string, got {session_id!r}"
+            raise ValueError(msg)
+        with self._table_lock:
+            existing = self._sessions.get(session_id)
+            if existing is not None and not existing.closed:
+                session = existing
+            elif not create:
+                raise UnknownSessionError(self._unknown(session_id))
+            else:
+                session = self._new_session(session_id, parent=None, branch=None, config=config)
+                self._sessions[session_id] = session
+            self._last_used[session_id] = self.clock()
+        self.end_idle_sessions(keep=session_id)
+        return session
+
+    def get(self, session_id: str) -> S:
+        """An existing session (raises `UnknownSessionError` naming the known ids)."""
+        return self.session(session_id, create=False)
+
+    def _unknown(self, session_id: str) -> str:
+        known = ", ".join(sorted(self._sessions)[:20]) or "none"
+        return f"unknown session {session_id!r}; known sessions: {known}"
+
+    def __contains__(self, session_id: object) -> bool:
+        with self._table_lock:
+            return session_id in self._sessions
+
+    def sessions(self) -> Iterator[S]:
+        """A snapshot of the live sessions."""
+        with self._table_lock:
+            return iter(list(self._sessions.values()))
+
+    def fork(self, session_id: str, branch: str, *, config: AgentKVConfig | None = None) -> S:
+        """Create (or get) the branch session `<session_id>/<branch>` over the parent's prefix.
+
+        `config` applies only when the branch is created here; None = the parent's.
+        """
+        parent = self.get(session_id)
+        child_id = branch_session_id(session_id, branch)
+        with self._table_lock:
+            existing = self._sessions.get(child_id)
+            if existing is not None and not existing.closed:
+                return existing
+        child = self._new_session(child_id, parent=parent, branch=branch, config=config)
+        parent.manager.note_branch(branch)
+        with self._table_lock:
+            self._sessions[child_id] = child
+        return child
+
+    def close(self, session_id: str) -> None:
+        """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
+        with self._table_lock:
+            session = self._sessions.pop(session_id, None)
+            self._last_used.pop(session_id, None)
+        if session is None:
+            raise UnknownSessionError(self._unknown(session_id))
+        session.close()
+
+    def end_idle_sessions(self, keep: str | None = None) -> list[str]:
+        """Close the sessions the `agentkv.sessions` bounds end now (idle, or beyond `max_live`).
+
+        Their threads' next calls open new sessions and re-encode the history they send.
+        A session busy in a call (its lock held), one with open branches, and `keep`
+        are never ended. Runs whenever a session is opened or looked up.
+
+        Returns:
+            The ids closed, least recently used first.
+        """
+        bounds = self.config.sessions
+        if not bounds.bounded:
+            return []
+        with self._table_lock:
+            table = dict(self._sessions)
+            last_used = dict(self._last_used)
+        parents = {s.parent.session_id for s in table.values() if s.parent is not None and not s.closed}
+        uses = [  # threads only: a branch lives and ends with its fan-out
+            SessionUse(sid, last_used.get(sid, self.clock()), sid != keep and sid not in parents)
+            for sid, s in table.items()
+            if not s.closed and s.parent is None
+        ]
+        ended: list[str] = []
+        for session_id in sessions_to_end(uses, bounds, self.clock()):
+            session = table[session_id]
+            if not session.lock.acquire(blocking=False):
+                continue  # in a call right now: ended on a later check
+            try:
+                with self._table_lock:
+                    if self._sessions.get(session_id) is not session:
+                        continue
+                    self._sessions.pop(session_id)
+                    self._last_used.pop(session_id, None)
+                session.close()
+            finally:
+                session.lock.release()
+            ended.append(session_id)
+            logger.info("session %r ended by agentkv.sessions bounds; its KV is freed", session_id)
+        self.ended_sessions += len(ended)
+        return ended
+
+    def apply(self, session_id: str, event: Event) -> Any:
+        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
+        validate_event(event)
+        with self._table_lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            self.noop_events += 1
+            logger.info("event %s for unknown session %r ignored", event.name, session_id)
+            return None
+        return session.apply(event)
