@@ -87,13 +87,9 @@ class BudgetConfig(Section):
         default=None,
         gt=0,
         strict=True,
-        description=(
-            "Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;"
-            " int4 tokens take less, so more fit); null = none."
-        ),
+        description="Per-session device KV budget, in full-precision token equivalents; null = none.",
     )
-    """Per-session device KV budget in full-precision token equivalents (N x one token's fp KV bytes;
-    int4 tokens take less, so more fit); null = none."""
+    """Per-session device KV budget, in full-precision token equivalents; null = none."""
     device_bytes: _ByteCount = Field(
         default=None,
         gt=0,
