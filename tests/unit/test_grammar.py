@@ -247,14 +247,17 @@ def test_constrained_answer_kv_is_reused_next_turn(backend):
     llm = ChatAgentKV(backend=backend, session_id="reuse", max_new_tokens=30)
     call = llm.bind_tools([tool("weather")], tool_choice="weather").invoke(HISTORY)
     assert call.tool_calls
+    session = backend.get("reuse")
+    call_span = next(s for s in session.spans if s.generated)
+    # The constrained call's KV as the first call left it (its last sampled token is not yet encoded).
+    computed = call_span.start + call_span.n_computed
+    assert computed > call_span.start
     messages = [*HISTORY, call, ToolMessage("sunny", tool_call_id=call.tool_calls[0]["id"])]
     answer = llm.bind_tools([tool("weather")], tool_choice="none").invoke(messages)
     usage = answer.usage_metadata
     assert usage is not None and answer.response_metadata["cropped_tokens"] == 0
-    session = backend.get("reuse")
-    # Everything before the tool result came from the cache, the constrained call included.
-    call_span = next(s for s in session.spans if s.generated)
-    assert usage["input_token_details"]["cache_read"] >= call_span.end
+    # Everything encoded before the tool result came from the cache, the constrained call included.
+    assert usage["input_token_details"]["cache_read"] >= computed
     session.check()
 
 
