@@ -224,10 +224,8 @@ def test_create_agent_tools_turns_and_human_decisions(tiny_backend, decision, ex
     session = tiny_backend.get("agent")
     call_span = next(s for s in session.spans if s.kind.value == "tool_call")
     names = [type(e).__name__ for _, e in handler.events]
-    # The handler names the message by the calls it saw the model make; here the scripted repair
-    # replaced them, so it names "the latest assistant message", which is the same span.
-    owner = call_span.owner if use_middleware else None
-    assert handler.events[0] == ("agent", expected(owner=owner))
+    # Both layouts name the message the decision is about: the call the resumed node keeps.
+    assert handler.events[0] == ("agent", expected(owner=call_span.owner))
     assert names[-1] == "TurnEnded"
     result = next(s for s in session.spans if s.kind.value == "tool_result")
     if expected is UserConfirmed:
