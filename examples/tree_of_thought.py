@@ -13,7 +13,8 @@ and `answer` writes the final answer from it. `with_kv_lifecycle` does the rest:
   the losers get `BranchPruned` (their own KV is freed at once).
 
 Measured by a callback (not in the nodes): device bytes with all k branches alive
-(the prefix counted once) against the prefix copied into every branch, the bytes
+(the prefix counted once, plus the prefix cache's unattended entries) against the
+prefix copied into every branch, the bytes
 each branch holds after the run, and prefill tokens with and without adoption.
 Run `python examples/tree_of_thought.py`.
 """
@@ -155,7 +156,9 @@ def measure(backend: TransformersBackend, thread_id: str) -> dict[str, Any]:
 
     `stats().device_bytes` of a branch counts the prefix it reads from its parent
     (`shared_device_bytes`) plus its own suffix; `backend.device_bytes()` counts each
-    physical tensor once.
+    physical tensor once, the backend's prefix cache included: its entries no session
+    attends (`cached_prefix_bytes`, e.g. the system prompt kept for the next thread;
+    the thread's fork holds its own copy) stay on the device until pressure evicts them.
     """
     parent = backend.get(thread_id).stats()
     own: dict[str, int] = {}
@@ -165,9 +168,11 @@ def measure(backend: TransformersBackend, thread_id: str) -> dict[str, Any]:
             stats = session.stats()
             own[str(session.branch)] = stats.device_bytes - stats.shared_device_bytes
             copied += stats.device_bytes
+    cache = backend.prefix_cache
     return {
         "alive_bytes": backend.device_bytes(),
         "prefix_bytes": parent.device_bytes,
+        "cached_prefix_bytes": 0 if cache is None else cache.stats().unreferenced_bytes,
         "branch_own_bytes": own,
         "copied_prefix_bytes": copied,
     }
@@ -252,6 +257,7 @@ if __name__ == "__main__":
     print(f"branches: {adopted['branches']}; adopted: {adopted['adopted']}")
     print(f"shared prefix (the thread's KV): {memory['prefix_bytes']:,} bytes")
     print(f"branches' own suffixes: { {b[:8]: f'{n:,}' for b, n in memory['branch_own_bytes'].items()} }")
+    print(f"prefix cache entries no session attends: {memory['cached_prefix_bytes']:,} bytes")
     print(f"device KV with all branches alive, prefix shared:  {memory['alive_bytes']:,} bytes")
     print(f"the same with the prefix copied into every branch: {memory['copied_prefix_bytes']:,} bytes")
     print(f"branch bytes after the run: {sorted(memory['branch_bytes_after_run'].values())}")

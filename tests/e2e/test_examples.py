@@ -121,8 +121,11 @@ def test_tree_of_thought_plain_send_forks_prunes_and_adopts(example, tiny_backen
     own = memory["branch_own_bytes"]
     assert sorted(own) == result["branches"] and len(own) == k and all(n > 0 for n in own.values())
     assert all(len(b) == 36 for b in result["branches"])  # the Send tasks' ids
-    # With k branches alive the prefix is held once: shared prefix + the branches' own suffixes.
-    assert memory["alive_bytes"] == memory["prefix_bytes"] + sum(own.values())
+    # With k branches alive the prefix is held once: the thread's KV + the branches' own suffixes,
+    # plus the system prompt's prefix cache entry, kept for the next thread (the fork copied it).
+    cached = memory["cached_prefix_bytes"]
+    assert cached > 0 and cached % tiny_backend.bytes_per_token == 0
+    assert memory["alive_bytes"] == memory["prefix_bytes"] + sum(own.values()) + cached
     assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
     # After the run no branch holds anything: losers pruned, the winner is the thread's session.
     assert memory["branch_bytes_after_run"] == {b: 0 for b in result["branches"]}

@@ -62,7 +62,8 @@ def test_tree_of_thought_on_the_default_model(example, backend):
     adopted = module.main(backend, k=3, max_new_tokens=16, thread_id="tot-adopt")
     plain = module.main(backend, k=3, max_new_tokens=16, thread_id="tot-plain", adopt=False)
     memory = adopted["memory"]
-    assert memory["alive_bytes"] == memory["prefix_bytes"] + sum(memory["branch_own_bytes"].values())
+    own = sum(memory["branch_own_bytes"].values())
+    assert memory["alive_bytes"] == memory["prefix_bytes"] + own + memory["cached_prefix_bytes"]
     assert memory["alive_bytes"] < memory["copied_prefix_bytes"]
     for result in (adopted, plain):
         assert result["memory"]["branch_bytes_after_run"] == {b: 0 for b in result["branches"]}
