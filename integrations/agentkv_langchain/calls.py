@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,14 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import invalid_tool_call
 from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
-from agentkv import AnySession, Backend, ExtendResult, Session, SessionStats
+from agentkv import AnySession, Backend, Session, SessionStats
 from agentkv_langchain.sessions import current_metadata
-from agentkv_langchain.tools import ToolCallBan
+from agentkv_langchain.tools import ToolCallBan, ToolCallStreamFilter, parse_tool_calls, tool_names
+from agentkv_langchain.toolset import outside
 
 __all__ = [
     "CallAnswer",
@@ -32,7 +34,6 @@ __all__ = [
     "call_metadata",
     "call_usage",
     "close_iterator",
-    "history_before_answer",
     "loaded_model_name",
     "run_id_of",
     "tool_call_ban",
@@ -116,33 +117,50 @@ def run_id_of(
     return run_manager.run_id if run_manager is not None else None
 
 
-def history_before_answer(session: AnySession, output_tokens: int) -> int:
-    """Tokens in the session's logical history before the answer's first generated token.
-
-    The answer's span holds the generation prompt (and any prefilled call opening),
-    the generated tokens and the template's end-of-turn suffix.
-    """
-    span = next(s for s in reversed(session.spans) if s.generated)
-    return span.end - output_tokens - len(session.format.assistant_suffix_ids())
-
-
-def call_usage(
-    session: AnySession, before: SessionStats, after: SessionStats, output_tokens: int, extended: ExtendResult
-) -> tuple[int, int, int]:
+def call_usage(session: AnySession, before: SessionStats, after: SessionStats) -> tuple[int, int, int]:
     """`(input_tokens, cache_read, new_tokens)` of the call that ran between `before` and `after`.
 
     A local session says what the answer's first token attended (`Session.last_prompt`):
     `input_tokens` = those tokens, `cache_read` = the ones the call did not encode itself,
     `new_tokens` = the ones it did (new messages, the previous answer's pending end, spans
     recomputed from their tokens), so `input_tokens = cache_read + new_tokens` exactly and
-    no token the model did not attend is counted as read. An engine session reports its
-    history, the reused messages and its prefill (the engine's prefix cache decides the rest).
+    no token the model did not attend is counted as read. An engine session reports the
+    engine's own figures: the part of the prompt it reused and the part it encoded.
     """
     prompt = session.last_prompt if isinstance(session, Session) else None
     if prompt is None:
-        new = after.prefill_tokens - before.prefill_tokens
-        return history_before_answer(session, output_tokens), extended.reused_tokens, new
+        cache_read = after.reused_tokens - before.reused_tokens
+        new_tokens = after.prefill_tokens - before.prefill_tokens
+        return new_tokens + cache_read, cache_read, new_tokens
     return prompt.usage(before.encoded_tokens)
+
+
+def read_answer(
+    text: str, tools: Sequence[Mapping[str, Any]], visible: ToolCallStreamFilter | None
+) -> tuple[str, list[ToolCall], list[InvalidToolCall], str]:
+    """`(content, tool_calls, invalid_tool_calls, rest)` of an answer's whole text.
+
+    Without tools bound (`visible` is None) the text is the content. With tools, calls to a
+    tool that is listed in the prompt but not bound to this call become invalid calls that
+    say so; `rest` is the content the stream filter has not shown yet.
+    """
+    if visible is None:
+        return text, [], [], ""
+    content, calls, invalid = parse_tool_calls(text)
+    rest = visible.rest(content)
+    bound = ", ".join(tool_names(tools))
+    for i in reversed(outside(calls, tools)):
+        call = calls.pop(i)
+        invalid.insert(
+            0,
+            invalid_tool_call(
+                name=call["name"],
+                args=json.dumps(call["args"]),
+                id=call["id"],
+                error=f"tool {call['name']!r} is not bound to this call; bound: {bound}",
+            ),
+        )
+    return content, calls, invalid, rest
 
 
 _BANS: dict[int, ToolCallBan] = {}

@@ -43,7 +43,7 @@ from langchain_core.messages import (
     BaseMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
+from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
@@ -60,6 +60,7 @@ from agentkv_langchain.calls import (
     call_usage,
     close_iterator,
     loaded_model_name,
+    read_answer,
     run_id_of,
     tool_call_ban,
     unparseable,
@@ -75,12 +76,10 @@ from agentkv_langchain.tools import (
     ToolCallStreamFilter,
     choose_tool,
     forced_call_prefix,
-    parse_tool_calls,
     resolve_tool_choice,
     tool_names,
     tool_parameters,
 )
-from agentkv_langchain.toolset import outside
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
 
@@ -548,23 +547,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             finally:
                 close_iterator(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
-            if visible is not None:
-                content, calls, invalid = parse_tool_calls(prefix + "".join(raw))
-                rest = visible.rest(content)
-                for i in reversed(outside(calls, plan.tools)):  # listed in the prompt, not bound now
-                    call = calls.pop(i)
-                    invalid.insert(
-                        0,
-                        invalid_tool_call(
-                            name=call["name"],
-                            args=json.dumps(call["args"]),
-                            id=call["id"],
-                            error=f"tool {call['name']!r} is not bound to this call; "
-                            f"bound: {', '.join(tool_names(plan.tools))}",
-                        ),
-                    )
-            else:
-                content, calls, invalid, rest = "".join(raw), [], [], ""
+            content, calls, invalid, rest = read_answer(prefix + "".join(raw), plan.tools, visible)
             # The caller gets exactly this message back; binding it lets the next call
             # match it to the produced token ids instead of re-encoding it.
             session.bind_message(
@@ -576,21 +559,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
-            if local:
-                input_tokens, cache_read, new_tokens = call_usage(
-                    session, before, after, output_tokens, extended
-                )
-            else:  # the engine's own usage: the prompt it was sent and the part it reused
-                cache_read = after.reused_tokens - before.reused_tokens
-                new_tokens = after.prefill_tokens - before.prefill_tokens
-                input_tokens = new_tokens + cache_read
-        finish = (
-            "tool_calls"
-            if calls
-            else "length"
-            if output_tokens >= plan.sampling["max_new_tokens"]
-            else "stop"
-        )
+            input_tokens, cache_read, new_tokens = call_usage(session, before, after)
+        limit = plan.sampling["max_new_tokens"]
+        finish = "tool_calls" if calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(
             message_id=message_id,
             content=content,

@@ -16,7 +16,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
-import agentkv_langchain.chat_models as chat_models_module
+import agentkv_langchain.calls as calls_module
 from agentkv import AgentKVConfig, Session, TransformersBackend
 from agentkv.spans import SpanKind
 from agentkv_langchain import ChatAgentKV, parse_tool_calls, render_tool_prompt
@@ -239,7 +239,7 @@ def valid_calls(monkeypatch):
     The tiny model's arguments are noise; what is tested here (binding the answer,
     matching it on the next call) does not depend on them.
     """
-    real = chat_models_module.parse_tool_calls
+    real = calls_module.parse_tool_calls
 
     def parse(text: str):
         content, calls, invalid = real(text)
@@ -249,7 +249,7 @@ def valid_calls(monkeypatch):
         ]
         return content, [*calls, *repaired], []
 
-    monkeypatch.setattr(chat_models_module, "parse_tool_calls", parse)
+    monkeypatch.setattr(calls_module, "parse_tool_calls", parse)
 
 
 def test_answer_with_tool_calls_is_matched_on_the_next_call(llm, backend, valid_calls):
