@@ -127,6 +127,15 @@ class BudgetConfig(Section):
         description="Fraction of a limit demotion brings usage back under (0 < x <= high_watermark).",
     )
     """Fraction of a limit demotion brings usage back under (0 < x <= high_watermark)."""
+    placement_order: Literal["needed_last", "attended_first"] = Field(
+        default="needed_last",
+        description=(
+            "Order the planner demotes in: needed_last keeps spans the current question needs at full "
+            "precision until the rest is archived; attended_first quantizes every span before any archive."
+        ),
+    )
+    """Order the planner demotes in: needed_last keeps spans the current question needs at full
+    precision until the rest is archived; attended_first quantizes every span before any archive."""
 
     @model_validator(mode="after")
     def _low_not_above_high(self) -> BudgetConfig:
