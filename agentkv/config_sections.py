@@ -130,12 +130,10 @@ class BudgetConfig(Section):
     placement_order: Literal["needed_last", "attended_first"] = Field(
         default="needed_last",
         description=(
-            "Order the planner demotes in: needed_last keeps spans the current question needs at full "
-            "precision until the rest is archived; attended_first quantizes every span before any archive."
+            "needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."
         ),
     )
-    """Order the planner demotes in: needed_last keeps spans the current question needs at full
-    precision until the rest is archived; attended_first quantizes every span before any archive."""
+    """needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."""
 
     @model_validator(mode="after")
     def _low_not_above_high(self) -> BudgetConfig:
