@@ -127,6 +127,13 @@ class BudgetConfig(Section):
         description="Fraction of a limit demotion brings usage back under (0 < x <= high_watermark).",
     )
     """Fraction of a limit demotion brings usage back under (0 < x <= high_watermark)."""
+    placement_order: Literal["needed_last", "attended_first"] = Field(
+        default="needed_last",
+        description=(
+            "needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."
+        ),
+    )
+    """needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."""
 
     @model_validator(mode="after")
     def _low_not_above_high(self) -> BudgetConfig:

@@ -24,7 +24,7 @@ from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placement import ATTENDED_RUNGS, Rung, plan_placement
+from agentkv.lifecycle.placement import ATTENDED_RUNGS, NEEDED_LAST, Rung, plan_placement
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.rungs import lifecycle_class, span_options
 from agentkv.spans import Span, SpanState, Tier
@@ -60,6 +60,8 @@ class BudgetKeeper:
         """Whether the last check met the device budget."""
         self.last_limit: int | None = None
         """The device limit the last `enforce` applied (`check` holds usage to it)."""
+        self.placement_order = NEEDED_LAST
+        """The planner's step order, by name (`agentkv.lifecycle.placement.PLACEMENT_ORDERS`)."""
 
     def usage_bytes(self) -> int:
         """What the device budget counts: attended KV, quantized archives, page digests (on the device)."""
@@ -166,7 +168,7 @@ class BudgetKeeper:
                 archive_tier=self.mover.archive_tier,
                 token_bytes=self.port.bytes_per_token,
             )
-            plan = plan_placement(choices, usage, target, hard_target=hard)
+            plan = plan_placement(choices, usage, target, hard_target=hard, order=self.placement_order)
             by_id = {s.span_id: s for s in self.table.spans}
             order = [by_id[c.span_id] for c in choices if c.span_id in plan.rungs]
             leaving = [

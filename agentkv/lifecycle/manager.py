@@ -83,6 +83,7 @@ class LifecycleManager:
             whole_spans=self.whole_spans,
             enforced=policy is not None,
         )
+        self.budget.placement_order = config.budget.placement_order
         self.recaller = Recaller(
             port,
             config.recall,

@@ -11,12 +11,17 @@ the current question. The loss of holding span `s` at rung `r` is `value(s) * fi
 
 `plan_placement` is a multiple-choice knapsack solved greedily in one pass: each span
 steps down its rungs, and the steps of all spans are taken in the lifecycle's order
-until the device total is at the target. That order is lexicographic: every step that
-keeps a span attended (int4 in attention) before any step that takes one out of
-attention (measured best on the recall sets: `agentkv bench memory`,
-docs/benchmarks.md); within each kind, the lifecycle's class (the rest, then what the
-current question needs, then the current turn, then pinned spans); within a class, the
-least value lost per byte saved (GreedyDual-Size). A span's allowed rungs bound how far
+until the device total is at the target. That order is lexicographic and named
+(`PLACEMENT_ORDERS`). The default, `needed_last`: every step of the spans the current
+question does not need first, and among them every step that keeps a span attended
+(int4 in attention) before any step that takes one out of attention, by class (the
+rest, then the current turn, then pinned spans); only then the spans the current
+question needs, int4 before archive, so a span the answer reads stays at full precision
+while anything it does not need can still be archived (at 25% of the cache, int4 on the
+needed span cost answers that 12.5%, which archives and recalls it exactly, kept:
+issue 27, docs/benchmarks.md). `attended_first`: every int4 step of every class before
+any archive. Within a class, the least value lost per byte saved (GreedyDual-Size).
+A span's allowed rungs bound how far
 it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
@@ -110,8 +115,21 @@ class Placement:
     """Whether the estimated total is at or under the target."""
 
 
+NEEDED_LAST = "needed_last"
+"""Default order: the spans the current question needs give up their steps after every other span."""
+ATTENDED_FIRST = "attended_first"
+"""Every step that keeps a span attended, of every class, before any step that takes one out of attention."""
+PLACEMENT_ORDERS: tuple[str, ...] = (NEEDED_LAST, ATTENDED_FIRST)
+"""The orders `plan_placement` knows, by name."""
+
+NEEDED_CLASS = 1
+"""The class of the spans the current question needs (`agentkv.lifecycle.rungs.NEEDED`)."""
+
+
 @dataclass(order=True)
 class _Step:
+    phase: int
+    """0, or 1 for the steps that wait for every other span's (`needed_last`: the needed spans)."""
     leaves: bool
     """The step takes the span out of attention (archived or dropped): after every step that does not."""
     klass: int
@@ -149,7 +167,12 @@ def _slope(value: float, a: RungOption, b: RungOption) -> float:
 
 
 def plan_placement(
-    choices: Iterable[SpanOptions], usage: int, target: int, *, hard_target: int | None = None
+    choices: Iterable[SpanOptions],
+    usage: int,
+    target: int,
+    *,
+    hard_target: int | None = None,
+    order: str = NEEDED_LAST,
 ) -> Placement:
     """Choose a rung for every span so that the device total is at most `target`, losing the least.
 
@@ -158,7 +181,10 @@ def plan_placement(
     (int4 in attention) before any that takes one out of attention; within each, the
     lower class first (`SpanOptions.klass`: the rest, then what the current question
     needs, then active, then pinned); within a class, the least value lost per byte
-    saved first. The last step, the one that closes the gap, is the closing step that
+    saved first. With `order="needed_last"` (the default) the steps of the spans the
+    current question needs (class `NEEDED_CLASS`) come after all of that, int4 before
+    archive; with `"attended_first"` they take their class's place among the others.
+    The last step, the one that closes the gap, is the closing step that
     loses least in that order (not the one with the best rate, which may save far more
     than needed).
 
@@ -168,10 +194,13 @@ def plan_placement(
         target: the total to reach (the low watermark).
         hard_target: the total above which `hard` spans may leave attention too (the high
             watermark); None = they move like any other.
+        order: one of `PLACEMENT_ORDERS`.
 
     Returns:
         The moves (span id -> rung), the estimated total and loss, and whether `target` is met.
     """
+    if order not in PLACEMENT_ORDERS:
+        raise ValueError(f"unknown placement order {order!r}; expected one of {PLACEMENT_ORDERS}")
     chains: dict[int, list[RungOption]] = {}
     heap: list[_Step] = []
     spans: dict[int, SpanOptions] = {}
@@ -182,7 +211,8 @@ def plan_placement(
         leaves = after.rung not in ATTENDED_RUNGS and not choice.released
         klass = -1 if choice.released else choice.klass
         slope = _slope(choice.value, before, after)
-        return _Step(leaves, klass, slope, choice.order, choice.span_id, index)
+        phase = int(order == NEEDED_LAST and klass == NEEDED_CLASS)
+        return _Step(phase, leaves, klass, slope, choice.order, choice.span_id, index)
 
     for choice in choices:
         chain = step_chain(choice.options)
@@ -214,8 +244,13 @@ def plan_placement(
         if saved(step) >= total - target:
             # The last step: any step that alone closes the gap will do; take the least loss.
             closing = [s for s in heap if saved(s) >= total - target and not blocked(s)]
-            best = min(closing, key=lambda s: (s.leaves, s.klass, lost(s), s.order), default=step)
-            if (best.leaves, best.klass, lost(best)) < (step.leaves, step.klass, lost(step)):
+            best = min(closing, key=lambda s: (s.phase, s.leaves, s.klass, lost(s), s.order), default=step)
+            if (best.phase, best.leaves, best.klass, lost(best)) < (
+                step.phase,
+                step.leaves,
+                step.klass,
+                lost(step),
+            ):
                 heap.remove(best)
                 heap.append(step)
                 heapq.heapify(heap)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.placement import (
     DEFAULT_FIDELITY,
+    NEEDED_CLASS,
     GreedyDualValue,
     PlacementStrategy,
     Rung,
@@ -31,7 +32,7 @@ from agentkv.lifecycle.placement import (
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer, KVStoreProtocol
 
-REST, NEEDED, ACTIVE, PINNED = 0, 1, 2, 3
+REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
 
 ARCHIVE_DEVICE_SHARE: Mapping[str, float] = {"host": 0.0, "drop": 0.0, "int8": 0.3, "int4": 0.16}

@@ -221,14 +221,16 @@ def test_quantized_in_attention_logits_close_to_full_precision(
     assert int(quant.argmax()) == int(full.argmax())
 
 
-def _budget_session(tiny_model: Any, tiny_tokenizer: Any, device_tokens: int) -> tuple[Any, Any]:
+def _budget_session(
+    tiny_model: Any, tiny_tokenizer: Any, device_tokens: int, order: str = "needed_last"
+) -> tuple[Any, Any]:
     backend = _backend(
         tiny_model,
         tiny_tokenizer,
         {
             "policy": "lifecycle",
             "archive_tier": "drop",
-            "budget": {"device_tokens": device_tokens},
+            "budget": {"device_tokens": device_tokens, "placement_order": order},
             "quantization": {"attended_bits": 4, "group_size": 16, "attended_residual_tokens": 16},
         },
     )
@@ -243,7 +245,8 @@ def test_budget_quantizes_in_attention_before_archiving(tiny_model: Any, tiny_to
         history = [*history, {"role": "user", "content": f"lorem ipsum dolor {turn} " * 8}]
     session.extend(history)
     logical = session.stats().logical_tokens
-    backend, session = _budget_session(tiny_model, tiny_tokenizer, int(logical * 0.45))
+    # The old order by name: every span at int4 before any archive (the default keeps needed spans full).
+    backend, session = _budget_session(tiny_model, tiny_tokenizer, int(logical * 0.45), "attended_first")
     session.extend(history)
     session.check()
     stats = session.stats()

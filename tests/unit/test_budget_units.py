@@ -56,7 +56,10 @@ def test_int4_holds_more_tokens_than_the_budget_counts_and_the_stats_say_so(tiny
     free.extend(notes(8))
     full_tokens = free.stats().attended_tokens
     budget = full_tokens // 2
-    config = AgentKVConfig.from_dict({"budget": {"device_tokens": budget}})
+    # The old order by name: every span at int4 before any archive (the default keeps needed spans full).
+    config = AgentKVConfig.from_dict(
+        {"budget": {"device_tokens": budget, "placement_order": "attended_first"}}
+    )
     session = TransformersBackend(tiny_model, tiny_tokenizer, config).session("t")
     session.extend(notes(8))
     stats = session.stats()

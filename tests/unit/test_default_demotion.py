@@ -57,7 +57,8 @@ def test_pressure_quantizes_in_attention_before_archiving(tiny_model, tiny_token
     free.extend(history)
     full_bytes = free.stats().device_bytes
     # Room for about half of the history at full precision: int4 in attention fits all of it.
-    budget = {"device_bytes": full_bytes // 2, "low_watermark": 0.9}
+    # The old order by name: every span at int4 before any archive (the default keeps needed spans full).
+    budget = {"device_bytes": full_bytes // 2, "low_watermark": 0.9, "placement_order": "attended_first"}
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"budget": budget}))
     session = backend.session("t")
     session.extend(history)

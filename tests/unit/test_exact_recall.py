@@ -48,7 +48,8 @@ def quantized_then_asked(
     model: Any, tokenizer: Any, budget_tokens: int, on_ask: Any = None, **config: Any
 ) -> tuple[Any, Span]:
     """The tool result committed and held at int4 in attention, then a question naming its code."""
-    data = {"budget": {"device_tokens": budget_tokens}, **config}
+    # The old order by name holds the tool result at int4 (the default archives it, a note being needed).
+    data = {"budget": {"device_tokens": budget_tokens, "placement_order": "attended_first"}, **config}
     session = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict(data)).session("t")
     session.extend(history())
     session.apply(ToolCallCompleted(tool_call_id="call_1"))
