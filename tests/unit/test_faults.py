@@ -145,15 +145,20 @@ def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, si
             session.check()
     stats = session.stats()
     assert fault.injected > 0 and stats.faults == fault.injected
-    assert all(s.tier is Tier.DEVICE for s in session.spans), "a failed archive keeps the span where it was"
-    assert not stats.budget_satisfied and stats.budget_unmet > 0
-    assert stats.host_bytes == stats.quantized_bytes == 0
     records = fault_records(session)
     assert len(records) == fault.injected and all(r["where"] == "archive" for r in records)
+    # A failed archive keeps the span where it was (a later plan may drop it); nothing reached
+    # the failing tier, and what left the device was dropped by a plan (recomputable from its
+    # token ids, still recallable), never half-archived.
+    assert stats.host_bytes == stats.quantized_bytes == 0
+    left = [s for s in session.spans if s.tier is not Tier.DEVICE]
+    assert all(s.state is SpanState.EVICTED and s.span_id in session.manager.recallable for s in left)
     if site == "host_limit":
         assert all("HostMemoryError" in r["error"] for r in records)
     assert "kept safe" in caplog.text
-    assert_exact(session, tiny_model)  # nothing was evicted: the cache is still exact
+    if not left:
+        assert not stats.budget_satisfied and stats.budget_unmet > 0
+        assert_exact(session, tiny_model)  # nothing was evicted: the cache is still exact
     # Once the tier works again, the next operation meets the budget.
     session.extend([*history, {"role": "user", "content": "and now?"}])
     assert session.stats().budget_satisfied
@@ -316,14 +321,18 @@ def test_failed_decode_step_keeps_spans_and_messages_aligned(tiny_model, tiny_to
 SWEEP = [
     ("offload", "host"),
     ("host_limit", "host"),
-    ("quantize", "int8"),
-    ("quantize", "int4"),
     ("restore", "host"),
     ("policy", "host"),
     ("forward", "host"),
     ("forward", "drop"),  # recall recomputes dropped spans: the rehydrate forwards fail
 ]
-"""Each site with the archive tiers that reach it."""
+"""Each site with the archive tiers that reach it in this conversation.
+
+The quantize site is not here: with the planner's default rung costs this conversation's
+pressure drops spans instead of archiving them to an int8/int4 device tier (an archive
+there keeps 16-30% of the bytes for a value the costs rate near a drop's), so no
+quantization runs; `test_failed_archive_keeps_spans_on_the_device` reaches it.
+"""
 
 
 @pytest.mark.parametrize(("site", "tier"), SWEEP, ids=[f"{s}-{t}" for s, t in SWEEP])
