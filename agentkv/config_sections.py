@@ -128,7 +128,7 @@ class BudgetConfig(Section):
     )
     """Fraction of a limit demotion brings usage back under (0 < x <= high_watermark)."""
     placement_order: Literal["needed_last", "attended_first"] = Field(
-        default="needed_last",
+        default="attended_first",
         description=(
             "needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."
         ),

@@ -24,7 +24,7 @@ from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placement import ATTENDED_RUNGS, NEEDED_LAST, Rung, plan_placement
+from agentkv.lifecycle.placement import ATTENDED_FIRST, ATTENDED_RUNGS, Rung, plan_placement
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.rungs import lifecycle_class, span_options
 from agentkv.spans import Span, SpanState, Tier
@@ -60,7 +60,7 @@ class BudgetKeeper:
         """Whether the last check met the device budget."""
         self.last_limit: int | None = None
         """The device limit the last `enforce` applied (`check` holds usage to it)."""
-        self.placement_order = NEEDED_LAST
+        self.placement_order = ATTENDED_FIRST
         """The planner's step order, by name (`agentkv.lifecycle.placement.PLACEMENT_ORDERS`)."""
 
     def usage_bytes(self) -> int:

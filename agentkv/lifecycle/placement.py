@@ -12,16 +12,17 @@ the current question. The loss of holding span `s` at rung `r` is `value(s) * fi
 `plan_placement` is a multiple-choice knapsack solved greedily in one pass: each span
 steps down its rungs, and the steps of all spans are taken in the lifecycle's order
 until the device total is at the target. That order is lexicographic and named
-(`PLACEMENT_ORDERS`). The default, `needed_last`: every step of the spans the current
+(`PLACEMENT_ORDERS`). `needed_last`: every step of the spans the current
 question does not need first, and among them every step that keeps a span attended
 (int4 in attention) before any step that takes one out of attention, by class (the
 rest, then the current turn, then pinned spans); only then the spans the current
 question needs, int4 before archive, so a span the answer reads stays at full precision
 while anything it does not need can still be archived (at 25% of the cache, int4 on the
 needed span cost answers that 12.5%, which archives and recalls it exactly, kept:
-issue 27, docs/benchmarks.md). `attended_first`: every int4 step of every class before
-any archive. Within a class, the least value lost per byte saved (GreedyDual-Size).
-A span's allowed rungs bound how far
+issue 27, docs/benchmarks.md). `attended_first`, the default: every int4 step of every
+class before any archive (`needed_last` can archive a committed span while released
+scaffolding still waits in the grace queue on the device). Within a class, the least
+value lost per byte saved (GreedyDual-Size). A span's allowed rungs bound how far
 it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
@@ -116,7 +117,7 @@ class Placement:
 
 
 NEEDED_LAST = "needed_last"
-"""Default order: the spans the current question needs give up their steps after every other span."""
+"""The spans the current question needs give up their steps after every other span."""
 ATTENDED_FIRST = "attended_first"
 """Every step that keeps a span attended, of every class, before any step that takes one out of attention."""
 PLACEMENT_ORDERS: tuple[str, ...] = (NEEDED_LAST, ATTENDED_FIRST)
@@ -172,7 +173,7 @@ def plan_placement(
     target: int,
     *,
     hard_target: int | None = None,
-    order: str = NEEDED_LAST,
+    order: str = ATTENDED_FIRST,
 ) -> Placement:
     """Choose a rung for every span so that the device total is at most `target`, losing the least.
 
@@ -181,9 +182,9 @@ def plan_placement(
     (int4 in attention) before any that takes one out of attention; within each, the
     lower class first (`SpanOptions.klass`: the rest, then what the current question
     needs, then active, then pinned); within a class, the least value lost per byte
-    saved first. With `order="needed_last"` (the default) the steps of the spans the
+    saved first. With `order="needed_last"` the steps of the spans the
     current question needs (class `NEEDED_CLASS`) come after all of that, int4 before
-    archive; with `"attended_first"` they take their class's place among the others.
+    archive; with `"attended_first"` (the default) they take their class's place among the others.
     The last step, the one that closes the gap, is the closing step that
     loses least in that order (not the one with the best rate, which may save far more
     than needed).

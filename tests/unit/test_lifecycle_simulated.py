@@ -496,7 +496,7 @@ def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step
 
 
 def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() -> None:
-    """Default order: the spans the question needs give up int4 only after every other span left attention."""
+    """`needed_last`: the spans the question needs give up int4 only after every other span left attention."""
     from agentkv.lifecycle.placement import Rung, RungOption, SpanOptions, plan_placement
 
     def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
@@ -511,15 +511,15 @@ def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() ->
     choices = [span(1, 100, 1.0), needed, span(3, 50, 0.1)]
     usage = 1600
     # Archiving the rest meets the limit: the needed span is not touched (the old order quantized it).
-    plan = plan_placement(choices, usage, target=250)
+    plan = plan_placement(choices, usage, target=250, order="needed_last")
     assert plan.rungs == {1: Rung.ARCHIVED, 3: Rung.ARCHIVED} and plan.met
     # With nothing else left to give, the needed span goes to int4, then out of attention.
-    plan = plan_placement(choices, usage, target=20)
+    plan = plan_placement(choices, usage, target=20, order="needed_last")
     assert plan.rungs[2] is Rung.ATTENDED_Q and plan.met
-    assert plan_placement(choices, usage, target=0).rungs[2] is Rung.ARCHIVED
+    assert plan_placement(choices, usage, target=0, order="needed_last").rungs[2] is Rung.ARCHIVED
     # A pinned or active span's int4 still comes before the rest is archived.
     pinned = span(4, 10, 5.0, klass=3)
-    plan = plan_placement([span(1, 100, 1.0), pinned], 1100, target=250)
+    plan = plan_placement([span(1, 100, 1.0), pinned], 1100, target=250, order="needed_last")
     assert plan.rungs == {1: Rung.ATTENDED_Q, 4: Rung.ATTENDED_Q}
     with pytest.raises(ValueError, match="unknown placement order"):
         plan_placement(choices, usage, target=250, order="nope")
