@@ -27,12 +27,12 @@ SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"too
 Q4: Mapping[str, Any] = {"quantization": {"attended_bits": 4}}
 """The attended int4 tier (KIVI groups of 32, 4 sink and 64 recent tokens exact: paper defaults).
 
-The default since the sixth session: every `agentkv*` method holds spans at int4 in attention
-before archiving any; `Q4` names it explicitly for the rows measured before that.
+The default: every `agentkv*` method holds spans at int4 in attention
+before archiving any; `Q4` names it explicitly.
 """
 
 ARCHIVE_ONLY: Mapping[str, Any] = {"quantization": {"attended_bits": None}}
-"""No attended quantized tier: pressure archives spans at once (the default before the sixth session)."""
+"""No attended quantized tier: pressure archives spans at once."""
 
 
 HOST8: Mapping[str, Any] = {"quantization": {"host_bits": 8}}

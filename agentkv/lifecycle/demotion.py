@@ -19,7 +19,7 @@ Two things decide which committed span the budget quantizes or archives first:
    question about it shares its rare words (codes, field names); a user fact asked
    in other words cannot be found again once it is gone.
 
-Ties go to the older span first, as before.
+Ties go to the older span first.
 """
 
 from __future__ import annotations

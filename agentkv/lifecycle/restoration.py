@@ -26,7 +26,7 @@ archived one is copied back. Both keep the score they were given at commit.
 Opt-in (`recall.restore_displaced`). Measured over 225 questions at 12.5% it gains 8
 answers and loses 6, most of them int4 near misses. The room it refills is the room exact
 recall would have used at the next turn. It also adds 40-55% prefill tokens
-(docs/benchmarks.md, "Twelfth session").
+(`scripts/recall_bench.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why keys get more bits than values: with a whole agent history held at int4 in
 attention (sinks and the residual window exact, nothing evicted), SmolLM2-135M
 loses about 0.25 nats of gold-answer log-probability per question against the
 full cache; keys at 8 bits with values at 4 lose none, values at 8 with keys at 4
-lose as much as int4 (docs/benchmarks.md, tenth session). Keys carry the error,
+lose as much as int4 (`scripts/quant_probe.py`, docs/benchmarks.md). Keys carry the error,
 as KIVI and KVQuant report. But 8-bit keys do not fit a tight budget, so they
 are held so that they can become 4-bit keys without re-quantizing anything.
 
