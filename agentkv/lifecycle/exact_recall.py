@@ -102,8 +102,7 @@ class ExactRecall:
         quantized = self._quantized(store)
         room = self.budget.limits.low_bytes(limit) - self._floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
-        recompute_offsets: Callable[..., None] | None = getattr(self.port, "recompute_offsets", None)
-        if not callable(recompute_offsets):
+        if not self.port.recomputes_offsets:
             pages = None
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
@@ -125,9 +124,8 @@ class ExactRecall:
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
             for span, cut, chosen in parts:
-                assert recompute_offsets is not None
                 offsets = sorted(o for i in chosen for o in cut.pages[i])
-                if self._recompute_offsets(span, offsets, recompute_offsets):
+                if self._recompute_offsets(span, offsets):
                     exact.append(span.span_id)
             for span in whole:
                 if self._recompute(span, store):
@@ -146,11 +144,11 @@ class ExactRecall:
                 room -= cost
         return chosen, room
 
-    def _recompute_offsets(self, span: Span, offsets: list[int], recompute: Callable[..., None]) -> bool:
+    def _recompute_offsets(self, span: Span, offsets: list[int]) -> bool:
         """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
         with self.timer.timed("store_seconds"):
             try:
-                recompute(span, offsets)
+                self.port.recompute_offsets(span, offsets)
             except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
                 self.mover.fault("exact page recall", span, e)
                 return False

@@ -13,8 +13,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from agentkv.chat import ChatMessage
 from agentkv.events import (
     BranchOpened,
@@ -26,7 +24,7 @@ from agentkv.events import (
     validate_event,
 )
 from agentkv.lifecycle.budget import BudgetKeeper
-from agentkv.lifecycle.compression import Compressor, scoring_view
+from agentkv.lifecycle.compression import Compressor, span_view
 from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
@@ -41,7 +39,6 @@ from agentkv.lifecycle.targets import Targets, ToolCallRegistry, find_targets, t
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView, make_policy
 from agentkv.spans import Span, SpanKind, SpanState
-from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +57,9 @@ class LifecycleManager:
         self.timer = SectionTimer(self.table.counters)
         self.marks = RecallMarks()
         self.tool_calls = ToolCallRegistry()
-        self.mover = Mover(port, config.archive_tier, self.marks, self.timer)
+        self.mover = Mover(
+            self.table, port.store, port.recompute, config.archive_tier, self.marks, self.timer
+        )
         self.pages = PageIndex(port, config.recall)
         self.compressor = Compressor(
             self.table,
@@ -70,10 +69,10 @@ class LifecycleManager:
             self.timer,
             self.mover.fault,
             whole_spans=self.whole_spans,
-            port=port,
-            pages=self.pages if self.whole_spans else None,
+            window_attention=port.window_attention,
+            page_tokens=config.recall.page_tokens if self.whole_spans and self.pages.enabled else None,
         )
-        self.mover.compressor = self.compressor
+        self.mover.compress_at_commit = self.compressor.compress_at_commit
         self.budget = BudgetKeeper(
             port,
             limits,
@@ -318,12 +317,13 @@ class LifecycleManager:
     def policy(self, policy: Policy | None) -> None:
         self.compressor.policy = policy
 
-    def scoring_view(self, slots: torch.Tensor) -> SpanView:
-        """What the policy sees of the attended tokens at `slots` (in-process store only)."""
-        if not isinstance(self.port.store, KVStore):
-            msg = f"scoring_view needs the in-process KVStore, got {type(self.port.store).__name__}"
+    def scoring_view(self, span: Span | None = None) -> SpanView:
+        """What the policy sees of `span`'s attended tokens (or all); TypeError: the store cannot."""
+        tokens = self.port.store.attended_tokens(span, keys=True, queries=True)
+        if tokens is None:
+            msg = f"scoring_view needs a store that reads its tokens, got {type(self.port.store).__name__}"
             raise TypeError(msg)
-        return scoring_view(self.port.store, self.table, slots)
+        return span_view(tokens, self.table)
 
     @property
     def budget_satisfied(self) -> bool:
