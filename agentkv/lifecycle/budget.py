@@ -23,31 +23,27 @@ from typing import Any
 
 from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.limits import BudgetLimits
-from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placer import Placer
+from agentkv.lifecycle.placer import PlacementPeer, Placer
+from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 
 logger = logging.getLogger(__name__)
 
 
-class BudgetKeeper:
+class BudgetKeeper(PlacementPeer):
     """Holds one session under its device and host budgets after each operation."""
 
     def __init__(
         self,
         placer: Placer,
-        mover: Mover,
+        timer: SectionTimer,
         compressor: Compressor,
         *,
         whole_spans: bool,
         enforced: bool,
     ) -> None:
-        self.placer = placer
-        self.port = placer.port
-        self.table = placer.table
-        self.mover = mover
+        super().__init__(placer, timer)
         self.compressor = compressor
-        self.marks = placer.marks
         self.whole_spans = whole_spans
         """Span mode (True) or token mode (False); see the module docstring."""
         self.enforced = enforced

@@ -27,34 +27,17 @@ archive anything. A recomputed span attends its context as the cache holds it no
 from __future__ import annotations
 
 from agentkv.lifecycle.exact_pages import RankedPages, SpanPages
-from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placer import Placer
-from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 
-class ExactRecall:
+class ExactRecall(PlacementPeer):
     """Recomputes the relevant spans held quantized in attention at full precision."""
 
-    def __init__(
-        self,
-        port: SessionPort,
-        placer: Placer,
-        mover: Mover,
-        marks: RecallMarks,
-        timer: SectionTimer,
-        *,
-        enabled: bool,
-    ) -> None:
-        self.port = port
-        self.table = port.table
-        self.placer = placer
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
+    def __init__(self, placer: Placer, timer: SectionTimer, *, enabled: bool) -> None:
+        super().__init__(placer, timer)
         self.enabled = enabled
 
     def recompute(

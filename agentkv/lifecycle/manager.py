@@ -73,20 +73,16 @@ class LifecycleManager:
         self.placer.placement_order = config.budget.placement_order
         self.budget = BudgetKeeper(
             self.placer,
-            self.mover,
+            self.timer,
             self.compressor,
             whole_spans=self.whole_spans,
             enforced=policy is not None,
         )
-        recall, timer = config.recall, self.timer
-        self.recaller = Recaller(
-            port, recall, self.placer, self.mover, self.marks, timer, self.pages, enabled=self.whole_spans
-        )
-        self.exact = ExactRecall(
-            port, self.placer, self.mover, self.marks, timer, enabled=recall.recompute_quantized
-        )
+        recall = config.recall
+        self.recaller = Recaller(self.placer, self.timer, recall, self.pages, enabled=self.whole_spans)
+        self.exact = ExactRecall(self.placer, self.timer, enabled=recall.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
-        self.restorer = Restorer(self.placer, self.mover, self.marks, timer, enabled=recall.restore_displaced)
+        self.restorer = Restorer(self.placer, self.timer, enabled=recall.restore_displaced)
         """Brings back displaced spans the demotion order values (`recall.restore_displaced`)."""
         if policy is None and limits.device_bytes is not None:
             logger.warning(

@@ -24,6 +24,7 @@ from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.placement import ATTENDED_FIRST, ATTENDED_RUNGS, Rung, plan_placement
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.rungs import lifecycle_class, span_options
+from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
@@ -234,3 +235,19 @@ class Placer:
                 marks.recallable.add(span.span_id)
         if quantize:
             self.mover.hold_quantized(quantize)
+
+
+class PlacementPeer:
+    """What budget enforcement, recall, exact recall and restoration share: the service they ask.
+
+    The peers never call each other; each reads room and order from the placer and
+    moves spans through its mover. The port, table and marks are the placer's.
+    """
+
+    def __init__(self, placer: Placer, timer: SectionTimer) -> None:
+        self.placer = placer
+        self.port = placer.port
+        self.table = placer.table
+        self.mover = placer.mover
+        self.marks = placer.marks
+        self.timer = timer

@@ -18,11 +18,8 @@ from typing import Any
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.exact_pages import PageNames, RankedPages, SpanPages, text_pages
-from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
-from agentkv.lifecycle.placer import Placer
-from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
@@ -47,28 +44,14 @@ class Recalled:
     """Cuts an attended span's quantized offsets into pages ranked against the message."""
 
 
-class Recaller:
+class Recaller(PlacementPeer):
     """Ranks demoted spans against a new user message and brings the best back."""
 
     def __init__(
-        self,
-        port: SessionPort,
-        config: RecallConfig,
-        placer: Placer,
-        mover: Mover,
-        marks: RecallMarks,
-        timer: SectionTimer,
-        pages: PageIndex,
-        *,
-        enabled: bool,
+        self, placer: Placer, timer: SectionTimer, config: RecallConfig, pages: PageIndex, *, enabled: bool
     ) -> None:
-        self.port = port
-        self.table = port.table
+        super().__init__(placer, timer)
         self.config = config
-        self.placer = placer
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
         self.pages = pages
         """Page digests and scores (page recall, `recall.pages`)."""
         self.enabled = enabled and config.enabled

@@ -34,8 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placer import Placer, demotion_order, value_per_token
+from agentkv.lifecycle.placer import PlacementPeer, Placer, demotion_order, value_per_token
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor
@@ -102,17 +101,11 @@ def attended_competitors(spans: Sequence[Span], marks: RecallMarks) -> list[Span
     ]
 
 
-class Restorer:
+class Restorer(PlacementPeer):
     """Brings back, at a new user turn, the demoted spans the demotion order values above attended ones."""
 
-    def __init__(
-        self, placer: Placer, mover: Mover, marks: RecallMarks, timer: SectionTimer, *, enabled: bool
-    ) -> None:
-        self.placer = placer
-        self.table = placer.table
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
+    def __init__(self, placer: Placer, timer: SectionTimer, *, enabled: bool) -> None:
+        super().__init__(placer, timer)
         self.enabled = enabled
 
     def restore(self, demoted: list[Span], floor: AttendedFloor | None) -> list[int]:
