@@ -79,6 +79,11 @@ class SessionServices(SessionServicesBase):
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
 
+    @property
+    def recomputes_offsets(self) -> bool:
+        """A local model recomputes single tokens."""
+        return True
+
     def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
         """Recompute some of an attended span's tokens in full precision, replacing the KV held for them.
 

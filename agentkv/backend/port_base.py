@@ -7,7 +7,7 @@ read. The ids, config, table, text encoding and branch sessions are the same cod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from agentkv.chat import ChatFormat
@@ -15,6 +15,7 @@ from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
+from agentkv.spans import Span
 
 __all__ = ["PortSession", "SessionServicesBase"]
 
@@ -67,6 +68,26 @@ class SessionServicesBase:
     def token_text(self, token: int) -> str:
         """One token's text."""
         return str(self.session.backend.tokenizer.decode([token]))
+
+    @property
+    def recomputes_offsets(self) -> bool:
+        """Whether some tokens of a span can be recomputed alone: not without a local model."""
+        return False
+
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+        """Not supported without a local model."""
+        del span, offsets
+        msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"
+        raise NotImplementedError(msg)
+
+    def question_queries(self) -> tuple[Any, ...] | None:
+        """Not supported without a local model: None (page recall ranks by words)."""
+        return None
+
+    def window_attention(self, token_ids: Sequence[int]) -> Any:
+        """Not supported without a local model: None (commit compression uses the policy's scores)."""
+        del token_ids
+        return None
 
     def child_branches(self) -> list[tuple[str, str | None]]:
         """`(session_id, branch)` of the live branch sessions forked from this one."""

@@ -20,11 +20,10 @@ from agentkv.backend.sampling import AnswerOptions
 from agentkv.chat import ChatFormat, ChatMessage
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, SessionStats
-from agentkv.spans import Span
+from agentkv.spans import Lease, Span
 
 __all__ = ["AgentBackend", "AgentSession"]
 

@@ -15,11 +15,10 @@ from collections import deque
 from typing import Any, Protocol
 
 from agentkv.chat import ChatMessage
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, LogRecord, SessionStats
-from agentkv.spans import Span, SpanState
+from agentkv.spans import Lease, Span, SpanState
 from agentkv.store.protocol import TierBytes
 
 __all__ = ["ReadableStore", "SessionReadout"]

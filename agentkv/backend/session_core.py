@@ -16,10 +16,9 @@ from agentkv.backend.readout import SessionReadout
 from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.results import ApplyResult
-from agentkv.spans import Span, SpanKind
+from agentkv.spans import Lease, Span, SpanKind
 
 __all__ = ["SessionCore"]
 

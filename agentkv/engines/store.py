@@ -42,7 +42,7 @@ from agentkv.engines.hints import EngineTarget, HintSender, HintStats
 from agentkv.engines.lmcache import TierName
 from agentkv.engines.pins import SessionPins
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.kvstore import TierBytes
+from agentkv.store.protocol import TierBytes, WholeSpanStore
 
 __all__ = ["PINNING_STATES", "EngineStore", "EngineTarget", "HintStats", "common_prefix"]
 
@@ -50,8 +50,10 @@ PINNING_STATES = frozenset({SpanState.COMMITTED})
 """A span in one of these states is part of the pinned prefix."""
 
 
-class EngineStore:
+class EngineStore(WholeSpanStore):
     """The store protocol (`archive`, `restore_many`, `drop`, `note_state`, …) over vLLM + LMCache.
+
+    Whole spans only: no token access, page digests or lazy recompute (`WholeSpanStore`).
 
     Args:
         target: the engine this session uses; None = vLLM alone (no LMCache): verbs

@@ -1,23 +1,8 @@
-"""The lifecycle: events → rules → span moves, budgets and recall, over a public span table.
+"""The lifecycle: events → rules → span moves, placement (budgets, recall), over a public span table.
 
-Modules (each owns one idea; see docs/architecture.md):
-
-- `rules`: states, allowed transitions, the event → target → action table
-- `targets`: for each event type, the spans its targets name (a table)
-- `table`: the span table a session owns (spans, messages, leases, turn, counters, log)
-- `leases`: pins as receipts
-- `mover`: the only place a span's state and tier change together
-- `compression`: commit-time compression and token-mode eviction (policy work)
-- `rehydration`: recomputing a dropped span from its token ids
-- `budget`: the one place a token budget becomes bytes; relieving pressure
-- `demotion`: the order pressure demotes committed spans in (value per byte)
-- `recall` / `recall_ranking`: bringing relevant spans back before an answer
-- `invariants`: what must always hold
-- `manager`: one per session, wiring the above
-- `port`: what the lifecycle needs from its session (a protocol)
+One module per idea; the module map is in docs/architecture.md.
 """
 
-from agentkv.lifecycle.leases import Lease
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.port import SessionPort
@@ -31,6 +16,7 @@ from agentkv.lifecycle.rules import (
     check_transition,
 )
 from agentkv.lifecycle.table import SpanTable
+from agentkv.spans import Lease
 
 __all__ = [
     "ACTION_STATES",

@@ -3,67 +3,63 @@
 A span is compressed once, when it is committed; the generic baselines instead
 keep the top tokens of the whole cache under pressure.
 
-Both need the keys themselves, so they run only on the in-process store
-(`KVStore`); on a store without attended tensors a span is simply frozen uncompressed.
+Both read the tokens through the store protocol (`KVStoreProtocol.attended_tokens`);
+a store that cannot answer (a served engine) holds spans whole: a span is frozen
+uncompressed there, and token mode drops nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.table import SpanTable
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView
-from agentkv.spans import Span, SpanKind
-from agentkv.store.kvstore import KVStore
-from agentkv.store.protocol import KVStoreProtocol
+from agentkv.spans import Span, SpanKind, Tier
+from agentkv.store.protocol import AttendedTokens, KVStoreProtocol
 
 logger = logging.getLogger(__name__)
 
 FaultReporter = Callable[[str, Span | None, Exception], None]
 """Records a survived failure: `(where, span or None, error)`."""
 
+WindowAttention = Callable[[list[int]], torch.Tensor | None]
+"""`SessionPort.window_attention`: `[S]` attention from token ids read after the conversation's end."""
 
-def scoring_view(
-    store: KVStore, table: SpanTable, slots: torch.Tensor, *, keys: bool = True, queries: bool = True
-) -> SpanView:
-    """What a policy sees of the attended tokens at `slots` (keys, positions, spans, attention).
 
-    `keys` / `queries`: whether to read the slots' keys and the recent ones (a policy's
-    `needs_keys` / `needs_query`). Only those slots are read, never a whole layer: on
-    the attended quantized tier a read dequantizes.
-    """
-    physical = store.physical
-    recent = torch.arange(max(0, physical.length - 16), physical.length)
-    slot_keys, query_keys = [], []
-    for layer in range(physical.num_layers if keys or queries else 0):
-        layer_keys = physical.layer_keys_at(layer, slots) if keys else None
-        recent_keys = physical.layer_keys_at(layer, recent) if queries else None
-        if (keys and layer_keys is None) or (queries and recent_keys is None):
-            msg = "empty cache"
-            raise RuntimeError(msg)
-        if layer_keys is not None:
-            slot_keys.append(layer_keys)
-        if recent_keys is not None:
-            query_keys.append(recent_keys)
-    kinds = {s.span_id: s.kind for s in table.spans}
+def span_view(tokens: AttendedTokens, table: SpanTable) -> SpanView:
+    """What a policy sees of attended tokens (keys, positions, spans, attention)."""
     return SpanView(
-        keys=tuple(slot_keys),
-        positions=physical.slot_position[slots],
-        span_ids=physical.slot_span[slots],
-        span_kinds=kinds,
+        keys=tokens.keys,
+        positions=tokens.positions,
+        span_ids=tokens.span_ids,
+        span_kinds={s.span_id: s.kind for s in table.spans},
         sequence_length=table.logical_length,
-        attention=physical.slot_window_attention[slots],
-        accumulated_attention=physical.slot_heavy_attention[slots],
-        decayed_attention=physical.slot_attention[slots],
-        query_keys=tuple(query_keys) if queries else None,
+        attention=tokens.attention,
+        accumulated_attention=tokens.accumulated_attention,
+        decayed_attention=tokens.decayed_attention,
+        query_keys=tokens.query_keys,
+    )
+
+
+def wants_digest(span: Span) -> bool:
+    """Whether a span gets a page digest at its first commit (page recall).
+
+    Only a span whose every token is held on the device at full length (a digest of
+    a compressed span would describe pages it cannot bring back); system prompts are
+    pinned and never recalled.
+    """
+    return (
+        span.kind not in (SpanKind.SYSTEM, SpanKind.PROMPT)
+        and span.tier is Tier.DEVICE
+        and span.kept is None
+        and span.n_computed == span.length
+        and span.length > 0
     )
 
 
@@ -98,13 +94,13 @@ class Compressor:
         fault: FaultReporter,
         *,
         whole_spans: bool,
-        port: Any = None,
-        pages: PageIndex | None = None,
+        window_attention: WindowAttention | None = None,
+        page_tokens: int | None = None,
     ) -> None:
-        self.port = port
-        """The session's services (`window_attention` for question-observed compression), or None."""
-        self.pages = pages
-        """Builds page digests at commit (page recall), or None."""
+        self.window_attention = window_attention
+        """The session's observation of a question (question-observed compression), or None."""
+        self.page_tokens = page_tokens
+        """Tokens per page of the digests built at commit (page recall), or None: no digests."""
         self.table = table
         self.store = store
         self.policy = policy
@@ -124,42 +120,42 @@ class Compressor:
         """
         span.frozen = True
         store = self.store
-        if self.policy is None or not self.whole_spans or not isinstance(store, KVStore):
-            return
-        physical = store.physical
-        slots = physical.slots_of(span.span_id)
-        if slots.numel() == 0:
+        if self.policy is None or not self.whole_spans or store.attended_size() is None:
             return
         try:
             with self.timer.timed("policy_seconds"):
-                if self.pages is not None:
-                    self.pages.index(span)
-                view = scoring_view(
-                    store, self.table, slots, keys=self.policy.needs_keys, queries=self.policy.needs_query
+                tokens = store.attended_tokens(
+                    span, keys=self.policy.needs_keys, queries=self.policy.needs_query
                 )
+                if tokens is None or tokens.slots.numel() == 0:
+                    return
+                if self.page_tokens is not None and wants_digest(span):
+                    store.index_pages(span, self.page_tokens)
+                view = span_view(tokens, self.table)
                 scores = self.policy.score(view).float()
                 if not span.scored:  # scored once: a recomputed span keeps its commit score
                     span.score = float(scores.mean()) if scores.numel() else 0.0
                     if self.policy.scores_spans:
                         span.score = float(self.policy.span_score(view).get(span.span_id, span.score))
                     span.scored = True
+                count = int(tokens.slots.numel())
                 ratio = self.config.commit.keep_ratio.get(span.kind.value, 1.0)
-                keep = max(self.config.commit.min_keep_tokens, round(ratio * slots.numel()))
-                if keep >= slots.numel():
+                keep = max(self.config.commit.min_keep_tokens, round(ratio * count))
+                if keep >= count:
                     return
-                observed = self.question_scores(span, slots)
+                observed = self.question_scores(span, tokens)
                 if observed is not None:
                     chosen = torch.topk(observed, keep).indices
                 else:
                     chosen = self.policy.select(view, keep)
-            offsets = physical.slot_offset[slots[chosen]].tolist()
+            offsets = tokens.offsets[chosen].tolist()
             dropped = store.compress(span, offsets)
             self.table.counters.compressed_tokens += dropped
         except Exception as e:  # noqa: BLE001 - a failing policy keeps the whole span
             self.fault("policy", span, e)
 
-    def question_scores(self, span: Span, slots: torch.Tensor) -> torch.Tensor | None:
-        """SnapKV at commit with the turn's own question as the observation window, `[n]` per slot.
+    def question_scores(self, span: Span, tokens: AttendedTokens) -> torch.Tensor | None:
+        """SnapKV at commit with the turn's own question as the observation window, `[n]` per token.
 
         For a tool result under `commit.observe: question`: the turn's user message and
         the tool call that asked for the result are read after the conversation's end
@@ -172,18 +168,13 @@ class Compressor:
         if self.config.commit.observe != "question" or span.kind is not SpanKind.TOOL_RESULT:
             return None
         window = observation_window(self.table, span)
-        observe = getattr(self.port, "window_attention", None)
-        if not window or not callable(observe):
+        if not window or self.window_attention is None:
             return None
-        attention = observe(window)
-        if attention is None:
+        attention = self.window_attention(window)
+        if attention is None or attention.numel() != tokens.attended:
             return None
-        physical = self.store.physical if isinstance(self.store, KVStore) else None
-        if physical is None or attention.numel() != physical.length:
-            return None
-        offsets = physical.slot_offset[slots]  # [n]
-        order = torch.argsort(offsets)
-        raw = attention[slots.cpu()].float()[order].view(1, 1, -1)  # [1, 1, n] in span order
+        order = torch.argsort(tokens.offsets)
+        raw = attention[tokens.slots.cpu()].float()[order].view(1, 1, -1)  # [1, 1, n] in span order
         pad = SNAP_KERNEL // 2
         pooled = F.avg_pool1d(raw, SNAP_KERNEL, stride=1, padding=pad, count_include_pad=False).view(-1)
         scores = torch.empty_like(pooled)
@@ -199,42 +190,34 @@ class Compressor:
         """
         store = self.store
         table = self.table
-        if self.policy is None or not isinstance(store, KVStore) or store.physical.length == 0:
+        size = store.attended_size()
+        if self.policy is None or size is None or size[0] == 0:
             return []
-        physical = store.physical
-        per_token = max(1, physical.bytes_per_token())
+        length, per_token = size[0], max(1, size[1])
         keep = max(0, (target - store.bytes_by_tier().quantized) // per_token)
-        if keep >= physical.length:
+        if keep >= length:
             return []
-        slots = torch.arange(physical.length)
-        # Pins are receipts in every mode: a pinned span's tokens are never dropped.
-        pinned_ids = [s.span_id for s in table.spans if s.pinned]
-        protected = torch.isin(physical.slot_span, torch.tensor(pinned_ids, dtype=torch.long))
         try:
             with self.timer.timed("policy_seconds"):
-                view = scoring_view(
-                    store, table, slots, keys=self.policy.needs_keys, queries=self.policy.needs_query
+                tokens = store.attended_tokens(
+                    None, keys=self.policy.needs_keys, queries=self.policy.needs_query
                 )
+                if tokens is None:
+                    return []
+                # Pins are receipts in every mode: a pinned span's tokens are never dropped.
+                pinned_ids = [s.span_id for s in table.spans if s.pinned]
+                protected = torch.isin(tokens.span_ids, torch.tensor(pinned_ids, dtype=torch.long))
+                view = span_view(tokens, table)
                 chosen = self.policy.select(view, max(int(keep), int(protected.sum())), protected=protected)
         except Exception as e:  # noqa: BLE001 - a failing policy drops nothing this time
             self.fault("policy", None, e)
             return []
-        drop_mask = torch.ones(physical.length, dtype=torch.bool)
-        drop_mask[chosen] = False
-        emptied: list[Span] = []
         with self.timer.timed("store_seconds"):
-            dropped_by_span: dict[int, set[int]] = {}
-            for slot in drop_mask.nonzero().flatten().tolist():
-                dropped_by_span.setdefault(int(physical.slot_span[slot]), set()).add(
-                    int(physical.slot_offset[slot])
-                )
-            physical.remove(drop_mask.nonzero().flatten())
-            for span in table.spans:
-                dropped = dropped_by_span.get(span.span_id)
-                if not dropped:
-                    continue
-                span.kept = [o for o in span.kept_offsets if o not in dropped]
-                table.counters.compressed_tokens += len(dropped)
+            dropped = store.keep_attended(table.spans, tokens.slots[chosen])
+        emptied: list[Span] = []
+        for span in table.spans:
+            if span.span_id in dropped:
+                table.counters.compressed_tokens += dropped[span.span_id]
                 if not span.kept:
                     emptied.append(span)
         return emptied

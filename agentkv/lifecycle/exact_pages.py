@@ -16,7 +16,8 @@ half a code recomputed exact is no better than the int4 near miss it replaces).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from agentkv.spans import Span
 
@@ -73,3 +74,27 @@ class PageNames:
             token_ids=[span.token_ids[o] for o in offsets],
             start=span.start + offsets[0],
         )
+
+
+@dataclass(frozen=True)
+class SpanPages:
+    """A quantized span cut into pages, and which of them the question needs."""
+
+    pages: list[tuple[int, ...]]
+    """Each page's span offsets, in text order."""
+    relevant: list[int]
+    """Indices into `pages` of the pages worth recomputing, best first."""
+
+    def context(self, chosen: Iterable[int]) -> list[int]:
+        """The pages next to the `chosen` ones (the following page first), not chosen themselves."""
+        taken = set(chosen)
+        out: list[int] = []
+        for i in sorted(taken):
+            for j in (i + 1, i - 1):
+                if 0 <= j < len(self.pages) and j not in taken and j not in out:
+                    out.append(j)
+        return out
+
+
+RankedPages = Callable[[Span, list[int]], SpanPages]
+"""`(span, offsets held quantized) -> SpanPages`: the caller's cut and ranking of a span's pages."""

@@ -16,7 +16,8 @@ recomputed over the cache as it is (the span's own earlier tokens at int4 includ
 and replaces the quantized KV of its tokens.
 
 The room is the low watermark minus what the device would hold with every other
-attended token at the floor of the demotion order (`AttendedFloor`). The budget
+attended token at the floor of the demotion order (`AttendedFloor`; the placement
+service's `Placer.floor_usage`). The budget
 check after the prefill quantizes committed spans before recalled ones, so an
 upgrade that fits only quantizes lower-priority spans: it never makes the budget
 archive anything. A recomputed span attends its context as the cache holds it now
@@ -25,61 +26,18 @@ archive anything. A recomputed span attends its context as the cache holds it no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-
-from agentkv.lifecycle.budget import BudgetKeeper
-from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.exact_pages import RankedPages, SpanPages
+from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 
-@dataclass(frozen=True)
-class SpanPages:
-    """A quantized span cut into pages, and which of them the question needs."""
-
-    pages: list[tuple[int, ...]]
-    """Each page's span offsets, in text order."""
-    relevant: list[int]
-    """Indices into `pages` of the pages worth recomputing, best first."""
-
-    def context(self, chosen: Iterable[int]) -> list[int]:
-        """The pages next to the `chosen` ones (the following page first), not chosen themselves."""
-        taken = set(chosen)
-        out: list[int] = []
-        for i in sorted(taken):
-            for j in (i + 1, i - 1):
-                if 0 <= j < len(self.pages) and j not in taken and j not in out:
-                    out.append(j)
-        return out
-
-
-RankedPages = Callable[[Span, list[int]], SpanPages]
-"""`(span, offsets held quantized) -> SpanPages`: the caller's cut and ranking of a span's pages."""
-
-
-class ExactRecall:
+class ExactRecall(PlacementPeer):
     """Recomputes the relevant spans held quantized in attention at full precision."""
 
-    def __init__(
-        self,
-        port: SessionPort,
-        budget: BudgetKeeper,
-        mover: Mover,
-        marks: RecallMarks,
-        timer: SectionTimer,
-        *,
-        enabled: bool,
-    ) -> None:
-        self.port = port
-        self.table = port.table
-        self.budget = budget
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
+    def __init__(self, placer: Placer, timer: SectionTimer, *, enabled: bool) -> None:
+        super().__init__(placer, timer)
         self.enabled = enabled
 
     def recompute(
@@ -94,16 +52,16 @@ class ExactRecall:
             Ids of the spans recomputed at full precision, whole or in part.
         """
         store = self.port.store
-        limit = self.budget.effective_limit()
+        placer = self.placer
+        limit = placer.effective_limit()
         if not self.enabled or floor is None or limit is None or not isinstance(store, AttendedQuantizer):
             return []
         if not store.attended_quantized_tokens():
             return []
-        quantized = self._quantized(store)
-        room = self.budget.limits.low_bytes(limit) - self._floor_usage(quantized, floor)
+        quantized = placer.quantized_now()
+        room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
-        recompute_offsets: Callable[..., None] | None = getattr(self.port, "recompute_offsets", None)
-        if not callable(recompute_offsets):
+        if not self.port.recomputes_offsets:
             pages = None
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
@@ -125,9 +83,8 @@ class ExactRecall:
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
             for span, cut, chosen in parts:
-                assert recompute_offsets is not None
                 offsets = sorted(o for i in chosen for o in cut.pages[i])
-                if self._recompute_offsets(span, offsets, recompute_offsets):
+                if self._recompute_offsets(span, offsets):
                     exact.append(span.span_id)
             for span in whole:
                 if self._recompute(span, store):
@@ -146,11 +103,11 @@ class ExactRecall:
                 room -= cost
         return chosen, room
 
-    def _recompute_offsets(self, span: Span, offsets: list[int], recompute: Callable[..., None]) -> bool:
+    def _recompute_offsets(self, span: Span, offsets: list[int]) -> bool:
         """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
         with self.timer.timed("store_seconds"):
             try:
-                recompute(span, offsets)
+                self.port.recompute_offsets(span, offsets)
             except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
                 self.mover.fault("exact page recall", span, e)
                 return False
@@ -182,56 +139,3 @@ class ExactRecall:
             self.marks.recallable.add(span.span_id)  # its token ids remain: a later recall recomputes it
             return False
         return True
-
-    def projected_usage(self, floor: AttendedFloor | None) -> int:
-        """Device bytes after this turn's prefill, at the floor of the demotion order (`_floor_usage`).
-
-        Without an attended quantized tier (`floor` None): what the device counts now, less
-        the evictable spans, plus the pending tokens at full precision.
-        """
-        store = self.port.store
-        if floor is not None and isinstance(store, AttendedQuantizer):
-            return self._floor_usage(self._quantized(store), floor)
-        usage = self.budget.usage_bytes()
-        for span in self.table.spans:
-            if span.tier is not Tier.DEVICE:
-                continue
-            if span.state is SpanState.EVICTABLE:
-                usage -= store.span_bytes(span)
-            else:
-                usage += (span.length - span.n_computed) * self.port.bytes_per_token
-        return usage
-
-    def _quantized(self, store: AttendedQuantizer) -> dict[int, int]:
-        """Each device span's slots held quantized now, by span id."""
-        return {
-            s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
-        }
-
-    def _floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
-        """Device bytes after this turn's prefill with every token the budget may quantize quantized.
-
-        What the device counts now (attended KV, quantized archives, digests), less the
-        evictable spans (the budget drops them first), less the fine planes of 8-bit keys
-        (the budget drops them before archiving anything), less what quantizing the exact
-        tokens would free (the sinks and the residual window stay exact), plus the new
-        message's pending tokens at their quantized size. `quantized`: each device span's
-        slots held quantized now.
-        """
-        store = self.port.store
-        usage = self.budget.usage_bytes()
-        if isinstance(store, AttendedQuantizer):
-            usage -= store.fine_key_bytes()
-        exact_held = 0
-        pending = 0
-        for span in self.table.spans:
-            if span.tier is not Tier.DEVICE:
-                continue
-            if span.state is SpanState.EVICTABLE:
-                usage -= self.port.store.span_bytes(span)
-                continue
-            exact_held += span.held_tokens - quantized[span.span_id]
-            pending += span.length - span.n_computed
-        quantizable = max(0, exact_held - floor.exact_tokens)
-        saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
-        return usage - saved + floor.span_cost(pending)

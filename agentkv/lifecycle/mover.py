@@ -9,19 +9,21 @@ recomputing the span from its token ids).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rehydration import rehydrate, rehydrate_lazily
+from agentkv.lifecycle.rehydration import Recompute, rehydrate, rehydrate_lazily
 from agentkv.lifecycle.results import Transition
 from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
+from agentkv.lifecycle.table import SpanTable
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedQuantizer
+from agentkv.store.protocol import AttendedQuantizer, KVStoreProtocol
 
 logger = logging.getLogger(__name__)
+
+CommitCompression = Callable[[Span], None]
+"""Scores and compresses a span once, at its first commit (`Compressor.compress_at_commit`)."""
 
 
 class Mover:
@@ -29,17 +31,21 @@ class Mover:
 
     def __init__(
         self,
-        port: SessionPort,
+        table: SpanTable,
+        store: KVStoreProtocol,
+        recompute: Recompute,
         archive_tier: str,
         marks: RecallMarks,
         timer: SectionTimer,
     ) -> None:
-        self.port = port
-        self.table = port.table
+        self.table = table
+        self.store = store
+        self.recompute = recompute
+        """The session's recompute of a dropped span (`SessionPort.recompute`)."""
         self.archive_tier = archive_tier
         self.marks = marks
         self.timer = timer
-        self.compressor: Compressor | None = None
+        self.compress_at_commit: CommitCompression | None = None
         """Compresses a span at its first commit (set by the manager, which owns the policy)."""
 
     def move(self, span: Span, target: SpanState, *, reason: str, lazily: bool = False) -> Transition | None:
@@ -56,18 +62,18 @@ class Mover:
             return None
         check_transition(span.state, target, reason)
         before = span.state
-        store = self.port.store
+        store = self.store
         with self.timer.timed("store_seconds"):
             if target is SpanState.COMMITTED:
                 if lazily and span.tier is Tier.DROPPED:
-                    rehydrate_lazily(span, self.port)
+                    self.table.counters.rehydrated_tokens += rehydrate_lazily(span, store)
                 if span.tier is not Tier.DEVICE and not self._bring_back(span):
                     self._settle_failed_bring_back(span)
                     return None
-                if self.compressor is None:
+                if self.compress_at_commit is None:
                     span.frozen = True
                 elif not span.frozen and span.n_computed > 0:
-                    self.compressor.compress_at_commit(span)  # a pending tail joins `kept` later
+                    self.compress_at_commit(span)  # a pending tail joins `kept` later
                 # A span committed before any of its KV is computed (a history sent in one call, a
                 # lazily recomputed span) is scored once the prefill computed it (`commit_computed`).
             elif target is SpanState.ARCHIVED:
@@ -100,7 +106,8 @@ class Mover:
         while its tokens were still pending is scored here, after the forward that
         computed them, instead of being frozen with no score. Returns how many.
         """
-        if self.compressor is None:
+        compress = self.compress_at_commit
+        if compress is None:
             return 0
         late = [
             s
@@ -112,7 +119,7 @@ class Mover:
         ]
         with self.timer.timed("store_seconds"):
             for span in late:
-                self.compressor.compress_at_commit(span)
+                compress(span)
         return len(late)
 
     def move_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
@@ -124,17 +131,17 @@ class Mover:
         compression (which re-runs on a recomputed span) must not thin the offsets out:
         they are this commit's choice.
         """
-        compressor, self.compressor = self.compressor, None
+        compress, self.compress_at_commit = self.compress_at_commit, None
         try:
             moved = self.move(span, SpanState.COMMITTED, reason=reason)
         finally:
-            self.compressor = compressor
+            self.compress_at_commit = compress
         if moved is None:
             return False
         keep = sorted(set(offsets) & set(span.kept_offsets))
         if keep and len(keep) < span.held_tokens:
             with self.timer.timed("store_seconds"):
-                self.port.store.compress(span, keep)
+                self.store.compress(span, keep)
         return True
 
     def ready_to_pin(self, span: Span, *, confirmed: bool, reason: str) -> bool:
@@ -163,7 +170,7 @@ class Mover:
         A failure is a recorded fault: every slot is still attended, and the next plan
         archives instead.
         """
-        store = self.port.store
+        store = self.store
         if not isinstance(store, AttendedQuantizer):
             return 0
         with self.timer.timed("store_seconds"):
@@ -175,12 +182,12 @@ class Mover:
 
     def can_coarsen(self) -> bool:
         """Whether the store holds 8-bit keys in attention that could drop to 4 bits."""
-        store = self.port.store
+        store = self.store
         return isinstance(store, AttendedQuantizer) and store.fine_key_bytes() > 0
 
     def coarsen(self, spans: Sequence[Span], free_bytes: int) -> int:
         """Hold 8-bit keys of `spans` at 4 bits, in order, until `free_bytes` are freed; bytes freed."""
-        store = self.port.store
+        store = self.store
         if free_bytes <= 0 or not isinstance(store, AttendedQuantizer) or not store.fine_key_bytes():
             return 0
         with self.timer.timed("store_seconds"):
@@ -198,7 +205,7 @@ class Mover:
         at once, holding the offsets it held. Returns whether anything changed; a failure
         is a recorded fault and leaves the span attended, quantized.
         """
-        store = self.port.store
+        store = self.store
         if span.tier is not Tier.DEVICE or not isinstance(store, AttendedQuantizer):
             return False
         if not store.attended_quantized_tokens(span):
@@ -231,7 +238,7 @@ class Mover:
             return
         with self.timer.timed("store_seconds"):
             try:
-                self.port.store.restore_many(archived)
+                self.store.restore_many(archived)
             except Exception as e:  # noqa: BLE001 - each span falls back on its own move
                 self.fault("restore", None, e)
                 return
@@ -257,7 +264,7 @@ class Mover:
         if span.tier is Tier.DROPPED and span.state is not SpanState.EVICTED:
             before = span.state
             span.state = SpanState.EVICTED
-            self.port.store.note_state(span, before, SpanState.EVICTED)
+            self.store.note_state(span, before, SpanState.EVICTED)
             self.table.counters.transitions += 1
             self.table.record(
                 "transition",
@@ -270,7 +277,7 @@ class Mover:
     def _archive(self, span: Span) -> bool:
         """Archive to the configured tier; on failure keep the span on the device (a recorded fault)."""
         try:
-            self.port.store.archive(span, self.archive_tier)
+            self.store.archive(span, self.archive_tier)
         except Exception as e:  # noqa: BLE001 - a failed offload must never lose the span
             self.fault("archive", span, e)
             return False
@@ -278,7 +285,7 @@ class Mover:
 
     def _bring_back(self, span: Span) -> bool:
         """Restore an archived span, or recompute a dropped one."""
-        store = self.port.store
+        store = self.store
         if span.tier in (Tier.HOST, Tier.QUANTIZED):
             try:
                 store.restore_many([span])
@@ -292,7 +299,7 @@ class Mover:
     def rehydrate(self, span: Span) -> bool:
         """Recompute a dropped span from its token ids; False (a recorded fault) when that fails."""
         try:
-            rehydrate(span, self.port)
+            self.table.counters.rehydrated_tokens += rehydrate(span, self.store, self.recompute)
         except Exception as e:  # noqa: BLE001
             self.fault("rehydrate", span, e)
             return False

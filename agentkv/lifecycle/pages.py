@@ -36,15 +36,10 @@ import torch
 
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.port import SessionPort
-from agentkv.spans import Span, SpanKind, Tier
-from agentkv.store.digest import PageDigest, build_digest, score_pages
-from agentkv.store.kvstore import KVStore
+from agentkv.spans import Span
+from agentkv.store.digest import QUEST_SKIP_LAYERS, PageDigest, score_pages
 
-QUEST_SKIP_LAYERS = 2
-"""Leading layers left out of digests and scores (Quest does not apply its selection to the first two)."""
-
-DIGEST_DTYPE = torch.float16
-"""Bounds are stored at half precision, rounded outwards (still an upper bound): half the bytes."""
+__all__ = ["QUEST_SKIP_LAYERS", "Page", "PageIndex", "scale_bounds"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,7 @@ class Page:
 
 
 class PageIndex:
-    """Builds page digests for committed spans and scores their pages against a question."""
+    """Scores the pages of digested spans against a question (the store builds digests at commit)."""
 
     def __init__(self, port: SessionPort, config: RecallConfig) -> None:
         self.port = port
@@ -86,49 +81,9 @@ class PageIndex:
         """Tokens per page."""
         return self.config.page_tokens
 
-    def _store(self) -> KVStore | None:
-        store = self.port.store
-        return store if isinstance(store, KVStore) else None
-
     def digest(self, span: Span) -> PageDigest | None:
-        """The span's digest, if it has one."""
-        store = self._store()
-        return None if store is None else store.digests.get(span.span_id)
-
-    def index(self, span: Span) -> None:
-        """Digest a span's keys while all of them are attended (at its first commit).
-
-        Only spans whose every token is held on the device at full length get a digest
-        (a digest of a compressed span would describe pages it cannot bring back);
-        system prompts are pinned and never recalled.
-        """
-        store = self._store()
-        if (
-            not self.enabled
-            or store is None
-            or span.kind in (SpanKind.SYSTEM, SpanKind.PROMPT)
-            or span.span_id in store.digests
-            or span.tier is not Tier.DEVICE
-            or span.kept is not None
-            or span.n_computed != span.length
-            or span.length == 0
-        ):
-            return
-        physical = store.physical
-        slots = physical.slots_of(span.span_id)
-        if slots.numel() != span.length:
-            return
-        order = torch.argsort(physical.slot_offset[slots])
-        slots = slots[order]
-        keys: list[torch.Tensor] = []
-        for layer in range(QUEST_SKIP_LAYERS, physical.num_layers):
-            layer_keys = physical.layer_keys_at(layer, slots)
-            if layer_keys is None:
-                return
-            keys.append(layer_keys.float())  # [1, H, n, D]
-        if not keys:
-            return
-        store.digests[span.span_id] = build_digest(keys, self.page_tokens, dtype=DIGEST_DTYPE)
+        """The span's digest, if the store holds one (built at its first commit)."""
+        return self.port.store.page_digest(span)
 
     def pages(self, span: Span) -> list[Page]:
         """The span's pages (empty without a digest)."""
@@ -139,8 +94,7 @@ class PageIndex:
 
     def question_queries(self) -> tuple[torch.Tensor, ...] | None:
         """The pending question's queries for the digested layers (None when it cannot be probed)."""
-        probe = getattr(self.port, "question_queries", None)
-        queries = probe() if callable(probe) else None
+        queries = self.port.question_queries()
         if queries is None or len(queries) <= QUEST_SKIP_LAYERS:
             self.last_queries = None
             return None

@@ -22,14 +22,9 @@ if TYPE_CHECKING:
 class SessionPort(Protocol):
     """The services a session offers its lifecycle manager.
 
-    Three optional services are looked up by name, so stores without a model (the
-    simulated tests, a served engine) need not offer them: `question_queries()`
-    (per layer, the RoPE'd queries `[H_q, m, D]` of the pending user message over
-    the attended cache; page recall), `window_attention(token_ids)` (`[S]`
-    attention the attended slots get from tokens read after the conversation's end;
-    question-observed compression), both leaving the cache as it was, and
-    `recompute_offsets(span, offsets)` (some of an attended span's tokens recomputed
-    in full precision in place of their quantized KV; exact page recall).
+    Three services need a local model; a session without one (a served engine, the
+    simulated tests) answers "not supported" as documented on each (see
+    `agentkv.backend.port_base.SessionServicesBase`).
     """
 
     @property
@@ -63,6 +58,34 @@ class SessionPort(Protocol):
 
     def rung_fidelity(self) -> Mapping[Rung, float]:
         """Fraction of a span's value lost at each rung (`agentkv.lifecycle.placement`) on this model."""
+        ...
+
+    @property
+    def recomputes_offsets(self) -> bool:
+        """Whether `recompute_offsets` is supported (exact page recall needs it)."""
+        ...
+
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+        """Recompute some of an attended span's tokens in full precision, replacing their KV.
+
+        Raises on failure (the span stays as it was), and `NotImplementedError` where
+        `recomputes_offsets` is False.
+        """
+        ...
+
+    def question_queries(self) -> tuple[Any, ...] | None:
+        """Per layer, the RoPE'd queries `[H_q, m, D]` of the pending user message; None: not supported.
+
+        Page recall scores page digests with them; the cache is left as it was.
+        """
+        ...
+
+    def window_attention(self, token_ids: Sequence[int]) -> Any:
+        """`[S]` attention the attended slots get from `token_ids` read after the conversation's end.
+
+        None: not supported (or nothing to observe). The cache is left as it was
+        (question-observed compression).
+        """
         ...
 
     def encode_text(self, text: str) -> list[int]:

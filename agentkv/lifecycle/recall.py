@@ -5,60 +5,55 @@ no forward pass); this module chooses within the budget room and moves the
 chosen spans back through the mover. With `recall.pages`, long demoted spans are
 ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
 attention bound on each page's key digest) and come back holding only the chosen pages.
-Relevant attended spans the budget holds at int4 are recomputed at full precision when
-the room allows (`agentkv.lifecycle.exact_recall`).
+What recall found relevant is its answer (`Recalled`): the manager hands it to exact
+recall (`agentkv.lifecycle.exact_recall`) and restoration, which ask the placement
+service (`agentkv.lifecycle.placer`) for their room as recall does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
-from agentkv.lifecycle.budget import BudgetKeeper
-from agentkv.lifecycle.exact_pages import PageNames, text_pages
-from agentkv.lifecycle.exact_recall import ExactRecall, RankedPages, SpanPages
-from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
+from agentkv.lifecycle.exact_pages import PageNames, RankedPages, SpanPages, text_pages
 from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
-from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
-from agentkv.lifecycle.restoration import Restorer
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
+from agentkv.store.protocol import AttendedFloor
 
 
-class Recaller:
+@dataclass(frozen=True)
+class Recalled:
+    """What recall did for a new user message, and what it found relevant (for exact recall, restoration)."""
+
+    spans: list[int] = field(default_factory=list)
+    """Ids of the spans brought back to the device (restored or recomputed)."""
+    paged: list[int] = field(default_factory=list)
+    """Ids of the spans among them brought back holding only their chosen pages."""
+    relevant: list[Span] = field(default_factory=list)
+    """Attended spans relevant to the message, best first (the protected ones first)."""
+    demoted: list[Span] = field(default_factory=list)
+    """The demoted spans recall considered."""
+    floor: AttendedFloor | None = None
+    """What attended KV costs at the floor of the demotion order (None: full precision)."""
+    pages_of: RankedPages | None = None
+    """Cuts an attended span's quantized offsets into pages ranked against the message."""
+
+
+class Recaller(PlacementPeer):
     """Ranks demoted spans against a new user message and brings the best back."""
 
     def __init__(
-        self,
-        port: SessionPort,
-        config: RecallConfig,
-        budget: BudgetKeeper,
-        mover: Mover,
-        marks: RecallMarks,
-        timer: SectionTimer,
-        pages: PageIndex,
-        *,
-        enabled: bool,
+        self, placer: Placer, timer: SectionTimer, config: RecallConfig, pages: PageIndex, *, enabled: bool
     ) -> None:
-        self.port = port
-        self.table = port.table
+        super().__init__(placer, timer)
         self.config = config
-        self.budget = budget
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
         self.pages = pages
         """Page digests and scores (page recall, `recall.pages`)."""
-        self.exact = ExactRecall(port, budget, mover, marks, timer, enabled=config.recompute_quantized)
-        """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
-        self.restorer = Restorer(
-            port, budget, mover, marks, timer, self.exact.projected_usage, enabled=config.restore_displaced
-        )
-        """Brings back displaced spans the demotion order values (`recall.restore_displaced`)."""
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
         self._logprobs: Any = None
@@ -69,7 +64,7 @@ class Recaller:
         self._page_names = PageNames()
         """Stand-ins for the pages exact recall ranks (ids of their own, so the memo never mixes them)."""
 
-    def recall(self, message: ChatMessage) -> list[int]:
+    def recall(self, message: ChatMessage) -> Recalled:
         """Before answering a new user turn, make the spans most relevant to it attended.
 
         Candidates are the spans budget pressure demoted (archived, and evicted ones when
@@ -89,11 +84,11 @@ class Recaller:
         so recall runs under any budget, not only once something was archived.
 
         Returns:
-            Ids of the spans brought back to the device (restored or recomputed).
+            The spans brought back, and what the message needs (`Recalled`).
         """
         config = self.config
         if not self.enabled:
-            return []
+            return Recalled()
         spans = self.table.spans
         demoted = [
             s
@@ -101,8 +96,8 @@ class Recaller:
             if s.span_id in self.marks.recallable
             and (s.state is SpanState.ARCHIVED or (config.rehydrate_evicted and s.state is SpanState.EVICTED))
         ]
-        if not demoted and self.budget.effective_limit() is None:
-            return []  # nothing to bring back, and nothing the budget will demote
+        if not demoted and self.placer.effective_limit() is None:
+            return Recalled()  # nothing to bring back, and nothing the budget will demote
         attended = [
             s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
         ]
@@ -128,9 +123,10 @@ class Recaller:
         ]
         attended_ids = {s.span_id for s in attended}
         self.marks.needed = self._needed(ranked, attended_ids)
-        floor = self._floor()
+        floor = self.placer.floor()
         costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
-        picked = choose_within_room(ranked, costs, self._room(floor), relative_floor=config.relative_floor)
+        room = self.placer.recall_room(floor)
+        picked = choose_within_room(ranked, costs, room, relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
         protected: list[Span] = []
         paged: dict[int, tuple[Span, list[int], float]] = {}
@@ -161,12 +157,14 @@ class Recaller:
         # Room left after the protected spans goes to the next most relevant attended spans.
         protected_ids = {s.span_id for s in protected}
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
-        pages_of = self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0)
-        exact = self.exact.recompute(protected + others, floor, pages_of)
-        restored = self.restorer.restore([s for s in demoted if s.state is not SpanState.COMMITTED], floor)
-        if recalled or exact or restored:
-            self.table.record("recall", spans=recalled, paged=sorted(paged), exact=exact, restored=restored)
-        return recalled + exact + restored
+        return Recalled(
+            spans=recalled,
+            paged=sorted(paged),
+            relevant=protected + others,
+            demoted=demoted,
+            floor=floor,
+            pages_of=self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0),
+        )
 
     def _ranked_pages(self, message: ChatMessage, query_ids: list[int], best: float) -> RankedPages:
         """Exact recall's pages: a span's quantized offsets cut into pages, ranked like spans.
@@ -202,7 +200,7 @@ class Recaller:
     def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
         """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
 
-        The budget demotes them after every other committed span (`agentkv.lifecycle.demotion`).
+        The budget demotes them after every other committed span (`agentkv.lifecycle.placer.demotion_order`).
         """
         if not ranked:
             return set()
@@ -255,26 +253,6 @@ class Recaller:
         out.sort(key=lambda item: (item[1], item[0].start), reverse=True)
         return out
 
-    def _room(self, floor: AttendedFloor | None) -> int | None:
-        """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
-
-        Up to the high watermark, not the low one: the low watermark is where demotion
-        stops, the high one is the limit the prefill that follows must respect.
-        """
-        limit = self.budget.effective_limit()
-        if limit is None:
-            return None
-        fixed = [
-            s.held_tokens + (s.length - s.n_computed)
-            for s in self.table.spans
-            if s.tier is Tier.DEVICE and (s.pinned or s.state is SpanState.ACTIVE)
-        ]
-        if floor is None:
-            held = sum(fixed) * self.port.bytes_per_token
-        else:
-            held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
-        return max(0, self.budget.limits.high_bytes(limit) - held)
-
     def _cost(self, unit: Span | Page, floor: AttendedFloor | None) -> int:
         """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""
         if isinstance(unit, Page):
@@ -282,18 +260,6 @@ class Recaller:
         else:
             tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
         return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
-
-    def _floor(self) -> AttendedFloor | None:
-        """What attended KV costs at the least the budget holds it in; None: full precision.
-
-        With an attended quantized tier the budget holds every span quantized in
-        attention before it archives any, so a recalled span needs room at its quantized
-        size (the budget check after the prefill quantizes lower-priority spans, then
-        archives them, to make it), and so do the pinned and active spans that stay; the
-        sinks and the residual window stay full precision, which the room sets aside.
-        """
-        store = self.port.store
-        return store.attended_floor() if isinstance(store, AttendedQuantizer) else None
 
     def _text(self, span: Span) -> str:
         """A span's text, from its tokens' texts (cached per token; `rank_for_recall` caches per span)."""

@@ -7,44 +7,48 @@ logical positions (the session's `recompute`, with a mask by logical position).
 
 from __future__ import annotations
 
-from agentkv.lifecycle.port import SessionPort
+from collections.abc import Callable
+
 from agentkv.spans import Span, Tier
-from agentkv.store.kvstore import KVStore
+from agentkv.store.protocol import KVStoreProtocol
+
+Recompute = Callable[[Span], None]
+"""`SessionPort.recompute`: compute a dropped span's KV at its logical positions (raises on failure)."""
 
 
-def rehydrate(span: Span, port: SessionPort) -> None:
+def rehydrate(span: Span, store: KVStoreProtocol, recompute: Recompute) -> int:
     """Recompute a dropped span's KV; the span is then attended, uncompressed and unfrozen.
 
     Exact when every token logically before the span is attended at full
     precision; otherwise the span is recomputed against what the cache holds
     now (an approximation, as with any lazy rehydration).
 
+    Returns:
+        Tokens recomputed (0 when the span was not dropped).
+
     Raises:
         Exception: whatever the recompute raised; the span stays dropped.
     """
     if span.tier is not Tier.DROPPED:
-        return
+        return 0
     if span.n_computed:
-        port.recompute(span)
-    port.store.adopt_recomputed(span)
+        recompute(span)
+    store.adopt_recomputed(span)
     span.frozen = False
-    port.table.counters.rehydrated_tokens += span.n_computed
+    return span.n_computed
 
 
-def rehydrate_lazily(span: Span, port: SessionPort) -> bool:
+def rehydrate_lazily(span: Span, store: KVStoreProtocol) -> int:
     """Make a dropped span attended with all its tokens pending: the next prefill recomputes it.
 
     Its tokens join whatever that prefill encodes (a new user turn), at their logical
-    positions, so bringing it back costs no forward of its own. Only the local
-    `KVStore`, whose prefill computes every pending span, supports it.
+    positions, so bringing it back costs no forward of its own, where the store's
+    prefill computes pending spans (`KVStoreProtocol.recompute_lazily`).
 
     Returns:
-        False (nothing changed) when the span is not dropped or the store cannot.
+        Tokens left to recompute; 0 (nothing changed) when the span is not dropped or the store cannot.
     """
-    if span.tier is not Tier.DROPPED or not isinstance(port.store, KVStore):
-        return False
-    span.n_computed = 0
-    port.store.adopt_recomputed(span)
+    if span.tier is not Tier.DROPPED or not store.recompute_lazily(span):
+        return 0
     span.frozen = False
-    port.table.counters.rehydrated_tokens += span.length
-    return True
+    return span.length

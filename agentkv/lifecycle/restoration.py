@@ -10,8 +10,8 @@ an old question needed rather than what the demotion order values, and a fact th
 agent confirmed is lost to a log that was read once.
 
 So at each new user turn, after recall has served the question, the demoted spans
-are offered back in the budget's own order (GreedyDual-Size, as in
-`agentkv.lifecycle.demotion`): a demoted span whose value per token is higher than
+are offered back in the budget's own order (GreedyDual-Size,
+`agentkv.lifecycle.placer.demotion_order`): a demoted span whose value per token is higher than
 that of the attended spans the budget would demote first comes back when the room
 under the low watermark, plus what those lower-valued spans hold, pays for it. The
 budget check after the prefill then demotes the lower-valued spans as it always
@@ -33,11 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from agentkv.lifecycle.budget import BudgetKeeper
-from agentkv.lifecycle.demotion import demotion_order, value_per_token
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.port import SessionPort
+from agentkv.lifecycle.placer import PlacementPeer, Placer, demotion_order, value_per_token
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor
@@ -104,28 +101,11 @@ def attended_competitors(spans: Sequence[Span], marks: RecallMarks) -> list[Span
     ]
 
 
-class Restorer:
+class Restorer(PlacementPeer):
     """Brings back, at a new user turn, the demoted spans the demotion order values above attended ones."""
 
-    def __init__(
-        self,
-        port: SessionPort,
-        budget: BudgetKeeper,
-        mover: Mover,
-        marks: RecallMarks,
-        timer: SectionTimer,
-        projected_usage: Callable[[AttendedFloor | None], int],
-        *,
-        enabled: bool,
-    ) -> None:
-        self.port = port
-        self.table = port.table
-        self.budget = budget
-        self.mover = mover
-        self.marks = marks
-        self.timer = timer
-        self.projected_usage = projected_usage
-        """Device bytes after the coming prefill at the floor of the order (exact recall's measure)."""
+    def __init__(self, placer: Placer, timer: SectionTimer, *, enabled: bool) -> None:
+        super().__init__(placer, timer)
         self.enabled = enabled
 
     def restore(self, demoted: list[Span], floor: AttendedFloor | None) -> list[int]:
@@ -133,20 +113,19 @@ class Restorer:
 
         Called after recall and exact recall took the room the question needs. The room
         left is the low watermark minus the device bytes after the prefill, at the floor
-        of the demotion order (`floor`; None: full precision).
+        of the demotion order (`Placer.room_at_floor`; `floor` None: full precision).
         """
-        limit = self.budget.effective_limit()
-        if not self.enabled or not demoted or limit is None:
+        if not self.enabled or not demoted or self.placer.effective_limit() is None:
             return []
         if floor is None:
-            per_token = self.port.bytes_per_token
+            per_token = self.placer.port.bytes_per_token
 
             def cost(tokens: int) -> int:
                 return tokens * per_token
         else:
             cost = floor.span_cost
         with self.timer.timed("policy_seconds"):
-            free = self.budget.limits.low_bytes(limit) - self.projected_usage(floor)
+            free = self.placer.room_at_floor(floor) or 0
             plan = plan_restoration(
                 demoted, attended_competitors(self.table.spans, self.marks), free, cost, self.marks
             )

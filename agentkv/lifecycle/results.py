@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentkv.lifecycle.leases import Lease
-from agentkv.spans import SpanState, Tier
+from agentkv.spans import Lease, SpanState, Tier
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
                           │        (recall: ARCHIVED/EVICTED → COMMITTED)
                         evict ─────► EVICTED  (KV dropped, token ids kept)
 
-`pinned` is not a state but a set of leases on a span (`agentkv.lifecycle.leases`):
+`pinned` is not a state but a set of leases on a span (`agentkv.spans.Lease`):
 a pinned span is never demoted by budget pressure. Rules map an event's targets to
 actions; an action leads to a state through `ACTION_STATES`. The rules are
 validated once, by `agentkv.config.rule_problems` (the YAML validation and

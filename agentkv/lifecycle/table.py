@@ -16,9 +16,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from agentkv.lifecycle.leases import Lease
 from agentkv.metrics import Counters, LogRecord
-from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.spans import Lease, Span, SpanKind, SpanState, Tier
 
 if TYPE_CHECKING:
     from agentkv.chat import ChatMessage
@@ -37,7 +36,7 @@ class SpanTable:
         self.messages: list[ChatMessage] = []
         """The conversation's messages; `Span.message_index` points into this list."""
         self.leases: dict[int, Lease] = {}
-        """Live pin receipts by id (see `agentkv.lifecycle.leases`)."""
+        """Live pin receipts by id (see `agentkv.spans.Lease`)."""
         self.turn = 0
         """The current user turn (a new user message starts the next one)."""
         self.counters = Counters()

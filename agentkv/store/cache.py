@@ -26,6 +26,16 @@ import torch
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.layer import LayerFactory, ManagedCache, SharedPrefixLayer
 
+SLOT_FIELDS: tuple[str, ...] = (
+    "slot_span",
+    "slot_offset",
+    "slot_position",
+    "slot_attention",
+    "slot_window_attention",
+    "slot_heavy_attention",
+)
+"""The per-slot bookkeeping tensors `[S]`, kept aligned with the layers' tokens."""
+
 __all__ = ["LayerFactory", "ManagedCache", "PhysicalCache", "SharedPrefixLayer"]
 
 
@@ -267,12 +277,8 @@ class PhysicalCache:
     def _select(self, keep: torch.Tensor) -> None:
         for layer in self.cache.managed_layers:
             layer.select(keep)
-        self.slot_span = self.slot_span[keep]
-        self.slot_offset = self.slot_offset[keep]
-        self.slot_position = self.slot_position[keep]
-        self.slot_attention = self.slot_attention[keep]
-        self.slot_window_attention = self.slot_window_attention[keep]
-        self.slot_heavy_attention = self.slot_heavy_attention[keep]
+        for name in SLOT_FIELDS:
+            setattr(self, name, getattr(self, name)[keep])
 
     # -- the attended quantized tier ----------------------------------------------------------
 
@@ -372,12 +378,8 @@ class PhysicalCache:
         for layer in self.cache.managed_layers:
             layer.cut_to(max(0, length - layer.prefix_length))
         if self.length > length:
-            self.slot_span = self.slot_span[:length]
-            self.slot_offset = self.slot_offset[:length]
-            self.slot_position = self.slot_position[:length]
-            self.slot_attention = self.slot_attention[:length]
-            self.slot_window_attention = self.slot_window_attention[:length]
-            self.slot_heavy_attention = self.slot_heavy_attention[:length]
+            for name in SLOT_FIELDS:
+                setattr(self, name, getattr(self, name)[:length])
         self._check_lengths()
 
     def attach_prefix(
@@ -423,36 +425,25 @@ class PhysicalCache:
     def fork(self) -> PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""
         child = PhysicalCache(self.num_layers, self.layer_factory)
-        if self.variable_slot_bytes:
+        copied = self.variable_slot_bytes
+        if copied:
             # Attended quantized layers are not shared: the branch holds its own copy (codes as they are).
             self.compact_pending()
             child.ensure_quantizable()
-            for parent_layer, child_layer in zip(
-                self.cache.managed_layers, child.cache.managed_layers, strict=True
-            ):
-                child_layer.copy_from(parent_layer)
-            child.slot_span = self.slot_span.clone()
-            child.slot_offset = self.slot_offset.clone()
-            child.slot_position = self.slot_position.clone()
-            child.slot_attention = self.slot_attention.clone()
-            child.slot_window_attention = self.slot_window_attention.clone()
-            child.slot_heavy_attention = self.slot_heavy_attention.clone()
-            return child
         for parent_layer, child_layer in zip(
             self.cache.managed_layers, child.cache.managed_layers, strict=True
         ):
+            if copied:
+                child_layer.copy_from(parent_layer)
+                continue
             # Parent and child both keep the current tensors as a shared prefix and grow their own
             # suffixes: a plain DynamicLayer would copy the prefix into its next `torch.cat`.
             parent_layer.freeze_as_prefix()
             if parent_layer.prefix_keys is None or parent_layer.prefix_values is None:
                 continue
             child_layer.attach_prefix(parent_layer.prefix_keys, parent_layer.prefix_values)
-        child.slot_span = self.slot_span.clone()
-        child.slot_offset = self.slot_offset.clone()
-        child.slot_position = self.slot_position.clone()
-        child.slot_attention = self.slot_attention.clone()
-        child.slot_window_attention = self.slot_window_attention.clone()
-        child.slot_heavy_attention = self.slot_heavy_attention.clone()
+        for name in SLOT_FIELDS:
+            setattr(child, name, getattr(self, name).clone())
         return child
 
 

@@ -30,6 +30,12 @@ from agentkv.store.block import tensor_bytes
 MIN_PAGE_TOKENS = 4
 """Smaller pages cost more digest than they save."""
 
+QUEST_SKIP_LAYERS = 2
+"""Leading layers left out of digests and scores (Quest does not apply its selection to the first two)."""
+
+DIGEST_DTYPE = torch.float16
+"""Bounds are stored at half precision, rounded outwards (still an upper bound): half the bytes."""
+
 
 @dataclass(frozen=True, eq=False)
 class PageDigest:

@@ -1,9 +1,12 @@
-"""KIVI codes: asymmetric round-to-nearest int4/int2 quantization of KV, packed into bytes.
+"""KIVI codes: asymmetric round-to-nearest quantization of KV, packed into bytes.
 
-The arithmetic of the attended quantized tier (`agentkv.store.attended` holds the
-layout): keys per channel over groups of tokens, values per token over groups of
-channels (Liu et al. 2024, https://arxiv.org/abs/2402.02750); statistics in float16,
-zero rounded down and scale rounded up so the grid still covers each group.
+The one quantizer of every quantized rung (`quantize_along`): the attended tier's
+int4/int2 (`agentkv.store.attended` holds the layout), its 8-bit keys as two 4-bit
+planes (`agentkv.store.key_planes`), and the int8/int4 archive and host codes
+(`agentkv.store.quantized`). Keys per channel over groups of tokens, values per token
+over groups of channels (Liu et al. 2024, https://arxiv.org/abs/2402.02750);
+statistics in float16 (the archive keeps float32 ones for float32 KV), zero rounded
+down and scale rounded up so the grid still covers each group.
 """
 
 from __future__ import annotations
@@ -55,23 +58,38 @@ def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
     return pack_codes(codes.reshape(b, h, n, d), bits), scales, zeros
 
 
-def quantize_along(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest along `dim`; statistics squeezed out of `dim`, float16."""
+def quantize_along(
+    x: torch.Tensor, bits: int, dim: int, *, stat_dtype: torch.dtype = STAT_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest along `dim`: `uint8` codes, and scales and zeros squeezed out of `dim`.
+
+    The one KIVI quantizer of every quantized rung (attended int4/int2, the 8-bit key
+    planes, the int8/int4 archive and the host tier's codes): `zero = min` rounded
+    down and `scale = (max - zero) / (2**bits - 1)` rounded up when stored in a
+    narrower `stat_dtype`, so the grid still covers the group and no code is clamped.
+    A constant group has scale 0: its codes are 0 and dequantize to the zero exactly.
+
+    Raises:
+        ValueError: non-finite input, or statistics beyond `stat_dtype`'s range.
+    """
     qmax = (1 << bits) - 1
     lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    zeros = round_toward(lo, up=False)
-    scales = round_toward((hi - zeros.float()) / qmax, up=True)
+    zeros = round_toward(lo, up=False, dtype=stat_dtype)
+    scales = round_toward((hi - zeros.float()) / qmax, up=True, dtype=stat_dtype)
     if not (bool(torch.isfinite(zeros).all()) and bool(torch.isfinite(scales).all())):
-        msg = "cannot quantize: non-finite KV values or values beyond the float16 range of the statistics"
+        limit = torch.finfo(stat_dtype).max
+        msg = f"cannot quantize: non-finite values, or beyond {stat_dtype} statistics (|x| <= {limit})"
         raise ValueError(msg)
     s, z = scales.float(), zeros.float()
     codes = ((x - z) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, qmax).to(torch.uint8)
     return codes, scales.squeeze(dim), zeros.squeeze(dim)
 
 
-def round_toward(x: torch.Tensor, *, up: bool) -> torch.Tensor:
-    """float32 → float16, rounding up or down instead of to nearest (the grid keeps covering the group)."""
-    y = x.to(STAT_DTYPE)
+def round_toward(x: torch.Tensor, *, up: bool, dtype: torch.dtype = STAT_DTYPE) -> torch.Tensor:
+    """float32 → `dtype`, rounding up or down instead of to nearest (the grid keeps covering the group)."""
+    y = x.to(dtype)
+    if y.dtype == x.dtype:
+        return y
     target = torch.full_like(y, float("inf") if up else float("-inf"))
     wrong_side = y.float() < x if up else y.float() > x
     return torch.where(wrong_side, torch.nextafter(y, target), y)

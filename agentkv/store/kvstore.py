@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from agentkv.spans import Span, SpanState, Tier
+from agentkv.store import tokens as token_access
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
@@ -22,7 +23,7 @@ from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
 from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, TierBytes
+from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, TierBytes
 from agentkv.store.quantized import QuantizedBlock
 
 __all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
@@ -315,6 +316,46 @@ class KVStore:
         physical = self.physical
         slots = physical.slots_of(span.span_id)
         return sorted(physical.slot_offset[slots[physical.quantized_mask(slots)]].tolist())
+
+    # -- token access (policies, page digests) ---------------------------------------------
+
+    def attended_size(self) -> tuple[int, int] | None:
+        """Attended slots and device bytes of one slot (token-mode eviction's arithmetic)."""
+        return self.physical.length, self.physical.bytes_per_token()
+
+    def attended_tokens(self, span: Span | None, *, keys: bool, queries: bool) -> AttendedTokens | None:
+        """The attended tokens of `span` (or of the whole cache) as a policy reads them."""
+        physical = self.physical
+        slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
+        if not slots.numel():  # nothing of it attended: nothing to read
+            return token_access.read_tokens(physical, slots, keys=False, queries=False)
+        return token_access.read_tokens(physical, slots, keys=keys, queries=queries)
+
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
+        """Keep only the attended slots `keep`; tokens dropped by span id (token-mode eviction)."""
+        return token_access.keep_slots(self.physical, spans, keep)
+
+    def index_pages(self, span: Span, page_tokens: int) -> bool:
+        """Digest a fully attended span's keys by page (kept while the span is archived or dropped)."""
+        if span.span_id in self.digests or span.tier is not Tier.DEVICE:
+            return False
+        digest = token_access.digest_span(self.physical, span, page_tokens)
+        if digest is None:
+            return False
+        self.digests[span.span_id] = digest
+        return True
+
+    def page_digest(self, span: Span) -> PageDigest | None:
+        """The span's page digest, if it has one."""
+        return self.digests.get(span.span_id)
+
+    def recompute_lazily(self, span: Span) -> bool:
+        """A dropped span becomes attended with every token pending: the next prefill computes it."""
+        if span.tier is not Tier.DROPPED:
+            return False
+        span.n_computed = 0
+        self.adopt_recomputed(span)
+        return True
 
     def compress(self, span: Span, keep_offsets: list[int]) -> int:
         """Keep only some of a device span's tokens (commit-time compression). Returns tokens dropped."""

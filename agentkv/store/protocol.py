@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
     from agentkv.spans import Span, SpanState
+    from agentkv.store.digest import PageDigest
 
 ARCHIVE_TIERS: tuple[str, ...] = ("host", "int8", "int4", "drop")
 """Where `archive` may put a span (`agentkv.archive_tier` in YAML)."""
@@ -75,6 +78,35 @@ class AttendedFloor:
     def exact_surplus(self) -> int:
         """What the never-quantized tokens cost beyond their quantized size."""
         return self.exact_tokens * max(0, self.exact_token_bytes - self.token_bytes)
+
+
+@dataclass(frozen=True, eq=False)
+class AttendedTokens:
+    """Attended tokens as a policy scores them: what `KVStoreProtocol.attended_tokens` reads.
+
+    `n` tokens, in the store's slot order; `keys` and `query_keys` are empty/None when not asked for.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    """Per layer, the tokens' keys `[B, H, n, D]` (dequantized on the attended quantized tier)."""
+    query_keys: tuple[torch.Tensor, ...] | None
+    """Per layer, the keys of the most recent attended tokens `[B, H, w, D]` (a stand-in for queries)."""
+    positions: torch.Tensor
+    """`[n]` logical positions."""
+    span_ids: torch.Tensor
+    """`[n]` the span each token belongs to."""
+    offsets: torch.Tensor
+    """`[n]` each token's offset in its span."""
+    slots: torch.Tensor
+    """`[n]` where each token sits among the attended slots (an index into `SessionPort.window_attention`)."""
+    attention: torch.Tensor
+    """`[n]` attention from the last observation window (SnapKV)."""
+    accumulated_attention: torch.Tensor
+    """`[n]` attention accumulated over every forward (H2O)."""
+    decayed_attention: torch.Tensor
+    """`[n]` attention with exponential decay (SideQuest-style EMA)."""
+    attended: int
+    """Attended slots in the whole cache (the length of `window_attention`'s answer)."""
 
 
 @runtime_checkable
@@ -133,6 +165,84 @@ class KVStoreProtocol(Protocol):
     def check(self, spans: Sequence[Span]) -> list[str]:
         """Inconsistencies between the spans' tiers and what the store holds (empty = none)."""
         ...
+
+    # -- token access: a store without readable KV answers "not supported" (`WholeSpanStore`) --
+
+    def attended_size(self) -> tuple[int, int] | None:
+        """Attended slots and device bytes of one slot; None: the store has no tokens a policy can read."""
+        ...
+
+    def attended_tokens(self, span: Span | None, *, keys: bool, queries: bool) -> AttendedTokens | None:
+        """The attended tokens of `span` (or of the whole cache) for a policy; None: not supported.
+
+        Only those tokens are read, never a whole layer (on the attended quantized tier a read
+        dequantizes). Raises when the cache holds slots but no keys.
+        """
+        ...
+
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
+        """Keep only the attended slots `keep` (`AttendedTokens.slots` values); tokens dropped by span id.
+
+        Token-mode eviction (the generic baselines). Each span's `kept` lists what it
+        holds afterwards. Raises `NotImplementedError` where `attended_size` is None.
+        """
+        ...
+
+    def index_pages(self, span: Span, page_tokens: int) -> bool:
+        """Digest a fully attended span's keys by page (page recall); False: not supported, or not held."""
+        ...
+
+    def page_digest(self, span: Span) -> PageDigest | None:
+        """The span's page key digest, if the store holds one (None: none, or not supported)."""
+        ...
+
+    def recompute_lazily(self, span: Span) -> bool:
+        """Make a dropped span attended with every token pending, so the next prefill recomputes it.
+
+        Sets `span.n_computed` to 0 and `span.tier` to DEVICE. False (nothing changed):
+        the store cannot (its prefill does not compute pending spans).
+        """
+        ...
+
+
+class WholeSpanStore:
+    """The "not supported" answers of a store whose KV the lifecycle cannot read token by token.
+
+    A served engine (and a simulated store) moves whole spans only: no policy scores its
+    tokens, no page digests, no lazy recompute. Such a store inherits these answers, so
+    the lifecycle gets a clear behaviour (spans frozen uncompressed, recall by words) from
+    it rather than an `AttributeError`.
+    """
+
+    def attended_size(self) -> tuple[int, int] | None:
+        """Not supported: None."""
+        return None
+
+    def attended_tokens(self, span: Span | None, *, keys: bool, queries: bool) -> AttendedTokens | None:
+        """Not supported: None."""
+        del span, keys, queries
+        return None
+
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
+        """Not supported (`attended_size` is None)."""
+        del spans, keep
+        msg = f"{type(self).__name__} keeps whole spans: token-mode eviction does not apply"
+        raise NotImplementedError(msg)
+
+    def index_pages(self, span: Span, page_tokens: int) -> bool:
+        """Not supported: False."""
+        del span, page_tokens
+        return False
+
+    def page_digest(self, span: Span) -> PageDigest | None:
+        """Not supported: None."""
+        del span
+        return None
+
+    def recompute_lazily(self, span: Span) -> bool:
+        """Not supported: False."""
+        del span
+        return False
 
 
 @runtime_checkable

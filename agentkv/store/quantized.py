@@ -12,9 +12,10 @@ weights mix whole value rows). So:
   consecutive channels within one token, so the error of a value row stays local
   to that row.
 
-Both use asymmetric round-to-nearest: `q = round((x - zero) / scale)` with
-`zero = min` and `scale = (max - min) / (2**bits - 1)` per group, `x ≈ q * scale + zero`.
-int4 codes are packed two per byte. Scales and zero points are stored in float16
+Both use the one KIVI quantizer of every quantized rung (`agentkv.store.kivi.quantize_along`):
+asymmetric round-to-nearest, `q = round((x - zero) / scale)` with `zero = min` and
+`scale = (max - min) / (2**bits - 1)` per group, `x ≈ q * scale + zero`; codes are packed
+with `kivi.pack_codes` (int4: two per byte). Scales and zero points are stored in float16
 when the input is float16/bfloat16 (as KIVI does: they are a noticeable part of the
 bytes at small group sizes) and in float32 otherwise. When they are stored in
 float16, the zero point is rounded *down* and the scale *up*, so the quantization
@@ -39,6 +40,7 @@ from functools import cached_property
 import torch
 
 from agentkv.store.block import KVBlock, tensor_bytes
+from agentkv.store.kivi import pack_codes, quantize_along, unpack_codes
 
 ALLOWED_BITS: tuple[int, ...] = (8, 4)
 """Bit widths the quantized tier supports."""
@@ -56,7 +58,7 @@ class QuantizedTensor:
     """
 
     data: torch.Tensor
-    """Packed codes, `uint8`, 1-D: one code per byte (int8) or two per byte (int4, low nibble first)."""
+    """Packed codes, `uint8`, 1-D: one code per byte (int8) or two per byte (int4, `kivi.pack_codes`)."""
     scales: torch.Tensor
     """Per group step size, `lead + [num_groups]`, float16 or float32."""
     zeros: torch.Tensor
@@ -300,7 +302,6 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, group_size: int) -> Q
         msg = f"expected a floating point tensor, got dtype {x.dtype}"
         raise TypeError(msg)
     stat_dtype = torch.float16 if x.dtype in _HALF_DTYPES else torch.float32
-    qmax = (1 << bits) - 1
     moved = x.movedim(dim, -1).float()  # [..., L], L = x.shape[dim]
     lead, length = moved.shape[:-1], moved.shape[-1]
     num_groups = -(-length // group_size)
@@ -309,19 +310,11 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, group_size: int) -> Q
         # Repeat the last element: the padded group keeps its own min and max.
         moved = torch.cat([moved, moved[..., -1:].expand(*lead, pad)], dim=-1)
     grouped = moved.reshape(*lead, num_groups, group_size)  # [..., num_groups, G]
-    lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [..., num_groups]
-    zeros = _round_toward(lo, stat_dtype, up=False)
-    scales = _round_toward((hi - zeros.float()) / qmax, stat_dtype, up=True)
-    if not (bool(torch.isfinite(zeros).all()) and bool(torch.isfinite(scales).all())):
-        msg = (
-            f"cannot quantize: the input has non-finite values or values beyond the range of "
-            f"{stat_dtype} statistics (|x| up to {torch.finfo(stat_dtype).max}); pass float32 input"
-        )
-        raise ValueError(msg)
-    s = scales.float().unsqueeze(-1)  # [..., num_groups, 1]
-    z = zeros.float().unsqueeze(-1)
-    # A constant group has scale 0: every code is 0 and dequantizes to the zero point exactly.
-    codes = ((grouped - z) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, qmax).to(torch.uint8)
+    try:
+        codes, scales, zeros = quantize_along(grouped, bits, -1, stat_dtype=stat_dtype)
+    except ValueError as e:
+        msg = f"{e}; pass float32 input"
+        raise ValueError(msg) from e
     codes = codes.reshape(*lead, num_groups * group_size)[..., :length]  # [..., L]
     if pad:
         # Own storage of exactly the real codes: the slice alone would keep the padding alive.
@@ -338,32 +331,21 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, group_size: int) -> Q
     )
 
 
-def _round_toward(x: torch.Tensor, dtype: torch.dtype, *, up: bool) -> torch.Tensor:
-    """Cast float32 `x` to `dtype`, rounding up or down instead of to nearest."""
-    y = x.to(dtype)
-    if dtype == x.dtype:
-        return y
-    target = torch.full_like(y, math.inf if up else -math.inf)
-    wrong_side = y.float() < x if up else y.float() > x
-    return torch.where(wrong_side, torch.nextafter(y, target), y)
-
-
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Flatten uint8 codes; for int4, two codes per byte (low nibble first)."""
+    """Flatten uint8 codes and pack them (`kivi.pack_codes`; int4: an odd count gets one padding code)."""
     flat = codes.reshape(-1)
     if bits == 8:
         return flat.contiguous()
     if flat.numel() % 2:
         flat = torch.nn.functional.pad(flat, (0, 1))
-    pairs = flat.reshape(-1, 2)  # [m / 2, 2]
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    return pack_codes(flat.reshape(-1, 2), bits).reshape(-1)
 
 
 def _unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of `_pack`: `numel` uint8 codes, 1-D."""
     if bits == 8:
         return data
-    return torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(-1)[:numel]
+    return unpack_codes(data.reshape(-1, 1), bits).reshape(-1)[:numel]
 
 
 def _move(

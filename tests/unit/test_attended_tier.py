@@ -313,8 +313,9 @@ def test_bad_attended_spec_names_allowed_values() -> None:
 
 
 def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenizer: Any) -> None:
-    from agentkv.lifecycle.compression import scoring_view
+    from agentkv.lifecycle.compression import span_view
     from agentkv.policies import make_policy
+    from agentkv.store.tokens import read_tokens
 
     backend, session = _budget_session(tiny_model, tiny_tokenizer, 10_000)
     session.extend(list(MESSAGES))
@@ -325,9 +326,9 @@ def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenize
     table = session.manager.table
     # The lifecycle policy reads attention, kinds and recency, not keys: a commit dequantizes nothing.
     assert not make_policy("lifecycle").needs_keys and make_policy("key_norm").needs_keys
-    lean = scoring_view(store, table, slots, keys=False, queries=False)
+    lean = span_view(read_tokens(physical, slots, keys=False, queries=False), table)
     assert lean.keys == () and lean.query_keys is None and lean.num_tokens == int(slots.numel())
-    full_view = scoring_view(store, table, slots)
+    full_view = span_view(read_tokens(physical, slots), table)
     assert len(full_view.keys) == physical.num_layers
     for layer, keys in enumerate(full_view.keys):
         held = physical.cache.managed_layers[layer].full()

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
-from agentkv.lifecycle.demotion import demotion_order
 from agentkv.lifecycle.marks import RecallMarks
+from agentkv.lifecycle.placer import demotion_order
 from agentkv.spans import Span, SpanKind
 
 NOTE = "note for later: the spare key for locker KX7-4471 is kept in the blue drawer by the door"

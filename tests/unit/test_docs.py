@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -35,6 +33,6 @@ def test_policy_example_runs_and_plugs_into_a_session(tiny_model, tiny_tokenizer
     # The head of the conversation is always kept by this policy.
     assert all(offset in user.kept for offset in range(4))
     composed = namespace["policy"]
-    view = session.manager.scoring_view(torch.arange(session.store.physical.length))
+    view = session.manager.scoring_view()
     assert composed.score(view).shape == (view.num_tokens,)  # type: ignore[attr-defined]
     session.check()

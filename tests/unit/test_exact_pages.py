@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from agentkv.lifecycle.exact_pages import PageNames, text_pages
-from agentkv.lifecycle.exact_recall import SpanPages
+from agentkv.lifecycle.exact_pages import PageNames, SpanPages, text_pages
 from agentkv.spans import Span, SpanKind
 
 

@@ -242,6 +242,6 @@ def test_exact_recall_plans_its_room_as_if_every_fine_plane_were_dropped(
         quantized = {
             s.span_id: store.attended_quantized_tokens(s) for s in session.spans if s.tier is Tier.DEVICE
         }
-        return session.manager.recaller.exact._floor_usage(quantized, store.attended_floor())
+        return session.manager.placer.floor_usage(quantized, store.attended_floor())
 
     assert floor_usage(held) == floor_usage(dropped)

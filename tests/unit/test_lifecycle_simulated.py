@@ -20,13 +20,13 @@ from agentkv.chat import ChatMessage
 from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
-from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes
+from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes, WholeSpanStore
 
 BYTES_PER_TOKEN = 10
 
 
-class FakeStore:
-    """Where KV "lives", as byte counts per span; records every verb it is asked to do."""
+class FakeStore(WholeSpanStore):
+    """Where KV "lives", as byte counts per span; records every verb it is asked to do (whole spans only)."""
 
     def __init__(self) -> None:
         self.archived: dict[int, str] = {}
@@ -134,6 +134,17 @@ class FakePort:
     def token_text(self, token: int) -> str:
         # Each simulated token is one word; like byte-level BPE, it carries its leading space.
         return " " + next(word for word, i in self.vocabulary.items() if i == token)
+
+    recomputes_offsets = False
+
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def question_queries(self) -> None:
+        return None
+
+    def window_attention(self, token_ids: Sequence[int]) -> None:
+        return None
 
     def background_logprobs(self) -> Any:
         return None

@@ -120,7 +120,7 @@ def displaced_then_next_turn(model: Any, tokenizer: Any, *, restore: bool) -> tu
     sizing = TransformersBackend(model, tokenizer, AgentKVConfig()).session("sizing")
     sizing.extend(turn)
     total = sizing.logical_length
-    keeper = session.manager.budget
+    keeper = session.manager.placer
     low = keeper.limits.low
     limit = int((total - log.length // 2) * session.runner.bytes_per_token / low)
     keeper.limits = dataclasses.replace(keeper.limits, device_bytes=limit)

@@ -1,0 +1,88 @@
+"""The attended cache read and thinned token by token: what policies score and page recall digests.
+
+The lifecycle sees these only through the store protocol (`KVStoreProtocol.attended_tokens`,
+`keep_attended`, `index_pages`); the tensors stay here, over a `PhysicalCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from agentkv.spans import Span
+from agentkv.store.cache import PhysicalCache
+from agentkv.store.digest import DIGEST_DTYPE, QUEST_SKIP_LAYERS, PageDigest, build_digest
+from agentkv.store.protocol import AttendedTokens
+
+RECENT_TOKENS = 16
+"""The most recent attended tokens whose keys stand in for queries (`AttendedTokens.query_keys`)."""
+
+
+def read_tokens(
+    physical: PhysicalCache, slots: torch.Tensor, *, keys: bool = True, queries: bool = True
+) -> AttendedTokens:
+    """The attended tokens at `slots` (`long [n]`): keys, the recent keys, positions and attention.
+
+    Raises:
+        RuntimeError: the cache holds no keys to read ("empty cache").
+    """
+    recent = torch.arange(max(0, physical.length - RECENT_TOKENS), physical.length)
+    slot_keys, query_keys = [], []
+    for layer in range(physical.num_layers if keys or queries else 0):
+        layer_keys = physical.layer_keys_at(layer, slots) if keys else None
+        recent_keys = physical.layer_keys_at(layer, recent) if queries else None
+        if (keys and layer_keys is None) or (queries and recent_keys is None):
+            msg = "empty cache"
+            raise RuntimeError(msg)
+        if layer_keys is not None:
+            slot_keys.append(layer_keys)
+        if recent_keys is not None:
+            query_keys.append(recent_keys)
+    return AttendedTokens(
+        keys=tuple(slot_keys),
+        query_keys=tuple(query_keys) if queries else None,
+        positions=physical.slot_position[slots],
+        span_ids=physical.slot_span[slots],
+        offsets=physical.slot_offset[slots],
+        slots=slots,
+        attention=physical.slot_window_attention[slots],
+        accumulated_attention=physical.slot_heavy_attention[slots],
+        decayed_attention=physical.slot_attention[slots],
+        attended=physical.length,
+    )
+
+
+def keep_slots(physical: PhysicalCache, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
+    """Drop every attended slot but `keep`; each span's `kept` follows. Tokens dropped, by span id."""
+    drop_mask = torch.ones(physical.length, dtype=torch.bool)
+    drop_mask[keep] = False
+    dropped_by_span: dict[int, set[int]] = {}
+    for slot in drop_mask.nonzero().flatten().tolist():
+        dropped_by_span.setdefault(int(physical.slot_span[slot]), set()).add(int(physical.slot_offset[slot]))
+    physical.remove(drop_mask.nonzero().flatten())
+    out: dict[int, int] = {}
+    for span in spans:
+        dropped = dropped_by_span.get(span.span_id)
+        if dropped:
+            span.kept = [o for o in span.kept_offsets if o not in dropped]
+            out[span.span_id] = len(dropped)
+    return out
+
+
+def digest_span(physical: PhysicalCache, span: Span, page_tokens: int) -> PageDigest | None:
+    """The page digest of a span whose every token is attended (None when some are not, or no keys)."""
+    slots = physical.slots_of(span.span_id)
+    if slots.numel() != span.length:
+        return None
+    order = torch.argsort(physical.slot_offset[slots])
+    slots = slots[order]
+    keys: list[torch.Tensor] = []
+    for layer in range(QUEST_SKIP_LAYERS, physical.num_layers):
+        layer_keys = physical.layer_keys_at(layer, slots)
+        if layer_keys is None:
+            return None
+        keys.append(layer_keys.float())  # [1, H, n, D]
+    if not keys:
+        return None
+    return build_digest(keys, page_tokens, dtype=DIGEST_DTYPE)
