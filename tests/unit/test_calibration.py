@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.backend import calibration
@@ -133,3 +135,52 @@ def test_step_chain_is_the_lower_convex_hull() -> None:
         for a, b in zip(chain, chain[1:], strict=False)
     ]
     assert rates == sorted(rates)
+
+
+@st.composite
+def _plans(draw: Any) -> tuple[list[SpanOptions], dict[Rung, float]]:
+    attended_q = draw(st.floats(0.0, 1.0))
+    fidelity = {
+        **DEFAULT_FIDELITY,
+        Rung.ATTENDED_Q: attended_q,
+        Rung.KEYS8: attended_q * draw(st.floats(0, 1)),
+    }
+    spans = []
+    for span_id in range(draw(st.integers(1, 8))):
+        full = draw(st.integers(10, 500)) * 100
+        pinned = draw(st.booleans())
+        options = [
+            RungOption(Rung.FULL, full, 0.0),
+            RungOption(Rung.ATTENDED_Q, full // 4, fidelity[Rung.ATTENDED_Q]),
+        ]
+        if not pinned:
+            options.append(RungOption(Rung.ARCHIVED, 0, fidelity[Rung.ARCHIVED]))
+        value = draw(st.floats(0.01, 10.0))
+        spans.append(SpanOptions(span_id, value, tuple(options), klass=3 if pinned else 0, order=span_id))
+    return spans, fidelity
+
+
+@settings(max_examples=200, deadline=None)
+@given(_plans(), st.floats(0.05, 1.0))
+def test_any_costs_the_limit_holds_and_pinned_spans_stay_attended(case: Any, share: float) -> None:
+    spans, _ = case
+    usage = sum(s.options[0].device_bytes for s in spans)
+    floor = sum(min(o.device_bytes for o in s.options) for s in spans)
+    target = int(usage * share)
+    plan = plan_placement(spans, usage, target)
+    assert plan.met == (plan.device_bytes <= target)
+    if floor <= target:
+        assert plan.met
+    pinned = {s.span_id for s in spans if s.klass == 3}
+    assert all(plan.rungs.get(i, Rung.FULL) in (Rung.FULL, Rung.ATTENDED_Q) for i in pinned)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_plans(), st.floats(0.05, 0.95), st.floats(0.01, 0.5))
+def test_any_costs_more_budget_never_loses_more_value(case: Any, share: float, more: float) -> None:
+    spans, _ = case
+    usage = sum(s.options[0].device_bytes for s in spans)
+    small = plan_placement(spans, usage, int(usage * share))
+    large = plan_placement(spans, usage, int(usage * min(1.0, share + more)))
+    if small.met:
+        assert large.loss <= small.loss + 1e-9
