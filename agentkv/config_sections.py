@@ -134,6 +134,11 @@ class BudgetConfig(Section):
         ),
     )
     """needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."""
+    rung_costs: Literal["calibrated", "fixed"] = Field(
+        default="calibrated",
+        description="calibrated: each rung's loss measured on the loaded model once (cached); fixed: priors.",
+    )
+    """calibrated: each rung's loss measured on the loaded model once (cached); fixed: priors."""
 
     @model_validator(mode="after")
     def _low_not_above_high(self) -> BudgetConfig:

@@ -2,9 +2,14 @@
 
 One row per (method, budget): exact match pooled over every question the row's runs
 asked, split by where the fact was stated and by how the question reaches it; device,
-host and total bytes at answer time (mean over runs); whether the device stayed within
-the budget after every budget check; overhead pooled over the runs (lifecycle + policy +
-store seconds over forward seconds).
+host and total bytes at answer time (mean over runs); the device bytes as a share of a
+bf16 full cache (what a GPU user running the model in bf16 reads: full-precision KV
+at half its fp32 bytes, int4/int2 codes and their float16 statistics unchanged);
+whether the device stayed within the budget after every budget check; overhead pooled
+over the runs (lifecycle + policy + store seconds over forward seconds).
+
+`--diff A B` lists the questions method A answers right and B wrong (gained) and the
+reverse (lost), per workload and budget.
 
     .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
 """
@@ -53,9 +58,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         groups[(row["method"], float(row["budget"]))].append(row)
     head = (
         "| method | budget | workloads | EM | user | tool | confirmed | chosen | quote | paraphrase "
-        "| answer dev / host / total MiB | peak dev ≤ budget | overhead % of forward |"
+        "| answer dev / host / total MiB | dev % of fp32 / bf16 full "
+        "| peak dev ≤ budget | overhead % of forward |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for (method, budget), runs in sorted(groups.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
         asked = [q for r in runs for q in r["questions_detail"]]
         right = sum(int(q["exact_match"]) for q in asked)
@@ -67,6 +73,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         n = len(runs)
         dev = sum(r["answer_device_bytes"] + r["answer_quantized_bytes"] for r in runs) / n / MIB
         host = sum(r["answer_host_bytes"] for r in runs) / n / MIB
+        fp32_share, bf16_share = full_cache_shares(runs)
         within = all(r["budget_unmet"] == 0 and r["peak_device_bytes"] <= r["budget_bytes"] for r in runs)
         forward = sum(r["forward_seconds"] for r in runs)
         overhead = 100 * sum(r["overhead_seconds"] for r in runs) / forward if forward else 0.0
@@ -78,11 +85,44 @@ def table(rows: list[dict[str, Any]]) -> str:
             *(share("source", s) for s in SOURCES),
             *(share("style", s) for s in STYLES),
             f"{dev:.1f} / {host:.1f} / {dev + host:.1f}",
+            f"{fp32_share:.1f} / {bf16_share:.1f}",
             "yes" if within else "no",
             f"{overhead:.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def full_cache_shares(runs: list[dict[str, Any]]) -> tuple[float, float]:
+    """Answer-time device bytes in % of the full cache's, in fp32 (as run) and as they would be in bf16.
+
+    The full cache is `full_tokens` tokens at the run's full-precision bytes per token
+    (`budget_bytes / budget_tokens`); in bf16 it and the full-precision part of the device
+    KV halve, while quantized codes and their float16 statistics do not.
+    """
+    fp32 = bf16 = 0.0
+    for r in runs:
+        full = r["full_tokens"] * r["budget_bytes"] / r["budget_tokens"]
+        fp32 += (r["answer_device_bytes"] + r["answer_quantized_bytes"]) / full
+        bf16 += (r["answer_device_bytes"] / 2 + r["answer_quantized_bytes"]) / (full / 2)
+    return 100 * fp32 / len(runs), 100 * bf16 / len(runs)
+
+
+def diff(rows: list[dict[str, Any]], a: str, b: str) -> str:
+    """Questions `a` answers right and `b` wrong (gained), and the reverse (lost), as markdown lines."""
+    right: dict[tuple[str, str, float, str], bool] = {}
+    for row in rows:
+        for q in row["questions_detail"]:
+            right[(row["method"], row["workload"], float(row["budget"]), q["question"])] = bool(
+                q["exact_match"]
+            )
+    gained, lost = [], []
+    for (method, workload, budget, question), ok in sorted(right.items()):
+        other = right.get((b, workload, budget, question))
+        if method != a or other is None or ok == other:
+            continue
+        (gained if ok else lost).append(f"{workload}/{question} at {budget:g}")
+    return f"gained ({len(gained)}): {', '.join(gained) or '-'}\nlost ({len(lost)}): {', '.join(lost) or '-'}"
 
 
 def key_of(question: dict[str, Any], key: str, styles: dict[tuple[str, str], str]) -> str:
@@ -96,7 +136,12 @@ def main() -> None:
     """Print the table of the files given."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="recall_bench.py JSON outputs")
-    print(table(load_rows(parser.parse_args().paths)))
+    parser.add_argument(
+        "--diff", nargs=2, metavar=("A", "B"), help="questions method A gains and loses against B"
+    )
+    args = parser.parse_args()
+    rows = load_rows(args.paths)
+    print(diff(rows, *args.diff) if args.diff else table(rows))
 
 
 if __name__ == "__main__":

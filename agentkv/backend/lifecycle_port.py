@@ -7,7 +7,7 @@ global usage, branch sessions) through the session's public methods.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +17,7 @@ from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.budget import BudgetLimits
+from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
 from agentkv.spans import Span
@@ -53,6 +54,12 @@ class SessionServices(SessionServicesBase):
     def store(self) -> KVStore:
         """The session's store."""
         return self.session.store
+
+    def rung_fidelity(self) -> Mapping[Rung, float]:
+        """The rung costs measured on the backend's model (`budget.rung_costs: calibrated`), or the priors."""
+        if self.config.budget.rung_costs == "fixed":
+            return DEFAULT_FIDELITY
+        return self.session.backend.rung_fidelity(self.config)
 
     def recompute(self, span: Span) -> None:
         """Compute a dropped span's KV from its token ids at its logical positions.

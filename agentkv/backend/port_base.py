@@ -7,11 +7,12 @@ read. The ids, config, table, text encoding and branch sessions are the same cod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span
@@ -55,6 +56,10 @@ class SessionServicesBase:
     def bytes_per_token(self) -> int:
         """KV bytes of one attended token (the backend's model or engine)."""
         return int(self.session.backend.bytes_per_token)
+
+    def rung_fidelity(self) -> Mapping[Rung, float]:
+        """Fraction of a span's value lost at each rung: the built-in priors (no model to measure on)."""
+        return DEFAULT_FIDELITY
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` (no chat template)."""

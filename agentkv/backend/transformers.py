@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from agentkv.backend.calibration import describe, rung_costs
 from agentkv.backend.prefix import build_prefix_cache
 from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.placement import Rung
 from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
 
@@ -61,6 +63,22 @@ class TransformersBackend(SessionRegistry[Session]):
         )
         """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
         self.model_lock = threading.RLock()
+        self._rung_costs: dict[tuple[object, ...], dict[Rung, float]] = {}
+
+    def rung_fidelity(self, config: AgentKVConfig) -> Mapping[Rung, float]:
+        """Each rung's measured loss on this model for `config`'s quantization and archive tier.
+
+        Measured once per setting (`agentkv.backend.calibration`; cached on disk per model),
+        the first time a session's budget plans.
+        """
+        q = config.quantization
+        setting = (q.group_size, q.attended_bits, q.attended_key_bits, q.host_bits, config.archive_tier)
+        if setting not in self._rung_costs:
+            with self.model_lock:
+                costs = rung_costs(self.model, self.tokenizer, q)
+            logger.info("rung costs for %s: %s", setting, describe(costs))
+            self._rung_costs[setting] = costs.as_fidelity(config.archive_tier, q.host_bits)
+        return self._rung_costs[setting]
 
     # -- session table -------------------------------------------------------------------------
 

@@ -123,7 +123,8 @@ def _tool_agent(
         waits.append(0.0 if session.last_admission is None else session.last_admission.waited_s)
         for event in events:
             session.apply(event)
-        history.append({"role": "assistant", "content": turn.assistant})
+        scripted = [p.text for p in turn.proposals] + ([turn.assistant] if turn.assistant else [])
+        history.extend({"role": "assistant", "content": text} for text in scripted)
         session.extend(history)  # the scripted answer replaces the generated one: same history in every mode
         session.apply(TurnEnded())
     return answers, latencies, waits

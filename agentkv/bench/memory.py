@@ -176,8 +176,7 @@ def replay(
     for t, turn in enumerate(workload.turns, start=1):
         history.append({"role": "user", "content": turn.user, "id": f"u{t}"})
         # A confirmation arrives with the user message that gives it, before that message's pressure.
-        confirmed = [UserConfirmed(owner=f"a{t - 1}")] if events and turn.confirms_previous else []
-        session.extend(history, events=confirmed)
+        session.extend(history, events=_choice_events(workload, t) if events else [])
         for j, tool in enumerate(turn.tools):
             call_id = _tool_call_id(t, j)
             history.append(
@@ -195,13 +194,39 @@ def replay(
                 session.apply(done or ToolCallCompleted(tool_call_id=call_id))
         if turn.branches is not None:
             _run_branches(session, history, turn.branches.options, turn.branches.selected, events=events)
-        history.append({"role": "assistant", "content": turn.assistant, "id": f"a{t}"})
-        session.extend(history)
-        if events:
-            session.apply(TurnEnded())
+        for proposal in turn.proposals:  # each option a message of its own, each one a finished answer
+            message_id = _proposal_id(t, proposal.id)
+            history.append({"role": "assistant", "content": proposal.text, "id": message_id})
+            session.extend(history)
+            if events:
+                session.apply(TurnEnded())
+        if turn.assistant:
+            history.append({"role": "assistant", "content": turn.assistant, "id": f"a{t}"})
+            session.extend(history)
+            if events:
+                session.apply(TurnEnded())
         if on_step is not None:
             on_step(f"t{t}")
     return history
+
+
+def _proposal_id(turn: int, proposal: str) -> str:
+    return f"a{turn}-{proposal}"
+
+
+def _choice_events(workload: Workload, t: int) -> list[UserConfirmed]:
+    """What the framework knows from turn `t`'s user message: the answer or the proposal it confirms.
+
+    A chosen proposal is confirmed; the others get no event (a framework that knows
+    only the user's pick says nothing of them), so they stay finished answers.
+    """
+    turn = workload.turns[t - 1]
+    out: list[UserConfirmed] = []
+    if turn.confirms_previous:
+        out.append(UserConfirmed(owner=f"a{t - 1}"))
+    if turn.chooses is not None:
+        out.append(UserConfirmed(owner=_proposal_id(t - 1, turn.chooses)))
+    return out
 
 
 def _run_branches(

@@ -24,20 +24,27 @@ JSON shape (one file per workload, `agentkv/bench/workloads/<name>.json`)::
      "turns": [{"user": "...", "confirms_previous": false,
                 "tools": [{"name": "...", "args": {...}, "result": "...", "failed": false}],
                 "branches": {"options": [{"id": "...", "reasoning": "..."}], "selected": "..."},
+                "proposals": [{"id": "...", "text": "..."}], "chooses": "...",
                 "assistant": "..."}],
      "questions": [{"id": "...", "question": "...", "prefix": "...", "gold": "...",
                     "source": "user|tool|confirmed|chosen", "turn": 1,
                     "style": "quote|paraphrase"}]}
 
 Within a turn the order is: user message, tool calls (each a call and its
-result), branches, assistant answer. `confirms_previous` means the user message
+result), branches, proposals, assistant answer. `proposals` are options the
+assistant writes as consecutive messages of their own, with no user message
+between them (the shape agents produce when they list choices); `assistant` may
+then be omitted. The next turn's `chooses` names the proposal its user message
+picks (the framework sends `UserConfirmed` for it with that message, and
+nothing for the others). `confirms_previous` means the user message
 confirms the previous turn's assistant proposal (an agent framework sends
 `UserConfirmed` for it). `turn` of a question is 1-based and names the turn whose
 text holds the gold answer; loading checks that it really does, in the place
 `source` names: the user message (`user`), a tool result (`tool`), the assistant
 answer that the next user message confirms (`confirmed`), or the reasoning of the
-selected tree-of-thought option (`chosen`; the turn's answer may restate it, the
-pruned options hold other values of the same kind).
+selected tree-of-thought option or the proposal the next turn chooses (`chosen`;
+the turn's answer may restate it, the other options hold other values of the
+same kind).
 
 `style` (optional, default `quote`) says how the question reaches the fact:
 `quote` questions use the words of the source; `paraphrase` questions name the
@@ -100,18 +107,30 @@ class Branches:
 
 
 @dataclass(frozen=True)
+class Proposal:
+    """One option the assistant writes as a message of its own."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Turn:
     """One user turn and everything the agent does before its answer."""
 
     user: str
     assistant: str
+    """The closing answer; empty when the turn ends with its proposals."""
     tools: tuple[ToolStep, ...] = ()
     branches: Branches | None = None
     confirms_previous: bool = False
+    proposals: tuple[Proposal, ...] = ()
+    chooses: str | None = None
+    """The id of the previous turn's proposal this user message picks."""
 
     def texts(self) -> list[str]:
         """Every text this turn puts in front of the model (for checking where facts are)."""
-        out = [self.user, self.assistant, *(t.result for t in self.tools)]
+        out = [self.user, self.assistant, *(t.result for t in self.tools), *(p.text for p in self.proposals)]
         if self.branches is not None:
             out.extend(o.reasoning for o in self.branches.options)
         return out
@@ -195,6 +214,7 @@ def parse_workload(data: Any, *, where: str = "workload") -> Workload:
         msg = f"{where}.turns: expected {MIN_TURNS} to {MAX_TURNS} turns, got {len(raw_turns)}"
         raise ValueError(msg)
     turns = tuple(_turn(t, f"{where}.turns[{i}]", first=i == 0) for i, t in enumerate(raw_turns))
+    _check_choices(turns, f"{where}.turns")
     raw_questions = _list(obj, "questions", where)
     if not raw_questions:
         msg = f"{where}.questions: expected at least one question"
@@ -214,9 +234,16 @@ def parse_workload(data: Any, *, where: str = "workload") -> Workload:
 
 def _turn(data: Any, where: str, *, first: bool) -> Turn:
     obj = _mapping(data, where)
-    _check_keys(obj, {"user", "assistant", "tools", "branches", "confirms_previous"}, where)
+    _check_keys(
+        obj, {"user", "assistant", "tools", "branches", "confirms_previous", "proposals", "chooses"}, where
+    )
     tools = tuple(_tool(t, f"{where}.tools[{j}]") for j, t in enumerate(obj.get("tools", []) or []))
     branches = _branches(obj["branches"], f"{where}.branches") if obj.get("branches") is not None else None
+    proposals = _proposals(obj.get("proposals") or [], f"{where}.proposals")
+    chooses = _text(obj, "chooses", where) if "chooses" in obj else None
+    if chooses is not None and first:
+        msg = f"{where}.chooses: the first turn has no previous proposals to choose from"
+        raise ValueError(msg)
     confirms = obj.get("confirms_previous", False)
     if not isinstance(confirms, bool):
         msg = f"{where}.confirms_previous: expected true or false, got {confirms!r}"
@@ -226,11 +253,44 @@ def _turn(data: Any, where: str, *, first: bool) -> Turn:
         raise ValueError(msg)
     return Turn(
         user=_text(obj, "user", where),
-        assistant=_text(obj, "assistant", where),
+        assistant=_text(obj, "assistant", where) if "assistant" in obj or not proposals else "",
         tools=tools,
         branches=branches,
         confirms_previous=confirms,
+        proposals=proposals,
+        chooses=chooses,
     )
+
+
+def _proposals(raw: Any, where: str) -> tuple[Proposal, ...]:
+    if not isinstance(raw, list):
+        msg = f"{where}: expected a list, got {type(raw).__name__}"
+        raise ValueError(msg)
+    if len(raw) == 1:
+        msg = f"{where}: a choice needs at least 2 proposals, got 1"
+        raise ValueError(msg)
+    proposals = []
+    for k, item in enumerate(raw):
+        at = f"{where}[{k}]"
+        obj = _mapping(item, at)
+        _check_keys(obj, {"id", "text"}, at)
+        proposals.append(Proposal(id=_text(obj, "id", at), text=_text(obj, "text", at)))
+    ids = [p.id for p in proposals]
+    if len(set(ids)) != len(ids):
+        msg = f"{where}: proposal ids must be unique, got {ids}"
+        raise ValueError(msg)
+    return tuple(proposals)
+
+
+def _check_choices(turns: tuple[Turn, ...], where: str) -> None:
+    """A turn's `chooses` names one of the previous turn's proposals."""
+    for i, turn in enumerate(turns):
+        if turn.chooses is None:
+            continue
+        ids = [p.id for p in turns[i - 1].proposals]
+        if turn.chooses not in ids:
+            msg = f"{where}[{i}].chooses: {turn.chooses!r} is not one of the previous turn's proposals {ids}"
+            raise ValueError(msg)
 
 
 def _tool(data: Any, where: str) -> ToolStep:
@@ -316,7 +376,7 @@ _SOURCE_PLACE = {
     "user": "user message",
     "tool": "tool results",
     "confirmed": "assistant answer confirmed by the next turn (confirms_previous)",
-    "chosen": "selected tree-of-thought option",
+    "chosen": "selected tree-of-thought option or chosen proposal",
 }
 
 
@@ -329,9 +389,12 @@ def _source_texts(source: str, turn: Turn, following: Turn | None) -> list[str]:
     if source == "confirmed":
         return [turn.assistant] if following is not None and following.confirms_previous else []
     # chosen
-    if turn.branches is None:
-        return []
-    return [o.reasoning for o in turn.branches.options if o.id == turn.branches.selected]
+    out: list[str] = []
+    if turn.branches is not None:
+        out.extend(o.reasoning for o in turn.branches.options if o.id == turn.branches.selected)
+    if following is not None and following.chooses is not None:
+        out.extend(p.text for p in turn.proposals if p.id == following.chooses)
+    return out
 
 
 def _mapping(data: Any, where: str) -> Mapping[str, Any]:

@@ -142,24 +142,51 @@ class _Step:
 
 
 def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
-    """The rungs a span steps through: current first, then each cheaper rung that saves bytes.
+    """The rungs a span steps through: current first, then the cheaper rungs on the lower convex hull.
 
     Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
-    less than the one before it (an inconsistent input) is taken at the earlier loss.
+    less than the one before it (an inconsistent input) is taken at the earlier loss. A
+    attended rung that loses more per byte saved than a cheaper rung beyond it is
+    skipped (the multiple-choice knapsack's LP-dominated item): on a model where the
+    quantized tier costs nearly as much as not attending a span, the span goes straight
+    to its archive. The archive is never skipped: it is the tier the configuration
+    names (an int8 archive on the device is where a span leaving attention goes, even
+    where dropping it would save more per unit of loss).
     """
     current = options[0]
     cheaper = sorted(
         (o for o in options[1:] if o.device_bytes < current.device_bytes),
         key=lambda o: (-o.device_bytes, o.fidelity),
     )
-    chain = [current]
+    monotone = [current]
     for option in cheaper:
-        if option.device_bytes == chain[-1].device_bytes:
+        if option.device_bytes == monotone[-1].device_bytes:
             continue
-        if option.fidelity < chain[-1].fidelity:
-            option = RungOption(option.rung, option.device_bytes, chain[-1].fidelity)
+        if option.fidelity < monotone[-1].fidelity:
+            option = RungOption(option.rung, option.device_bytes, monotone[-1].fidelity)
+        monotone.append(option)
+    chain: list[RungOption] = []
+    for option in monotone:
+        while (
+            len(chain) >= 2
+            and chain[-1].rung in ATTENDED_RUNGS
+            and _slope(1.0, chain[-2], chain[-1]) > _slope(1.0, chain[-2], option)
+        ):
+            chain.pop()
         chain.append(option)
     return chain
+
+
+def _attended_is_cheaper(options: Sequence[RungOption]) -> bool:
+    """Whether the span's cheapest attended rung loses less than its cheapest rung out of attention.
+
+    Only then does leaving attention wait for every attended step: on a model where the
+    quantized tier costs as much as not attending a span (calibrated), archiving
+    it (exact, recallable) competes on value per byte instead.
+    """
+    attended = [o.fidelity for o in options if o.rung in ATTENDED_RUNGS and o is not options[0]]
+    leaving = [o.fidelity for o in options if o.rung not in ATTENDED_RUNGS]
+    return not attended or not leaving or max(attended) < min(leaving)
 
 
 def _slope(value: float, a: RungOption, b: RungOption) -> float:
@@ -210,6 +237,7 @@ def plan_placement(
         chain = chains[choice.span_id]
         before, after = chain[index - 1], chain[index]
         leaves = after.rung not in ATTENDED_RUNGS and not choice.released
+        leaves = leaves and _attended_is_cheaper(choice.options)
         klass = -1 if choice.released else choice.klass
         slope = _slope(choice.value, before, after)
         phase = int(order == NEEDED_LAST and klass == NEEDED_CLASS)

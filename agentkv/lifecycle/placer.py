@@ -187,6 +187,7 @@ class Placer:
                 self.marks,
                 archive_tier=self.mover.archive_tier,
                 token_bytes=self.port.bytes_per_token,
+                fidelity=self.port.rung_fidelity(),
             )
             plan = plan_placement(choices, usage, target, hard_target=hard, order=self.placement_order)
             by_id = {s.span_id: s for s in self.table.spans}

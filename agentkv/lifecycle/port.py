@@ -8,11 +8,12 @@ simulated tests provide them with no model at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agentkv.config import AgentKVConfig
+    from agentkv.lifecycle.placement import Rung
     from agentkv.lifecycle.table import SpanTable
     from agentkv.spans import Span
     from agentkv.store.protocol import KVStoreProtocol
@@ -53,6 +54,10 @@ class SessionPort(Protocol):
 
     def recompute(self, span: Span) -> None:
         """Compute a dropped span's KV from its token ids at its logical positions (raises on failure)."""
+        ...
+
+    def rung_fidelity(self) -> Mapping[Rung, float]:
+        """Fraction of a span's value lost at each rung (`agentkv.lifecycle.placement`) on this model."""
         ...
 
     @property

@@ -240,3 +240,27 @@ def dequantize_values_into(
         view.mul_(scale).add_(zero)
     else:
         torch.addcmul(zero, view, scale, out=view)
+
+
+def round_trip_keys(k: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """What `[B, H, n, D]` keys read back as after per-channel quantization at `bits` (1 to 8), float32."""
+    b, h, n, d = k.shape
+    num_groups = -(-n // group_size)
+    pad = num_groups * group_size - n
+    x = k.float()
+    if pad:
+        x = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], dim=2)
+    grouped = x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
+    codes, scales, zeros = quantize_along(grouped, bits, dim=-2)
+    out = codes.float() * scales.float().unsqueeze(-2) + zeros.float().unsqueeze(-2)  # [B, H, n/G, G, D]
+    return out.reshape(b, h, num_groups * group_size, d)[:, :, :n]
+
+
+def round_trip_values(v: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """What `[B, H, n, D]` values read back as after per-token quantization at `bits` (1 to 8), float32."""
+    b, h, n, d = v.shape
+    g = value_group(d, group_size)
+    grouped = v.float().reshape(b, h, n, d // g, g)  # [B, H, n, D/Gv, Gv]
+    codes, scales, zeros = quantize_along(grouped, bits, dim=-1)
+    out = codes.float() * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)
+    return out.reshape(b, h, n, d)

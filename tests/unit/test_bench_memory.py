@@ -132,6 +132,77 @@ def test_chosen_and_paraphrase_questions_load() -> None:
         parse_workload(data)
 
 
+def _with_proposals() -> dict[str, Any]:
+    """The tiny workload with turn 7 listing three options as messages and turn 8 picking the second."""
+    data = copy.deepcopy(tiny_workload())
+    data["turns"][6] = {
+        "user": "Which courier should we use?",
+        "proposals": [
+            {"id": "A", "text": "Option A: Northway, 2 days, 41 EUR."},
+            {"id": "B", "text": "Option B: Kestrel Freight, next day, 57 EUR."},
+            {"id": "C", "text": "Option C: Pellman, 3 days, 33 EUR."},
+        ],
+    }
+    data["turns"][7] = {"user": "Go with B.", "chooses": "B", "assistant": "Kestrel Freight booked."}
+    data["questions"].append(
+        {
+            "id": "courier",
+            "question": "Which carrier did I pick?",
+            "prefix": "You picked",
+            "gold": "Kestrel Freight",
+            "source": "chosen",
+            "turn": 7,
+            "style": "paraphrase",
+        }
+    )
+    return data
+
+
+def test_proposals_load_and_a_chosen_question_names_the_picked_one() -> None:
+    workload = parse_workload(_with_proposals())
+    options, pick = workload.turns[6], workload.turns[7]
+    assert [p.id for p in options.proposals] == ["A", "B", "C"] and options.assistant == ""
+    assert pick.chooses == "B"
+    data = _with_proposals()
+    data["turns"][7]["chooses"] = "C"  # the gold is now in an option nobody picked
+    with pytest.raises(ValueError, match="not in its selected tree-of-thought option or chosen proposal"):
+        parse_workload(data)
+    data["turns"][7]["chooses"] = "D"
+    with pytest.raises(
+        ValueError, match=r"turns\[7\].chooses: 'D' is not one of the previous turn's proposals"
+    ):
+        parse_workload(data)
+    data = _with_proposals()
+    data["turns"][6]["proposals"] = data["turns"][6]["proposals"][:1]
+    with pytest.raises(ValueError, match="a choice needs at least 2 proposals"):
+        parse_workload(data)
+
+
+def test_replay_writes_each_proposal_as_a_message_and_confirms_the_pick(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+    session = backend.session("proposals")
+    confirmations: list[Any] = []
+    extend = session.extend
+
+    def extend_spy(messages: Any, **kwargs: Any) -> Any:
+        confirmations.extend(kwargs.get("events", ()))
+        return extend(messages, **kwargs)
+
+    session.extend = extend_spy  # type: ignore[method-assign]
+    history = replay(session, parse_workload(_with_proposals()), events=True)
+    options = [m for m in history if str(m.get("id", "")).startswith("a7")]
+    assert [m["id"] for m in options] == ["a7-A", "a7-B", "a7-C"]  # three messages, no closing answer
+    assert [(e.name, e.owner) for e in confirmations if e.owner and e.owner.startswith("a7")] == [
+        ("user_confirmed", "a7-B")
+    ]
+    (chosen,) = session.spans_owned_by("a7-B")
+    assert chosen.pinned
+    assert not any(s.pinned for s in (*session.spans_owned_by("a7-A"), *session.spans_owned_by("a7-C")))
+    session.check()
+
+
 def test_load_by_path_and_unknown_name(tmp_path: Path) -> None:
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(tiny_workload("mine")))

@@ -9,7 +9,7 @@ included.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 from agentkv import AgentKVConfig, BranchPruned, ToolCallCompleted, TurnEnded, UserConfirmed
 from agentkv.chat import ChatMessage
 from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
+from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes, WholeSpanStore
 
@@ -123,6 +124,9 @@ class FakePort:
 
     def recompute(self, span: Span) -> None:
         self.recomputed.append(span.span_id)
+
+    def rung_fidelity(self) -> Mapping[Rung, float]:
+        return DEFAULT_FIDELITY
 
     def encode_text(self, text: str) -> list[int]:
         return [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]
