@@ -359,14 +359,6 @@ class RecallConfig(Section):
         ),
     )
     """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
-    restore_displaced: bool = Field(
-        default=False,
-        strict=True,
-        description=(
-            "Bring back demoted spans worth more per token than attended ones, in demotion order (opt-in)."
-        ),
-    )
-    """Bring back demoted spans worth more per token than attended ones, in demotion order (opt-in)."""
     pages: bool = Field(
         default=False,
         strict=True,

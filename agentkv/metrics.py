@@ -23,7 +23,6 @@ class Counters:
     compressed_tokens: int = 0
     page_recalled_tokens: int = 0
     exact_recalled_tokens: int = 0
-    restored_spans: int = 0
     observed_commits: int = 0
     events_applied: int = 0
     events_noop: int = 0
@@ -99,9 +98,6 @@ class SessionStats:
     """Tokens brought back as pages of longer spans (page recall)."""
     exact_recalled_tokens: int = 0
     """Tokens of relevant spans held quantized that recall recomputed at full precision."""
-    restored_spans: int = 0
-    """Demoted spans brought back because the demotion order values them above attended ones
-    (`recall.restore_displaced`)."""
     observed_commits: int = 0
     """Tool results compressed at commit by their turn's question (`commit.observe: question`)."""
     digest_bytes: int = 0

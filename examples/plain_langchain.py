@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import tool
 
@@ -83,10 +83,8 @@ def main(
         city = inputs["city"]
         if city is not None:
             cities.append(city)
+            # A named choice decodes under that tool's JSON-schema grammar: the call always parses.
             ai = llm.bind_tools([weather], tool_choice="weather").invoke(history, config)
-            if not ai.tool_calls:  # the arguments did not parse: call the tool with its defaults
-                call = {"name": "weather", "args": {}, "id": f"call_{ai.id}", "type": "tool_call"}
-                ai = AIMessage(content="", tool_calls=[call], id=ai.id)
             history.append(ai)
             for call in ai.tool_calls:
                 try:

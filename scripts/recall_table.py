@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.bench.workloads import load_workloads
+from agentkv.models import converted_model_dir
+from agentkv.store.kivi import token_bytes
 
 SOURCES = ("user", "tool", "confirmed", "chosen")
 STYLES = ("quote", "paraphrase")
@@ -93,18 +95,40 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def int4_token_bytes(group_size: int = 32) -> float:
+    """One token's bytes in the attended int4 tier on the default model (codes + float16 statistics)."""
+    config = json.loads((converted_model_dir() / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    one = token_bytes(
+        1, kv_heads, head_dim, bits=4, key_bits=4, group_size=group_size, tokens=1, amortized=True
+    )
+    return float(one * config["num_hidden_layers"])
+
+
 def full_cache_shares(runs: list[dict[str, Any]]) -> tuple[float, float]:
     """Answer-time device bytes in % of the full cache's, in fp32 (as run) and as they would be in bf16.
 
     The full cache is `full_tokens` tokens at the run's full-precision bytes per token
-    (`budget_bytes / budget_tokens`); in bf16 it and the full-precision part of the device
-    KV halve, while quantized codes and their float16 statistics do not.
+    (`budget_bytes / budget_tokens`). In bf16 it and the full-precision part of the
+    attended KV halve, while int4 codes and their float16 statistics do not; the
+    full-precision part is what the attended tokens and the device bytes leave once the
+    int4 tokens are counted at `int4_token_bytes` (the attended tier's layout).
     """
     fp32 = bf16 = 0.0
+    quantized_token = int4_token_bytes()
     for r in runs:
-        full = r["full_tokens"] * r["budget_bytes"] / r["budget_tokens"]
-        fp32 += (r["answer_device_bytes"] + r["answer_quantized_bytes"]) / full
-        bf16 += (r["answer_device_bytes"] / 2 + r["answer_quantized_bytes"]) / (full / 2)
+        token = r["budget_bytes"] / r["budget_tokens"] if r["budget_tokens"] else None
+        if token is None:  # the full cache: every token at full precision
+            fp32, bf16 = fp32 + 1.0, bf16 + 1.0
+            continue
+        full = r["full_tokens"] * token
+        device, attended = r["answer_device_bytes"], r["answer_attended_tokens"]
+        exact_tokens = min(
+            attended, max(0.0, (device - attended * quantized_token) / (token - quantized_token))
+        )
+        fp32 += (device + r["answer_quantized_bytes"]) / full
+        bf16 += (device - exact_tokens * token / 2 + r["answer_quantized_bytes"]) / (full / 2)
     return 100 * fp32 / len(runs), 100 * bf16 / len(runs)
 
 

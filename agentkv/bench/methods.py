@@ -130,14 +130,6 @@ METHODS: dict[str, Method] = {
             events=True,
             extra={"quantization": {"attended_bits": 4, "attended_key_bits": 8}},
         ),
-        # agentkv-nohost bringing displaced spans back by value at each turn (`recall.restore_displaced`).
-        Method(
-            "agentkv-restore",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={"recall": {"restore_displaced": True}},
-        ),
         # Lever 2: archived spans recalled by pages (Quest digests + word overlap), nothing on host.
         Method("agentkv-pages", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=PAGES),
         # Lever 3: tool results compressed at commit by their turn's question (SnapKV window).

@@ -2,10 +2,10 @@
 
 It owns no logic of its own beyond dispatch: event targets come from `targets`,
 what happens to them from `rules`, every state-and-tier change goes through
-`mover`, room and plans are the placement service's (`placer`), and its four
+`mover`, room and plans are the placement service's (`placer`), and its three
 peers ask it: `budget` relieves pressure, `recall` brings demoted spans back for a
-new question, `exact_recall` recomputes what that question needs at full precision
-and `restoration` brings back displaced spans. The peers never call each other: what
+new question and `exact_recall` recomputes what that question needs at full
+precision. The peers never call each other: what
 one found is handed to the next here. `invariants` checks the result. It reads and
 writes the session's state only through the span table and the `SessionPort` services.
 """
@@ -29,7 +29,6 @@ from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.placer import Placer
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall import Recaller
-from agentkv.lifecycle.restoration import Restorer
 from agentkv.lifecycle.results import ApplyResult, Transition
 from agentkv.lifecycle.rules import Rules
 from agentkv.lifecycle.targets import ToolCallRegistry
@@ -82,8 +81,6 @@ class LifecycleManager:
         self.recaller = Recaller(self.placer, self.timer, recall, self.pages, enabled=self.whole_spans)
         self.exact = ExactRecall(self.placer, self.timer, enabled=recall.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
-        self.restorer = Restorer(self.placer, self.timer, enabled=recall.restore_displaced)
-        """Brings back displaced spans the demotion order values (`recall.restore_displaced`)."""
         if policy is None and limits.device_bytes is not None:
             logger.warning(
                 "policy 'full' keeps every token: the device budget is reported but never enforced"
@@ -179,18 +176,16 @@ class LifecycleManager:
             self.budget.enforce()
 
     def recall(self, message: ChatMessage) -> list[int]:
-        """Before a new user message: recall, then exact recall and restoration with what recall found.
+        """Before a new user message: recall, then exact recall with what recall found.
 
         Returns:
-            Ids of the spans brought back (recalled, recomputed exactly, restored).
+            Ids of the spans brought back (recalled, recomputed exactly).
         """
         found = self.recaller.recall(message)
         exact = self.exact.recompute(found.relevant, found.floor, found.pages_of)
-        demoted = [s for s in found.demoted if s.state is not SpanState.COMMITTED]
-        restored = self.restorer.restore(demoted, found.floor)
-        if found.spans or exact or restored:
-            self.table.record("recall", spans=found.spans, paged=found.paged, exact=exact, restored=restored)
-        return found.spans + exact + restored
+        if found.spans or exact:
+            self.table.record("recall", spans=found.spans, paged=found.paged, exact=exact)
+        return found.spans + exact
 
     @property
     def policy(self) -> Policy | None:

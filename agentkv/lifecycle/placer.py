@@ -1,6 +1,6 @@
 """The placement service: the one owner of what the device holds, and of the room left on it.
 
-Budget enforcement, recall, exact recall and restoration do not predict each other:
+Budget enforcement, recall and exact recall do not predict each other:
 each asks this service. It measures usage against the limits (the watermark
 arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`), says how much room a
 question may fill (`recall_room`, `room_at_floor`), orders committed spans the way
@@ -239,7 +239,7 @@ class Placer:
 
 
 class PlacementPeer:
-    """What budget enforcement, recall, exact recall and restoration share: the service they ask.
+    """What budget enforcement, recall and exact recall share: the service they ask.
 
     The peers never call each other; each reads room and order from the placer and
     moves spans through its mover. The port, table and marks are the placer's.

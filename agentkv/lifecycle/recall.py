@@ -6,8 +6,8 @@ chosen spans back through the mover. With `recall.pages`, long demoted spans are
 ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
 attention bound on each page's key digest) and come back holding only the chosen pages.
 What recall found relevant is its answer (`Recalled`): the manager hands it to exact
-recall (`agentkv.lifecycle.exact_recall`) and restoration, which ask the placement
-service (`agentkv.lifecycle.placer`) for their room as recall does.
+recall (`agentkv.lifecycle.exact_recall`), which asks the placement service
+(`agentkv.lifecycle.placer`) for its room as recall does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from agentkv.store.protocol import AttendedFloor
 
 @dataclass(frozen=True)
 class Recalled:
-    """What recall did for a new user message, and what it found relevant (for exact recall, restoration)."""
+    """What recall did for a new user message, and what it found relevant (for exact recall)."""
 
     spans: list[int] = field(default_factory=list)
     """Ids of the spans brought back to the device (restored or recomputed)."""

@@ -88,12 +88,24 @@ def session_settings(config: AgentKVConfig | None, backend_config: AgentKVConfig
 def check_backend_wide(config: AgentKVConfig, backend_config: AgentKVConfig) -> None:
     """Refuse settings that only a backend can honour when the backend was made with others.
 
-    `agentkv.sessions` bounds the backend's whole session table: a config that asks for
-    other bounds than the backend it lands on would be ignored, so it is an error.
+    `agentkv.sessions` bounds the backend's whole session table, and `agentkv.prefix_cache`
+    is one cache the backend's sessions share: a config that asks for other bounds or
+    another cache than the backend it lands on would be ignored, so it is an error. A
+    session may still opt out of the shared cache (`prefix_cache.enabled: false`).
 
     Raises:
-        ValueError: `config.sessions` differs from the backend's (the message says how to fix it).
+        ValueError: `config.sessions` or `config.prefix_cache` differs from the backend's
+            (the message says how to fix it).
     """
+    wanted, have = config.prefix_cache, backend_config.prefix_cache
+    if wanted.enabled and wanted != have:
+        msg = (
+            f"agentkv.prefix_cache is backend-wide: this backend's cache is {have.model_dump()}, "
+            f"the config asks for {wanted.model_dump()}. Give it to the first ChatAgentKV(config=...) / "
+            "with_kv_lifecycle(config=...) of the process, or pass backend=TransformersBackend(model, "
+            "tokenizer, config) made with it (a session may still set prefix_cache.enabled: false)"
+        )
+        raise ValueError(msg)
     if config.sessions != backend_config.sessions:
         msg = (
             f"agentkv.sessions is backend-wide: this backend bounds its sessions with "

@@ -168,3 +168,14 @@ def test_session_bounds_are_backend_wide_never_ignored(tiny_model, tiny_tokenize
             {"configurable": {"thread_id": "t", "agentkv": {"sessions": {"max_live": 1}}}},
         )
     assert any("sessions cannot change per run" in r.getMessage() for r in caplog.records)
+
+
+def test_prefix_cache_settings_are_backend_wide_but_a_session_may_opt_out(tiny_model, tiny_tokenizer) -> None:
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", lambda state: {"messages": []})
+    builder.add_edge(START, "agent")
+    with pytest.raises(ValueError, match="agentkv.prefix_cache is backend-wide"):
+        with_kv_lifecycle(builder.compile(), backend=backend, config={"prefix_cache": {"max_tokens": 512}})
+    opted_out = {"policy": "full", "prefix_cache": {"enabled": False}}
+    with_kv_lifecycle(builder.compile(), backend=backend, config=opted_out)  # honoured per session
