@@ -171,7 +171,7 @@ def test_no_module_is_over_600_lines() -> None:
 
 
 LIFECYCLE = "agentkv.lifecycle"
-PLACEMENT_PEERS = ("budget", "recall", "exact_recall", "restoration")
+PLACEMENT_PEERS = ("budget", "recall", "exact_recall")
 
 
 def _lifecycle_graph() -> dict[str, set[str]]:
@@ -192,7 +192,7 @@ def test_the_lifecycle_sees_the_store_only_through_its_protocol() -> None:
 
 
 def test_placement_peers_do_not_import_each_other() -> None:
-    """Budget, recall, exact recall and restoration ask the placement service; the manager wires them."""
+    """Budget, recall and exact recall ask the placement service; the manager wires them."""
     graph = _lifecycle_graph()
     peers = {f"{LIFECYCLE}.{name}" for name in PLACEMENT_PEERS}
     crossings = sorted((m, t) for m in peers for t in graph[m] & peers)
