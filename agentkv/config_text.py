@@ -115,6 +115,17 @@ def format_errors(
     return out
 
 
+TYPE_MESSAGES: tuple[tuple[str, str], ...] = (
+    ("int_", "must be an integer"),
+    ("float_", "must be a number"),
+    ("finite_number", "must be a finite number"),
+    ("bool_", "must be true or false"),
+    ("string_too_short", "must not be empty"),
+    ("string_", "must be a string"),
+)
+"""What a value of the wrong type must be, by pydantic error kind prefix (the first that matches)."""
+
+
 def describe(err: Any, loc: Loc, root: type[BaseModel]) -> str:
     """One readable problem for one pydantic error: what was wrong, what is allowed."""
     kind: str = err["type"]
@@ -143,21 +154,10 @@ def describe(err: Any, loc: Loc, root: type[BaseModel]) -> str:
         return f"unknown value {got}; allowed: {listed}"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return f"must be a mapping, got {kind_of(err.get('input'))}"
-    if kind.startswith("int_"):
-        return f"must be an integer, got {got}"
-    if kind.startswith("float_"):
-        return f"must be a number, got {got}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {got}"
-    if kind.startswith("bool_"):
-        return f"must be true or false, got {got}"
-    if kind.startswith("string_too_short"):
-        return f"must not be empty, got {got}"
-    if kind.startswith("string_"):
-        return f"must be a string, got {got}"
     if kind == "recursion_loop":
         return "refers to itself (a YAML alias cycle)"
-    return f"{err['msg']}, got {got}"
+    expected = next((text for prefix, text in TYPE_MESSAGES if kind.startswith(prefix)), None)
+    return f"{expected or err['msg']}, got {got}"
 
 
 def model_at(root: type[BaseModel], loc: Loc) -> type[BaseModel] | None:

@@ -481,15 +481,13 @@ class Session(SessionCore):
                 parent.manager.after_operation()
             self.store = parent.store.fork()
             self.table = parent.table.fork(self.session_id)
-            for clone in self.table.spans:
-                # Archived blocks are not copied: the child sees them as evicted (recomputable
-                # from their tokens), so its states still say where its KV is.
-                if clone.tier in (Tier.HOST, Tier.QUANTIZED):
-                    clone.tier = Tier.DROPPED
-                    clone.state = SpanState.EVICTED
-                    clone.kept = None
             self.last_logits = parent.last_logits
             self.manager = LifecycleManager(SessionServices(self), self.limits)
+            for clone in self.table.spans:
+                # Archived blocks are not copied: the child evicts those spans (recomputable from
+                # their tokens), so its states still say where its KV is.
+                if clone.tier in (Tier.HOST, Tier.QUANTIZED):
+                    self.manager.move(clone, SpanState.EVICTED, reason="fork: archive not copied")
             self.manager.inherit(parent.manager)
 
 

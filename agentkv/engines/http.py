@@ -90,6 +90,17 @@ class UrllibTransport:
             raise EngineUnavailableError(msg) from e
 
 
+def checked_endpoint(url: str, what: str, timeout: float) -> str:
+    """`url` without a trailing slash, once it and `timeout` are valid (ValueError naming `what` if not)."""
+    if not url.startswith(("http://", "https://")):
+        msg = f"{what} url: expected http:// or https://, got {url!r}"
+        raise ValueError(msg)
+    if timeout <= 0:
+        msg = f"timeout: expected > 0 seconds, got {timeout!r}"
+        raise ValueError(msg)
+    return url.rstrip("/")
+
+
 def call(transport: Transport, method: str, url: str, body: Any | None, timeout: float) -> Any:
     """Send a request and return the decoded body; raise `EngineRequestError` on 4xx/5xx."""
     response = transport.request(method, url, body, timeout)

@@ -28,7 +28,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentkv.engines.http import EngineRequestError, Transport, UrllibTransport, call
+from agentkv.engines.http import EngineRequestError, Transport, UrllibTransport, call, checked_endpoint
 
 TierName = Literal["l1", "l2", "all"]
 TIERS: tuple[str, ...] = ("l1", "l2", "all")
@@ -105,16 +105,10 @@ class CoordinatorClient:
         timeout: float = 10.0,
         transport: Transport | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            msg = f"coordinator url: expected http:// or https://, got {url!r}"
-            raise ValueError(msg)
+        self.url = checked_endpoint(url, "coordinator", timeout)
         if world_size < 1:
             msg = f"world_size: expected >= 1, got {world_size}"
             raise ValueError(msg)
-        if timeout <= 0:
-            msg = f"timeout: expected > 0 seconds, got {timeout!r}"
-            raise ValueError(msg)
-        self.url = url.rstrip("/")
         self.model_name = model_name
         self.world_size = world_size
         self.timeout = timeout

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from agentkv.engines.hints import EngineTarget, HintSender, HintStats
 from agentkv.engines.lmcache import TierName
@@ -45,6 +46,8 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import TierBytes, WholeSpanStore
 
 __all__ = ["PINNING_STATES", "EngineStore", "EngineTarget", "HintStats", "common_prefix"]
+
+T = TypeVar("T")
 
 PINNING_STATES = frozenset({SpanState.COMMITTED})
 """A span in one of these states is part of the pinned prefix."""
@@ -366,17 +369,11 @@ class EngineStore(WholeSpanStore):
 
     @property
     def _target(self) -> EngineTarget:
-        if self.target is None:  # the public entry points return early without a coordinator
-            msg = "no LMCache coordinator configured"
-            raise RuntimeError(msg)
-        return self.target
+        return _configured(self.target)
 
     @property
     def _pins(self) -> SessionPins:
-        if self.pins is None:  # the public entry points return early without a coordinator
-            msg = "no LMCache coordinator configured"
-            raise RuntimeError(msg)
-        return self.pins
+        return _configured(self.pins)
 
     def _mark_stale(self, tier: TierName) -> None:
         # "all" wins over "l1": one released span makes the whole old tail garbage.
@@ -484,3 +481,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _configured(value: T | None) -> T:
+    """`value`, which exists only with a coordinator (the public entry points return early without one)."""
+    if value is None:
+        msg = "no LMCache coordinator configured"
+        raise RuntimeError(msg)
+    return value

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agentkv.engines.http import EngineRequestError, Transport, UrllibTransport, call
+from agentkv.engines.http import EngineRequestError, Transport, UrllibTransport, call, checked_endpoint
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,7 @@ class VLLMClient:
     def __init__(
         self, url: str, model: str, *, timeout: float = 120.0, transport: Transport | None = None
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            msg = f"vLLM url: expected http:// or https://, got {url!r}"
-            raise ValueError(msg)
-        if timeout <= 0:
-            msg = f"timeout: expected > 0 seconds, got {timeout!r}"
-            raise ValueError(msg)
-        self.url = url.rstrip("/")
+        self.url = checked_endpoint(url, "vLLM", timeout)
         self.model = model
         self.timeout = timeout
         self.transport: Transport = transport or UrllibTransport()

@@ -3,10 +3,10 @@
 Budget enforcement, recall and exact recall do not predict each other:
 each asks this service. It measures usage against the limits (the watermark
 arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`), says how much room a
-question may fill (`recall_room`, `room_at_floor`), orders committed spans the way
-pressure demotes them (`demotion_order`), and makes a plan (`agentkv.lifecycle.rungs` gives
-every span its rungs, `agentkv.lifecycle.placement.plan_placement` picks one per span)
-that the mover applies (`demote_to`).
+question may fill (`recall_room`; exact recall's `floor_usage`), and makes a plan
+(`agentkv.lifecycle.rungs` gives every span its rungs,
+`agentkv.lifecycle.placement.plan_placement` picks one per span) that the mover applies
+(`demote_to`).
 
 Room is counted at the *floor* of the demotion order (`AttendedFloor`): with an
 attended quantized tier, the budget holds every attended span quantized before it
@@ -15,8 +15,6 @@ pinned and active spans that stay; the sinks and the residual window stay exact.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
@@ -30,23 +28,6 @@ from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 REPLANS = 5
 """Plans made at most per `demote_to` (the store's byte figures are estimates before a move)."""
-
-
-def value_per_token(span: Span) -> float:
-    """The span's commit score per held token (GreedyDual-Size's H with unit miss cost = score)."""
-    return span.score / max(1, span.held_tokens)
-
-
-def demotion_order(spans: Iterable[Span], marks: RecallMarks) -> list[Span]:
-    """Committed `spans` in the order pressure demotes them (first = demoted first).
-
-    What this turn's question needs goes last (`RecallMarks.needed`); among the rest
-    the least value per held token first (GreedyDual-Size, Cao & Irani 1997, with the
-    commit score as the value of a hit: a 30-token user fact and a 500-token log of
-    equal score are not equally cheap to keep); ties go to the older span.
-    """
-    needed = marks.needed
-    return sorted(spans, key=lambda s: (s.span_id in needed, value_per_token(s), s.start))
 
 
 class Placer:
@@ -99,13 +80,6 @@ class Placer:
             held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
         return max(0, self.limits.high_bytes(limit) - held)
 
-    def room_at_floor(self, floor: AttendedFloor | None) -> int | None:
-        """Device bytes under the low watermark after the coming prefill, at the floor (None = no limit)."""
-        limit = self.effective_limit()
-        if limit is None:
-            return None
-        return self.limits.low_bytes(limit) - self.projected_usage(floor)
-
     def quantized_now(self) -> dict[int, int]:
         """Each device span's slots held quantized in attention now, by span id (empty without the tier)."""
         store = self.port.store
@@ -114,25 +88,6 @@ class Placer:
         return {
             s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
         }
-
-    def projected_usage(self, floor: AttendedFloor | None) -> int:
-        """Device bytes after this turn's prefill, at the floor of the demotion order (`floor_usage`).
-
-        Without an attended quantized tier (`floor` None): what the device counts now, less
-        the evictable spans, plus the pending tokens at full precision.
-        """
-        store = self.port.store
-        if floor is not None and isinstance(store, AttendedQuantizer):
-            return self.floor_usage(self.quantized_now(), floor)
-        usage = self.usage_bytes()
-        for span in self.table.spans:
-            if span.tier is not Tier.DEVICE:
-                continue
-            if span.state is SpanState.EVICTABLE:
-                usage -= store.span_bytes(span)
-            else:
-                usage += (span.length - span.n_computed) * self.port.bytes_per_token
-        return usage
 
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.

@@ -36,8 +36,6 @@ class Recalled:
     """Ids of the spans among them brought back holding only their chosen pages."""
     relevant: list[Span] = field(default_factory=list)
     """Attended spans relevant to the message, best first (the protected ones first)."""
-    demoted: list[Span] = field(default_factory=list)
-    """The demoted spans recall considered."""
     floor: AttendedFloor | None = None
     """What attended KV costs at the floor of the demotion order (None: full precision)."""
     pages_of: RankedPages | None = None
@@ -161,7 +159,6 @@ class Recaller(PlacementPeer):
             spans=recalled,
             paged=sorted(paged),
             relevant=protected + others,
-            demoted=demoted,
             floor=floor,
             pages_of=self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0),
         )
@@ -200,7 +197,7 @@ class Recaller(PlacementPeer):
     def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
         """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
 
-        The budget demotes them after every other committed span (`agentkv.lifecycle.placer.demotion_order`).
+        The budget demotes them after every other committed span (their class in `agentkv.lifecycle.rungs`).
         """
         if not ranked:
             return set()

@@ -29,12 +29,11 @@ def value_group(head_dim: int, group_size: int) -> int:
     return g
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens.
+def key_groups(k: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keys `[B, H, n, D]` as float32 groups of `group_size` tokens, `[B, H, ceil(n / G), G, D]`.
 
-    Returns codes `[B, H, n, D / p]`, scales and zeros `[B, H, ceil(n / G), D]` and the
-    group of each token (`long [n]`). A last partial group is padded with a copy of its
-    last token, which leaves its min and max unchanged.
+    A last partial group is padded with a copy of its last token, which leaves its min
+    and max unchanged.
     """
     b, h, n, d = k.shape
     num_groups = -(-n // group_size)
@@ -42,20 +41,33 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Te
     x = k.float()
     if pad:
         x = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], dim=2)
-    grouped = x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
-    codes, scales, zeros = quantize_along(grouped, bits, dim=-2)
-    codes = codes.reshape(b, h, num_groups * group_size, d)[:, :, :n]
+    return x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
+
+
+def value_groups(v: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Values `[B, H, n, D]` as float32 groups of channels, `[B, H, n, D / Gv, Gv]` (`value_group`)."""
+    b, h, n, d = v.shape
+    g = value_group(d, group_size)
+    return v.float().reshape(b, h, n, d // g, g)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens (`key_groups`).
+
+    Returns codes `[B, H, n, D / p]`, scales and zeros `[B, H, ceil(n / G), D]` and the
+    group of each token (`long [n]`).
+    """
+    b, h, n, d = k.shape
+    codes, scales, zeros = quantize_along(key_groups(k, group_size), bits, dim=-2)
+    codes = codes.reshape(b, h, -1, d)[:, :, :n]
     groups = torch.arange(n, dtype=_LONG) // group_size
     return pack_codes(codes, bits), scales, zeros, groups
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-token value quantization of `[B, H, n, D]` in groups of channels."""
-    b, h, n, d = v.shape
-    g = value_group(d, group_size)
-    grouped = v.float().reshape(b, h, n, d // g, g)  # [B, H, n, D/Gv, Gv]
-    codes, scales, zeros = quantize_along(grouped, bits, dim=-1)
-    return pack_codes(codes.reshape(b, h, n, d), bits), scales, zeros
+    """Per-token value quantization of `[B, H, n, D]` in groups of channels (`value_groups`)."""
+    codes, scales, zeros = quantize_along(value_groups(v, group_size), bits, dim=-1)
+    return pack_codes(codes.reshape(v.shape), bits), scales, zeros
 
 
 def quantize_along(
@@ -245,22 +257,13 @@ def dequantize_values_into(
 def round_trip_keys(k: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """What `[B, H, n, D]` keys read back as after per-channel quantization at `bits` (1 to 8), float32."""
     b, h, n, d = k.shape
-    num_groups = -(-n // group_size)
-    pad = num_groups * group_size - n
-    x = k.float()
-    if pad:
-        x = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], dim=2)
-    grouped = x.reshape(b, h, num_groups, group_size, d)  # [B, H, n/G, G, D]
-    codes, scales, zeros = quantize_along(grouped, bits, dim=-2)
+    codes, scales, zeros = quantize_along(key_groups(k, group_size), bits, dim=-2)
     out = codes.float() * scales.float().unsqueeze(-2) + zeros.float().unsqueeze(-2)  # [B, H, n/G, G, D]
-    return out.reshape(b, h, num_groups * group_size, d)[:, :, :n]
+    return out.reshape(b, h, -1, d)[:, :, :n]
 
 
 def round_trip_values(v: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """What `[B, H, n, D]` values read back as after per-token quantization at `bits` (1 to 8), float32."""
-    b, h, n, d = v.shape
-    g = value_group(d, group_size)
-    grouped = v.float().reshape(b, h, n, d // g, g)  # [B, H, n, D/Gv, Gv]
-    codes, scales, zeros = quantize_along(grouped, bits, dim=-1)
+    codes, scales, zeros = quantize_along(value_groups(v, group_size), bits, dim=-1)
     out = codes.float() * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)
-    return out.reshape(b, h, n, d)
+    return out.reshape(v.shape)

@@ -8,6 +8,7 @@ byte accounting exact: `bytes_by_tier()` sums the tensors actually held.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -118,19 +119,10 @@ class KVStore:
         Archived blocks are not copied: the branch sees those spans as evicted
         (recomputable from their tokens).
         """
-        child = KVStore(
-            self.physical.num_layers,
-            self.device,
-            group_size=self.group_size,
-            residual_tokens=self.residual_tokens,
-            host_limit_bytes=self.host_limit_bytes,
-            attended_bits=self.attended_bits,
-            attended_residual_tokens=self.attended_residual_tokens,
-            attended_key_bits=self.attended_key_bits,
-            attended_sink_tokens=self.attended_sink_tokens,
-            host_bits=self.host_bits,
-        )
+        child = copy.copy(self)  # the same settings; its own cache, blocks and digests below
         child.physical = self.physical.fork()
+        child.blocks = {}
+        child.digests = {}
         return child
 
     def close(self) -> None:

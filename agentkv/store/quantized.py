@@ -140,19 +140,9 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> QuantizedTenso
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
-    """Quantize values per token (KIVI): groups of `group_size` consecutive channels.
+    """Quantize values `[B, H, n, D]` per token (KIVI): one scale/zero per (b, h, token, group of channels).
 
-    Args:
-        v: Values, `[B, H, n, D]`, floating point.
-        bits: 8 or 4.
-        group_size: Channels per group; `D` need not be a multiple of it.
-
-    Returns:
-        The quantized values, with one scale/zero per (b, h, token, channel group).
-
-    Raises:
-        ValueError: Bad `bits`, `group_size` or shape, or statistics that do not fit float16.
-        TypeError: `v` is not floating point.
+    `group_size` channels per group (`D` need not be a multiple of it); bits and errors as `quantize_keys`.
     """
     _check_4d(v, "v")
     return _quantize_groups(v, dim=3, bits=bits, group_size=group_size)

@@ -168,3 +168,46 @@ def test_no_module_is_over_600_lines() -> None:
     sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
     offenders = {name: n for name, n in sorted(sizes.items()) if n > MAX_MODULE_LINES}
     assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split them): {offenders}"
+
+
+LIFECYCLE = "agentkv.lifecycle"
+PLACEMENT_PEERS = ("budget", "recall", "exact_recall")
+
+
+def _lifecycle_graph() -> dict[str, set[str]]:
+    """Lifecycle module → the lifecycle modules it imports (the package's `__init__` included)."""
+    graph = import_graph()
+    inside = {m for m in graph if m == LIFECYCLE or m.startswith(LIFECYCLE + ".")}
+    return {m: graph[m] & inside for m in inside}
+
+
+def test_the_lifecycle_sees_the_store_only_through_its_protocol() -> None:
+    graph = import_graph()
+    offenders = sorted(m for m in _lifecycle_graph() if "agentkv.store.kvstore" in graph[m])
+    assert not offenders, f"lifecycle modules importing KVStore: {offenders}"
+    for path in ROOT.joinpath("agentkv", "lifecycle").glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert ".physical" not in text, f"{path.name} reads the physical cache"
+        assert "getattr(self.port" not in text, f"{path.name} looks a port service up by name"
+
+
+def test_placement_peers_do_not_import_each_other() -> None:
+    """Budget, recall and exact recall ask the placement service; the manager wires them."""
+    graph = _lifecycle_graph()
+    peers = {f"{LIFECYCLE}.{name}" for name in PLACEMENT_PEERS}
+    crossings = sorted((m, t) for m in peers for t in graph[m] & peers)
+    assert not crossings, f"placement peers importing each other: {crossings}"
+
+
+def test_the_lifecycle_is_at_most_six_floors_high() -> None:
+    """A module stands one floor above the highest module it imports; the ground floor imports none."""
+    graph = _lifecycle_graph()
+    floors: dict[str, int] = {}
+
+    def floor(module: str) -> int:
+        if module not in floors:
+            floors[module] = 1 + max((floor(m) for m in graph[module]), default=0)
+        return floors[module]
+
+    height = max(floor(m) for m in graph)
+    assert height <= 6, sorted(floors.items(), key=lambda item: -item[1])

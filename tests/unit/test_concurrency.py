@@ -148,7 +148,7 @@ def assert_final_state(backend: TransformersBackend, sessions: list[Session]) ->
         stats = session.stats()
         assert stats.device_bytes + stats.quantized_bytes + stats.host_bytes == held_bytes(session)
         if not session.store.physical.variable_slot_bytes:  # attended int4 slots cost less than exact ones
-            assert stats.device_bytes == session.store.physical.length * backend.runner.bytes_per_token
+            assert stats.device_bytes == stats.attended_tokens * backend.runner.bytes_per_token
         total_device += stats.device_bytes + stats.quantized_bytes
     assert backend.device_bytes() == total_device
 

@@ -194,7 +194,7 @@ def assert_exact_accounting(backend: TransformersBackend) -> list[Session]:
         session.check()
         stats = session.stats()
         assert stats.device_bytes + stats.quantized_bytes + stats.host_bytes == held_bytes(session)
-        assert stats.device_bytes == session.store.physical.length * backend.runner.bytes_per_token
+        assert stats.device_bytes == stats.attended_tokens * backend.runner.bytes_per_token
         total_device += stats.device_bytes + stats.quantized_bytes
     assert backend.device_bytes() == total_device
     return sessions

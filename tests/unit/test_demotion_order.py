@@ -12,8 +12,6 @@ import math
 from typing import Any
 
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
-from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.placer import demotion_order
 from agentkv.spans import Span, SpanKind
 
 NOTE = "note for later: the spare key for locker KX7-4471 is kept in the blue drawer by the door"
@@ -71,19 +69,6 @@ def span(span_id: int, start: int, tokens: int, score: float) -> Span:
     s = Span(span_id, SpanKind.USER, list(range(tokens)), start, state=SpanState.COMMITTED, score=score)
     s.n_computed = tokens
     return s
-
-
-def test_order_is_needed_last_then_value_per_token_then_oldest():
-    short_low = span(1, 0, 10, 0.2)  # 0.02 per token
-    long_high = span(2, 10, 200, 1.0)  # 0.005 per token
-    short_high = span(3, 210, 10, 1.0)  # 0.1 per token
-    same_density_later = span(4, 220, 100, 0.5)  # 0.005 per token, younger than long_high
-    marks = RecallMarks()
-    order = demotion_order([short_high, short_low, same_density_later, long_high], marks)
-    assert [s.span_id for s in order] == [2, 4, 1, 3]
-    marks.needed = {2}  # the long span is what this turn's message is about: it goes last
-    order = demotion_order([short_high, short_low, same_density_later, long_high], marks)
-    assert [s.span_id for s in order] == [4, 1, 3, 2]
 
 
 def test_spans_committed_before_their_prefill_are_scored_after_it(tiny_model, tiny_tokenizer):

@@ -220,10 +220,10 @@ def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_m
     session.store.quantize_attended(tool)
     page = session.store.quantized_offsets(tool)[:24]
     assert page and page == list(range(page[0], page[0] + 24))
-    before = session.store.physical.length
+    before = session.stats().attended_tokens
     session.manager.port.recompute_offsets(tool, page)
     session.check()
-    assert session.store.physical.length == before, "the page replaced its old copies"
+    assert session.stats().attended_tokens == before, "the page replaced its old copies"
     assert not set(page) & set(session.store.quantized_offsets(tool))
     physical, reference = session.store.physical, free.store.physical
     got = physical.slots_of(tool.span_id, page)

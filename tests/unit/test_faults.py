@@ -284,10 +284,10 @@ def test_failing_token_mode_policy_drops_nothing(tiny_model, tiny_tokenizer):
 def test_failed_prefill_leaves_nothing_half_written(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer).session("t")
     session.extend(TOOL_TURN[:2])
-    before = session.store.physical.length
+    before = session.stats().attended_tokens
     with inject_faults(session, "forward"), pytest.raises(InjectedFault, match="half way"):
         session.extend(TOOL_TURN)
-    assert session.store.physical.length == before
+    assert session.stats().attended_tokens == before
     session.check()
     result = session.extend(TOOL_TURN)  # the retry encodes what was pending, once
     assert result.prefilled_tokens == len(session.token_ids()) - before

@@ -389,14 +389,14 @@ def test_message_lists_are_encoded_or_rejected_clearly(backend, incoming):
         before = (
             session.token_ids(),
             [m.fingerprint() for m in session.messages],
-            session.store.physical.length,
+            session.stats().attended_tokens,
         )
         error = clear_error(lambda: session.extend(incoming))
         if error is not None:
             after = (
                 session.token_ids(),
                 [m.fingerprint() for m in session.messages],
-                session.store.physical.length,
+                session.stats().attended_tokens,
             )
             assert after == before, "a rejected extend changed the session"
         else:

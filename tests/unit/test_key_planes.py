@@ -234,7 +234,7 @@ def test_exact_recall_plans_its_room_as_if_every_fine_plane_were_dropped(
             session.store.quantize_attended(span)
     dropped.store.coarsen_attended_until(list(dropped.spans), 1 << 40)
     assert held.store.fine_key_bytes() > 0 == dropped.store.fine_key_bytes()
-    held_usage, dropped_usage = (s.manager.budget.usage_bytes() for s in (held, dropped))
+    held_usage, dropped_usage = (s.stats().budget_used_bytes for s in (held, dropped))
     assert held_usage - dropped_usage == held.store.fine_key_bytes()
 
     def floor_usage(session: Any) -> int:

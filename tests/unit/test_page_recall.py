@@ -63,16 +63,18 @@ def test_a_committed_span_gets_a_digest_counted_in_the_device_budget(tiny_model,
     session.extend(_history())
     _commit_tool(session)
     tool = _tool(session)
-    digest = session.store.digests[tool.span_id]
+    digest = session.store.page_digest(tool)
+    assert digest is not None
     assert digest.num_tokens == tool.length and digest.page_tokens == 8
     assert len(digest.mins) == tiny_model.config.num_hidden_layers - QUEST_SKIP_LAYERS
     tiers = session.store.bytes_by_tier()
-    assert tiers.digest == sum(d.nbytes for d in session.store.digests.values()) > 0
-    assert session.manager.budget.usage_bytes() == tiers.device + tiers.quantized + tiers.digest
+    digests = [session.store.page_digest(s) for s in session.spans]
+    assert tiers.digest == sum(d.nbytes for d in digests if d is not None) > 0
+    assert session.stats().budget_used_bytes == tiers.device + tiers.quantized + tiers.digest
     assert session.stats().digest_bytes == tiers.digest
     # The digest outlives the span's KV: it is what recall scores once the span is dropped.
     _archive(session, tool)
-    assert tool.span_id in session.store.digests
+    assert session.store.page_digest(tool) is not None
     session.check()
 
 
@@ -139,7 +141,8 @@ def test_pages_are_chosen_by_the_questions_attention_bound(tiny_model, tiny_toke
     _commit_tool(session)
     tool = _tool(session)
     _archive(session, tool)
-    digest = session.store.digests[tool.span_id]
+    digest = session.store.page_digest(tool)
+    assert digest is not None
     history.append({"role": "user", "content": "zz qq"})
     session.extend(history)
     queries = session.manager.pages.last_queries
@@ -170,11 +173,11 @@ def test_page_recall_respects_the_device_budget(tiny_model, tiny_tokenizer):
         session.check()
     tool = _tool(session)
     assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED  # archive tier `drop`
-    assert tool.span_id in session.store.digests and tool.span_id in session.manager.recallable
+    assert session.store.page_digest(tool) is not None and tool.span_id in session.manager.recallable
     history.append({"role": "user", "content": "Which error code KX7-4471 was in the build?"})
     session.extend(history)
     assert tool.tier is Tier.DEVICE and tool.kept is not None and len(tool.kept) < tool.length
-    assert session.manager.budget.usage_bytes() <= 150 * backend.runner.bytes_per_token
+    assert session.stats().budget_used_bytes <= 150 * backend.runner.bytes_per_token
     session.check()
 
 
@@ -223,12 +226,13 @@ def test_pages_come_back_into_the_attended_int4_tier(tiny_model, tiny_tokenizer)
     session.extend(history)
     _commit_tool(session)
     tool = _tool(session)
-    assert tool.span_id in session.store.digests
+    assert session.store.page_digest(tool) is not None
     _archive(session, tool)
     history.append({"role": "user", "content": "Which error code did KX7-4471 step report?"})
     session.extend(history)
     assert tool.tier is Tier.DEVICE and tool.kept is not None and len(tool.kept) < tool.length
-    assert int((session.store.physical.slot_span == tool.span_id).sum()) == len(tool.kept)
+    held = session.store.attended_tokens(tool, keys=False, queries=False)
+    assert held is not None and sorted(held.offsets.tolist()) == tool.kept
     session.check()
 
 

@@ -545,7 +545,7 @@ class SessionMachine(RuleBasedStateMachine):
         for span in session.spans:
             assert not (span.pinned and span.state in DEMOTED_STATES)
         stats = session.stats()
-        limit = session.manager.budget.last_limit
+        limit = stats.budget_device_bytes
         if stats.budget_satisfied and limit is not None and self.config.policy.name != "full":
             usage = stats.device_bytes + stats.quantized_bytes
             assert usage <= limit * self.config.budget.high_watermark

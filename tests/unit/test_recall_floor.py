@@ -68,7 +68,7 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
     assert floor is not None
     assert floor.exact_token_bytes == session.runner.bytes_per_token
     assert floor.exact_tokens == 4 + 64  # the default sinks and residual window
-    before = store.physical.nbytes()
+    before = store.bytes_by_tier().device
     tool = tool_span(session)
     freed = store.quantize_attended(tool)
     n = store.attended_quantized_tokens(tool)
@@ -77,7 +77,7 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
     held = n * floor.exact_token_bytes - freed
     assert n * floor.token_bytes <= held <= floor.span_cost(n)
     assert floor.span_cost(n) - n * floor.token_bytes == floor.span_bytes > 0
-    assert store.physical.nbytes() == before - freed
+    assert store.bytes_by_tier().device == before - freed
     off = TransformersBackend(
         tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"quantization": {"attended_bits": None}})
     )
@@ -91,7 +91,8 @@ def test_recall_brings_back_a_span_that_fits_once_quantized(tiny_model, tiny_tok
     assert stats.budget_satisfied and stats.device_bytes <= limit
     assert stats.attended_quantized_tokens > 0  # it fits because lower-priority spans went to int4
     # The recomputed span holds every token of the tool result, in attention.
-    assert session.store.physical.slots_of(tool.span_id).numel() == tool.length
+    held = session.store.attended_tokens(tool, keys=False, queries=False)
+    assert held is not None and sorted(held.offsets.tolist()) == list(range(tool.length))
     logits = session.continuation_logits([5, 6, 7])
     assert torch.isfinite(logits).all()
 

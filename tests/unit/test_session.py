@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend, UnknownSessionError
-from agentkv.spans import Tier
+from agentkv.spans import SpanState, Tier
 
 TOL = 1e-4
 
@@ -348,3 +348,19 @@ def test_model_without_chat_template_falls_back_with_warning(tiny_model, tiny_to
     session = backend.session("t")
     session.extend(HISTORY[:2])
     assert session.stats().prefill_tokens > 0
+
+
+def test_a_fork_evicts_what_its_parent_archived(backend):
+    parent = backend.session("archiving")
+    parent.extend(HISTORY)
+    span = next(s for s in parent.spans if s.kind.value == "user")
+    assert parent.manager.move(span, SpanState.ARCHIVED, reason="test") is not None
+    assert span.tier is Tier.HOST
+    child = parent.fork("b2")
+    clone = next(s for s in child.spans if s.span_id == span.span_id)
+    # Archived blocks are not copied: the child's span is evicted (its tokens remain), the parent's is not.
+    assert clone.state is SpanState.EVICTED and clone.tier is Tier.DROPPED and clone.kept is None
+    assert span.state is SpanState.ARCHIVED and span.tier is Tier.HOST
+    assert child.manager.recallable == parent.manager.recallable  # what recall may bring back is inherited
+    child.check()
+    parent.check()
