@@ -35,7 +35,8 @@ class GrammarProcessor:
             generated (a call's opening): the grammar is advanced through them first.
         budget: the answer's `max_new_tokens` (None: no finishing).
         tokenizer: the Hugging Face tokenizer (needed with `budget`, to rank closing tokens).
-        stop_ids: the end-of-turn ids (with `budget`).
+        stop_ids: the end-of-turn ids: allowed only once the grammar may end (and
+            ranked for closing with `budget`).
 
     Raises:
         RuntimeError: the prefix or a produced token is outside the grammar (the mask
@@ -59,7 +60,9 @@ class GrammarProcessor:
         self.finishing = False
         """True once the budget left is what the shortest completion needs."""
         self.next_check = 0
-        self.rank = closing_rank(tokenizer, set(stop_ids)) if budget is not None else None
+        self.stop_ids = sorted(set(stop_ids))
+        """End-of-turn ids: allowed only where the grammar may end (whatever the tokenizer marks special)."""
+        self.rank = closing_rank(tokenizer, set(self.stop_ids)) if budget is not None else None
         if prefix_ids and not self.matcher.consume_tokens(list(prefix_ids)):
             self._fail("the prefilled prefix")
 
@@ -111,6 +114,10 @@ class GrammarProcessor:
             self._fail("the mask")
         allowed = torch.zeros(vocab, dtype=torch.bool)
         allowed[: bits.size] = torch.from_numpy(bits.astype(np.bool_))
+        if self.stop_ids and not self.matcher.is_accepting():
+            # A tokenizer that does not mark its end-of-turn token special lets the grammar read
+            # it as text (inside a JSON string, say); the decode loop would stop there mid-call.
+            allowed[[i for i in self.stop_ids if i < vocab]] = False
         return allowed
 
     @property

@@ -117,7 +117,8 @@ class CallPlanning:
         constrained = self.grammar and (session is None or isinstance(session, Session))
         grammar, prefix = None, ""
         if tools and choice not in (None, "none"):
-            sampling["stop"].append(TOOL_CALL_CLOSE)
+            if not constrained:  # the grammar ends the call itself; its strings may hold the tag
+                sampling["stop"].append(TOOL_CALL_CLOSE)
             if constrained:  # the call follows the tool's schema; "any": the model picks the name under it
                 forced = tools if choice == ANY_TOOL else [t for t in tools if tool_names([t]) == [choice]]
                 grammar = tool_call_grammar(forced, parallel=parallel)

@@ -199,11 +199,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCa
     while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
         outside.append(text[position:start])
         body_start = start + len(TOOL_CALL_OPEN)
-        ends = [
-            i
-            for i in (text.find(TOOL_CALL_CLOSE, body_start), text.find(TOOL_CALL_OPEN, body_start))
-            if i >= 0
-        ]
+        # Tags are looked for after the call's JSON object: its strings may contain them.
+        search = _object_end(text, body_start) or body_start
+        ends = [i for i in (text.find(TOOL_CALL_CLOSE, search), text.find(TOOL_CALL_OPEN, search)) if i >= 0]
         body_end = min(ends) if ends else len(text)
         _read_call(text[body_start:body_end], calls, invalid)
         position = body_end
@@ -212,6 +210,25 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCa
     outside.append(text[position:])
     pieces = [outside[0].rstrip()] + [piece.strip() for piece in outside[1:]]
     return "\n".join(piece for piece in pieces if piece), calls, invalid
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Where the JSON object that opens a block ends, if the block holds a complete one.
+
+    A constrained call is a complete JSON object, and its string values may contain
+    anything, the closing tag included: the block's end tag is looked for after the
+    object. None when the block does not start with a complete object.
+    """
+    at = start
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if not text.startswith("{", at):
+        return None
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, at)
+    except json.JSONDecodeError:
+        return None
+    return end if isinstance(obj, dict) else None
 
 
 def _read_call(body: str, calls: list[ToolCall], invalid: list[InvalidToolCall]) -> None:

@@ -468,6 +468,14 @@ def test_parse_missing_close_ends_at_the_next_call():
     assert [c["name"] for c in parse_tool_calls(text)[1]] == ["a", "b"]
 
 
+def test_parse_a_closing_tag_inside_a_json_string_does_not_cut_the_call():
+    """Constrained decoding guarantees a complete object; its strings may hold any text, tags too."""
+    text = '<tool_call>{"name": "add_todo", "arguments": {"task": "}}</tool_call> then more"}}</tool_call>'
+    content, calls, invalid = parse_tool_calls(text)
+    assert invalid == [] and content == ""
+    assert [(c["name"], c["args"]) for c in calls] == [("add_todo", {"task": "}}</tool_call> then more"})]
+
+
 @pytest.mark.parametrize(
     ("text", "name"),
     [

@@ -379,3 +379,16 @@ def test_random_schemas_give_valid_json(backend, schema, seed):
     text = session.generate(max_new_tokens=48, temperature=1.0, seed=seed, logits_processor=processor)
     assert valid(json.loads(text), schema), text
     backend.close("property")
+
+
+def test_end_of_turn_is_allowed_only_where_the_grammar_may_end(tiny_tokenizer):
+    """Even a stop id the grammar reads as text (a tokenizer that does not mark it special)."""
+    text_stop = tiny_tokenizer.encode("x", add_special_tokens=False)[0]  # a plain-text token as the stop id
+    compiled = compile_grammar(tiny_tokenizer, [2], json_grammar({"type": "object"}))
+    processor = GrammarProcessor(compiled, stop_ids=[2, text_stop])
+    vocab = len(tiny_tokenizer)
+    opened = tiny_tokenizer.encode('{"a": "', add_special_tokens=False)
+    assert not processor(opened, torch.zeros(vocab))[text_stop].isfinite()  # inside a string: no stop
+    closed = tiny_tokenizer.encode('{"a": "b"}', add_special_tokens=False)
+    processor = GrammarProcessor(compiled, stop_ids=[2, text_stop])
+    assert processor(closed, torch.zeros(vocab))[2].isfinite()  # complete: the end of turn is allowed
