@@ -16,7 +16,6 @@ from functools import partial
 import torch
 
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store import tokens as token_access
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
@@ -26,6 +25,7 @@ from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
 from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, TierBytes
 from agentkv.store.quantized import QuantizedBlock
+from agentkv.store.tokens import digest_span, keep_slots, read_tokens
 
 __all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
 
@@ -320,18 +320,18 @@ class KVStore:
         physical = self.physical
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
         if not slots.numel():  # nothing of it attended: nothing to read
-            return token_access.read_tokens(physical, slots, keys=False, queries=False)
-        return token_access.read_tokens(physical, slots, keys=keys, queries=queries)
+            return read_tokens(physical, slots, keys=False, queries=False)
+        return read_tokens(physical, slots, keys=keys, queries=queries)
 
     def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
         """Keep only the attended slots `keep`; tokens dropped by span id (token-mode eviction)."""
-        return token_access.keep_slots(self.physical, spans, keep)
+        return keep_slots(self.physical, spans, keep)
 
     def index_pages(self, span: Span, page_tokens: int) -> bool:
         """Digest a fully attended span's keys by page (kept while the span is archived or dropped)."""
         if span.span_id in self.digests or span.tier is not Tier.DEVICE:
             return False
-        digest = token_access.digest_span(self.physical, span, page_tokens)
+        digest = digest_span(self.physical, span, page_tokens)
         if digest is None:
             return False
         self.digests[span.span_id] = digest
@@ -532,9 +532,9 @@ class KVStore:
         for block_span in self.blocks:
             if block_span not in by_id:
                 problems.append(f"archived block of unknown span {block_span}")
-        for digest_span in self.digests:
-            if digest_span not in by_id:
-                problems.append(f"page digest of unknown span {digest_span}")
+        for digest_owner in self.digests:
+            if digest_owner not in by_id:
+                problems.append(f"page digest of unknown span {digest_owner}")
         # Accounting: what the tiers report is what their tensors hold.
         tiers = self.bytes_by_tier()
         walked = sum(tensor_bytes(t) for t in physical.tensors())

@@ -154,13 +154,18 @@ def test_idle_bound_spares_a_thread_in_use(tiny_model, tiny_tokenizer) -> None:
     assert backend.end_idle_sessions() == ["b", "c"]
 
 
-def test_session_bounds_are_backend_wide_never_ignored(tiny_model, tiny_tokenizer, caplog) -> None:
-    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
+def _idle_graph() -> Any:
+    """A one-node graph that answers nothing (what `with_kv_lifecycle` wraps here)."""
     builder = StateGraph(MessagesState)
     builder.add_node("agent", lambda state: {"messages": []})
     builder.add_edge(START, "agent")
+    return builder.compile()
+
+
+def test_session_bounds_are_backend_wide_never_ignored(tiny_model, tiny_tokenizer, caplog) -> None:
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
     with pytest.raises(ValueError, match="agentkv.sessions is backend-wide"):
-        with_kv_lifecycle(builder.compile(), backend=backend, config={"sessions": {"max_live": 2}})
+        with_kv_lifecycle(_idle_graph(), backend=backend, config={"sessions": {"max_live": 2}})
     graph = graph_over(backend)
     with caplog.at_level(logging.WARNING, logger="agentkv.langgraph"):
         graph.invoke(
@@ -172,10 +177,7 @@ def test_session_bounds_are_backend_wide_never_ignored(tiny_model, tiny_tokenize
 
 def test_prefix_cache_settings_are_backend_wide_but_a_session_may_opt_out(tiny_model, tiny_tokenizer) -> None:
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
-    builder = StateGraph(MessagesState)
-    builder.add_node("agent", lambda state: {"messages": []})
-    builder.add_edge(START, "agent")
     with pytest.raises(ValueError, match="agentkv.prefix_cache is backend-wide"):
-        with_kv_lifecycle(builder.compile(), backend=backend, config={"prefix_cache": {"max_tokens": 512}})
+        with_kv_lifecycle(_idle_graph(), backend=backend, config={"prefix_cache": {"max_tokens": 512}})
     opted_out = {"policy": "full", "prefix_cache": {"enabled": False}}
-    with_kv_lifecycle(builder.compile(), backend=backend, config=opted_out)  # honoured per session
+    with_kv_lifecycle(_idle_graph(), backend=backend, config=opted_out)  # honoured per session
