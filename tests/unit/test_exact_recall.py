@@ -258,3 +258,43 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
     assert session.stats().faults >= 1
     assert set(page_of_code(session, tool)) <= set(session.store.quantized_offsets(tool))
     assert tool.tier is Tier.DEVICE and tool.state is SpanState.COMMITTED
+
+
+def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_whole(
+    tiny_model, tiny_tokenizer
+):
+    """The room fits the whole tool result (ranked first), or its quoted pages and the short note.
+
+    Taken whole, the tool result would spend the room the note needs; page by page, both get
+    what the question asks about in full precision, and the room left goes back to the tool result.
+    """
+    note_text = "ticket TK-9981 covers KX7-4471"
+    before = history()
+    before[5:5] = [{"role": "user", "content": note_text}, {"role": "assistant", "content": "noted"}]
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend([*before, {"role": "user", "content": QUESTION}])
+    floor = free.store.attended_floor()
+    assert floor is not None
+    total, tool_tokens = free.logical_length, tool_span(free).length
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    # Room at the floor for the whole tool result in full precision and a token or two, not the note too.
+    at_floor = floor.span_cost(total) + floor.exact_surplus + (tool_tokens + 2) * (bpt - floor.token_bytes)
+    budget_tokens = int(at_floor / (low * bpt)) + 8
+    data = {"budget": {"device_tokens": budget_tokens, "placement_order": "attended_first"}}
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("t")
+    session.extend(before)
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    note = next(s for s in session.spans if note_text in tiny_tokenizer.decode(s.token_ids))
+    for span in (tool, note):
+        if not session.store.attended_quantized_tokens(span):
+            session.store.quantize_attended(span)
+        assert session.store.attended_quantized_tokens(span) > 0
+    assert note.length + 4 < 2 * AgentKVConfig().recall.page_tokens < tool.length
+    session.extend([*before, {"role": "user", "content": QUESTION}])
+    session.check()
+    assert session.store.attended_quantized_tokens(note) == 0, "the short note quoting the code is exact"
+    quantized = set(session.store.quantized_offsets(tool))
+    assert not quantized & set(page_of_code(session, tool)), "the tool result's quoted page is exact"
+    assert quantized, "the tool result is not recomputed whole"
+    assert session.stats().budget_satisfied
