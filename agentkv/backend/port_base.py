@@ -80,10 +80,6 @@ class SessionServicesBase:
         msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"
         raise NotImplementedError(msg)
 
-    def question_queries(self) -> tuple[Any, ...] | None:
-        """Not supported without a local model: None (page recall ranks by words)."""
-        return None
-
     def window_attention(self, token_ids: Sequence[int]) -> Any:
         """Not supported without a local model: None (commit compression uses the policy's scores)."""
         del token_ids

@@ -306,7 +306,7 @@ def _sample(session: Session, step: str) -> StepSample:
     stats = session.stats()
     return StepSample(
         step,
-        stats.device_bytes + stats.digest_bytes,  # page digests live on the device too
+        stats.device_bytes,
         stats.host_bytes,
         stats.quantized_bytes,
         stats.attended_tokens,
@@ -397,7 +397,7 @@ def run_one(
         exact_match=sum(r.exact_match for r in rows) / max(1, len(rows)),
         mean_logprob=_mean(r.logprob for r in rows),
         mean_kl=_mean(r.kl for r in rows),
-        final_device_bytes=stats.device_bytes + stats.digest_bytes,
+        final_device_bytes=stats.device_bytes,
         peak_host_bytes=peaks.host,
         peak_quantized_bytes=peaks.quantized,
         peak_total_bytes=max(peaks.total, stats.peak_device_bytes),
