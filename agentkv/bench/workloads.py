@@ -197,12 +197,13 @@ def load_workloads(names: Sequence[str | Path] | None = None) -> list[Workload]:
     return [load_workload(name) for name in (names if names is not None else workload_names())]
 
 
-def parse_workload(data: Any, *, where: str = "workload") -> Workload:
+def parse_workload(data: Any, *, where: str = "workload", min_turns: int = MIN_TURNS) -> Workload:
     """Validate a workload given as Python data (what the JSON file holds).
 
     Checks more than types: a question's gold answer must appear in the turn it
     names, so a typo in a workload cannot silently turn into a question no
-    method can answer.
+    method can answer. `min_turns`: the fewest turns allowed (`agentkv bench forget`'s
+    traces are shorter than the memory bench's workloads).
     """
     obj = _mapping(data, where)
     name = _text(obj, "name", where)
@@ -210,8 +211,8 @@ def parse_workload(data: Any, *, where: str = "workload") -> Workload:
     system = _text(obj, "system", where)
     title = _text(obj, "title", where) if "title" in obj else name
     raw_turns = _list(obj, "turns", where)
-    if not MIN_TURNS <= len(raw_turns) <= MAX_TURNS:
-        msg = f"{where}.turns: expected {MIN_TURNS} to {MAX_TURNS} turns, got {len(raw_turns)}"
+    if not min_turns <= len(raw_turns) <= MAX_TURNS:
+        msg = f"{where}.turns: expected {min_turns} to {MAX_TURNS} turns, got {len(raw_turns)}"
         raise ValueError(msg)
     turns = tuple(_turn(t, f"{where}.turns[{i}]", first=i == 0) for i, t in enumerate(raw_turns))
     _check_choices(turns, f"{where}.turns")
