@@ -42,18 +42,8 @@ class ServedSession(Protocol):
         ...
 
 
-class SessionServices(SessionServicesBase):
+class SessionServices(SessionServicesBase[ServedSession]):
     """`SessionPort` over a local session: recompute and attention probes run the model."""
-
-    session: ServedSession
-
-    def __init__(self, session: ServedSession) -> None:
-        super().__init__(session)
-
-    @property
-    def store(self) -> KVStore:
-        """The session's store."""
-        return self.session.store
 
     def rung_fidelity(self) -> Mapping[Rung, float]:
         """The rung costs measured on the backend's model (`budget.rung_costs: calibrated`), or the priors."""

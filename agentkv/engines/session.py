@@ -48,18 +48,8 @@ class EngineHost(BackendHost, Protocol):
         ...
 
 
-class EngineServices(SessionServicesBase):
+class EngineServices(SessionServicesBase["EngineSession"]):
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
-
-    session: EngineSession
-
-    def __init__(self, session: EngineSession) -> None:
-        super().__init__(session)
-
-    @property
-    def store(self) -> EngineStore:
-        """The session's engine store."""
-        return self.session.store
 
     def recompute(self, span: Span) -> None:
         """Nothing to do now: the span is back in the prompt, the engine computes it on the next call."""
