@@ -42,18 +42,8 @@ class ServedSession(Protocol):
         ...
 
 
-class SessionServices(SessionServicesBase):
+class SessionServices(SessionServicesBase[ServedSession]):
     """`SessionPort` over a local session: recompute and attention probes run the model."""
-
-    session: ServedSession
-
-    def __init__(self, session: ServedSession) -> None:
-        super().__init__(session)
-
-    @property
-    def store(self) -> KVStore:
-        """The session's store."""
-        return self.session.store
 
     def rung_fidelity(self) -> Mapping[Rung, float]:
         """The rung costs measured on the backend's model (`budget.rung_costs: calibrated`), or the priors."""
@@ -109,17 +99,6 @@ class SessionServices(SessionServicesBase):
             self.session.forward(feed, logits="none", attention_mask=mask)
         physical.remove(old)
 
-    def question_queries(self) -> tuple[torch.Tensor, ...] | None:
-        """Per layer, the RoPE'd queries `[H_q, m, D]` of the last pending span; the cache is unchanged."""
-        pending = [s for s in self.session.table.spans if s.n_computed < s.length]
-        feed = Feed.pending(pending)
-        if not len(feed):
-            return None
-        window = pending[-1].length - pending[-1].n_computed
-        probe = self._probe(feed, window, keep_queries=True)
-        queries = probe.query_states
-        return None if queries is None else tuple(q[0] for q in queries)
-
     def window_attention(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """`[S]` attention the attended slots get from `token_ids` read after the conversation's end."""
         ids = list(token_ids)
@@ -129,10 +108,10 @@ class SessionServices(SessionServicesBase):
         start = self.session.table.logical_length
         feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
         before = physical.length
-        probe = self._probe(feed, len(ids), keep_queries=False)
+        probe = self._probe(feed, len(ids))
         return probe.attention()[:before]
 
-    def _probe(self, feed: Feed, window: int, *, keep_queries: bool) -> AttentionProbe:
+    def _probe(self, feed: Feed, window: int) -> AttentionProbe:
         """Run `feed` after the attended cache under an attention probe, then cut the cache back."""
         session = self.session
         physical = session.store.physical
@@ -144,7 +123,7 @@ class SessionServices(SessionServicesBase):
         try:
             with (
                 session.backend.model_lock,
-                AttentionProbe(session.runner.model, window=window, keep_queries=keep_queries) as probe,
+                AttentionProbe(session.runner.model, window=window) as probe,
             ):
                 session.runner.forward(physical, feed, logits="none", attention_mask=mask)
         finally:

@@ -110,7 +110,6 @@ class SessionReadout:
                 quantized_bytes=tiers.quantized,
                 host_bytes=tiers.host,
                 shared_device_bytes=tiers.shared,
-                digest_bytes=tiers.digest,
                 tokens_by_state=by_state,
                 attended_tokens=attended,
                 attended_quantized_tokens=attended_quantized,

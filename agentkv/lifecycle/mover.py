@@ -126,7 +126,7 @@ class Mover:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
 
         The span is attended again like any span compressed at commit: `kept` lists
-        the offsets it holds (recall's chosen pages, or what it held before an exact
+        the offsets it holds (exact recall's chosen pages, or what it held before an exact
         recompute); its token ids stay, so the rest can come back later. Commit-time
         compression (which re-runs on a recomputed span) must not thin the offsets out:
         they are this commit's choice.

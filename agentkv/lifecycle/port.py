@@ -73,13 +73,6 @@ class SessionPort(Protocol):
         """
         ...
 
-    def question_queries(self) -> tuple[Any, ...] | None:
-        """Per layer, the RoPE'd queries `[H_q, m, D]` of the pending user message; None: not supported.
-
-        Page recall scores page digests with them; the cache is left as it was.
-        """
-        ...
-
     def window_attention(self, token_ids: Sequence[int]) -> Any:
         """`[S]` attention the attended slots get from `token_ids` read after the conversation's end.
 

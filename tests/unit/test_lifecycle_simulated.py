@@ -140,9 +140,6 @@ class FakePort:
     def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def question_queries(self) -> None:
-        return None
-
     def window_attention(self, token_ids: Sequence[int]) -> None:
         return None
 
