@@ -74,12 +74,13 @@ class SessionServices(SessionServicesBase[ServedSession]):
         """A local model recomputes single tokens."""
         return True
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
-        """Recompute some of an attended span's tokens in full precision, replacing the KV held for them.
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
+        """Recompute some tokens of attended spans in full precision, in one forward, replacing their KV.
 
         The tokens are run at their logical positions over the cache as it is, their old
-        (quantized) copies masked out; the old copies are removed only once the forward
-        succeeded, so a failure leaves the span as it was. Exact page recall uses it
+        (quantized) copies masked out; a recomputed token attends the recomputed tokens
+        before it, not their old copies. The old copies are removed only once the forward
+        succeeded, so a failure leaves every span as it was. Exact page recall uses it
         (`agentkv.lifecycle.exact_recall`).
 
         Raises:
@@ -87,17 +88,33 @@ class SessionServices(SessionServicesBase[ServedSession]):
         """
         physical = self.session.store.physical
         physical.compact_pending()
-        wanted = sorted(set(offsets))
-        old = physical.slots_of(span.span_id, wanted)
-        if int(old.numel()) != len(wanted):
-            msg = f"span {span.span_id}: {len(wanted) - int(old.numel())} of the offsets are not attended"
-            raise ValueError(msg)
-        positions = [span.start + o for o in wanted]
-        feed = Feed([span.token_ids[o] for o in wanted], positions, [span.span_id] * len(wanted), wanted)
-        mask = self.session.runner.logical_mask(physical, positions, hidden=old)
+        tokens: list[tuple[int, int, Span, int]] = []  # (position, span id, span, offset)
+        old: list[torch.Tensor] = []
+        for span, offsets in parts:
+            wanted = sorted(set(offsets))
+            slots = physical.slots_of(span.span_id, wanted)
+            if int(slots.numel()) != len(wanted):
+                msg = (
+                    f"span {span.span_id}: {len(wanted) - int(slots.numel())} of the offsets are not attended"
+                )
+                raise ValueError(msg)
+            old.append(slots)
+            tokens += [(span.start + o, span.span_id, span, o) for o in wanted]
+        if not tokens:
+            return
+        tokens.sort(key=lambda t: (t[0], t[1]))
+        positions = [p for p, _, _, _ in tokens]
+        feed = Feed(
+            [span.token_ids[o] for _, _, span, o in tokens],
+            positions,
+            [span_id for _, span_id, _, _ in tokens],
+            [o for _, _, _, o in tokens],
+        )
+        hidden = torch.cat(old)
+        mask = self.session.runner.logical_mask(physical, positions, hidden=hidden)
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
-        physical.remove(old)
+        physical.remove(hidden)
 
     def window_attention(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """`[S]` attention the attended slots get from `token_ids` read after the conversation's end."""

@@ -91,9 +91,9 @@ class SessionServicesBase(Generic[SessionT]):
         """Whether some tokens of a span can be recomputed alone: not without a local model."""
         return False
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
         """Not supported without a local model."""
-        del span, offsets
+        del parts
         msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"
         raise NotImplementedError(msg)
 

@@ -99,10 +99,9 @@ class ExactRecall(PlacementPeer):
         # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
-            for span, cut, chosen in parts:
-                offsets = sorted(o for i in chosen for o in cut.pages[i])
-                if self._recompute_offsets(span, offsets):
-                    exact.append(span.span_id)
+            paged = [(span, sorted(o for i in chosen for o in cut.pages[i])) for span, cut, chosen in parts]
+            if paged and self._recompute_offsets(paged):
+                exact += [span.span_id for span, _ in paged]
             for span in whole:
                 if self._recompute(span, store):
                     self.table.counters.exact_recalled_tokens += span.length
@@ -120,16 +119,17 @@ class ExactRecall(PlacementPeer):
                 room -= cost
         return chosen, room
 
-    def _recompute_offsets(self, span: Span, offsets: list[int]) -> bool:
-        """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
+    def _recompute_offsets(self, parts: list[tuple[Span, list[int]]]) -> bool:
+        """Recompute tokens of spans at full precision in one forward; False (a recorded fault) if not."""
         with self.timer.timed("store_seconds"):
             try:
-                self.port.recompute_offsets(span, offsets)
-            except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
-                self.mover.fault("exact page recall", span, e)
+                self.port.recompute_offsets(parts)
+            except Exception as e:  # noqa: BLE001 - every span is still attended, quantized, as it was
+                self.mover.fault("exact page recall", parts[0][0], e)
                 return False
-        self.table.counters.exact_recalled_tokens += len(offsets)
-        self.table.counters.rehydrated_tokens += len(offsets)
+        tokens = sum(len(offsets) for _, offsets in parts)
+        self.table.counters.exact_recalled_tokens += tokens
+        self.table.counters.rehydrated_tokens += tokens
         return True
 
     def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:

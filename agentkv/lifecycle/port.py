@@ -65,10 +65,10 @@ class SessionPort(Protocol):
         """Whether `recompute_offsets` is supported (exact page recall needs it)."""
         ...
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
-        """Recompute some of an attended span's tokens in full precision, replacing their KV.
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
+        """Recompute some tokens of attended spans in full precision, in one forward, replacing their KV.
 
-        Raises on failure (the span stays as it was), and `NotImplementedError` where
+        Raises on failure (every span stays as it was), and `NotImplementedError` where
         `recomputes_offsets` is False.
         """
         ...

@@ -221,7 +221,7 @@ def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_m
     page = session.store.quantized_offsets(tool)[:24]
     assert page and page == list(range(page[0], page[0] + 24))
     before = session.stats().attended_tokens
-    session.manager.port.recompute_offsets(tool, page)
+    session.manager.port.recompute_offsets([(tool, page)])
     session.check()
     assert session.stats().attended_tokens == before, "the page replaced its old copies"
     assert not set(page) & set(session.store.quantized_offsets(tool))
@@ -246,7 +246,7 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
     at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
 
-    def broken(span: Span, offsets: Any) -> None:
+    def broken(parts: Any) -> None:
         raise RuntimeError("device lost")
 
     session, tool = quantized_then_asked(

@@ -137,7 +137,7 @@ class FakePort:
 
     recomputes_offsets = False
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
         raise NotImplementedError
 
     def window_attention(self, token_ids: Sequence[int]) -> None:
