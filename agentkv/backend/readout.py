@@ -87,6 +87,12 @@ class SessionReadout:
         """Tokens in the logical sequence (held or not)."""
         return self.table.logical_length
 
+    @property
+    def recallable(self) -> frozenset[int]:
+        """Ids of the demoted spans recall may bring back (a copy: reading it changes nothing)."""
+        with self.lock:
+            return frozenset(self.manager.recallable)
+
     def _attended_tokens(self) -> tuple[int, int]:
         """`(attended, attended quantized)` tokens the model reads now (the subclass knows its store)."""
         raise NotImplementedError

@@ -1,0 +1,90 @@
+"""KVStore on a live session: the physical slot order, batched restores, bytes against the tensors.
+
+These are tests of the store itself (`agentkv.store.kvstore`, `agentkv.store.cache`), so they
+read its physical cache directly; tests of the session and the lifecycle go through the public API.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.spans import Tier
+
+TOL = 1e-4
+HISTORY = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "The secret code is 4417. Remember the package tracking number ZX-99."},
+    {"role": "assistant", "content": "Noted: code 4417 and tracking number ZX-99."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
+    {
+        "role": "tool",
+        "content": "search results: sunny skies, lorem ipsum dolor sit amet",
+        "tool_call_id": "call_1",
+    },
+    {"role": "user", "content": "Thanks. And the code?"},
+]
+
+
+@pytest.fixture()
+def backend(tiny_model, tiny_tokenizer) -> TransformersBackend:
+    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"policy": "full"}))
+
+
+def assert_matches_full(session, model, probe: list[int]) -> None:
+    """Continuation logits over the managed cache equal a plain forward of all tokens."""
+    managed = session.continuation_logits(probe)
+    with torch.inference_mode():
+        reference = model(input_ids=torch.tensor([session.token_ids() + probe])).logits[0, -len(probe) :]
+    assert (managed - reference.float()).abs().max().item() <= TOL
+
+
+def test_random_permutation_of_physical_cache_keeps_logits(backend, tiny_model):
+    session = backend.session("t")
+    session.extend(HISTORY)
+    physical = session.store.physical
+    physical.permute(torch.randperm(physical.length, generator=torch.Generator().manual_seed(1)))
+    assert_matches_full(session, tiny_model, [11, 12, 13])
+    session.check()
+
+
+def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_model, monkeypatch):
+    session = backend.session("t")
+    session.extend(HISTORY)
+    spans = [session.spans[i] for i in (1, 3, 5)]
+    for span in spans:
+        session.store.archive(span, "host")
+    appends: list[int] = []
+    physical = session.store.physical
+    original = physical.append_blocks
+
+    def counted(items):
+        appends.append(len(items))
+        original(items)
+
+    monkeypatch.setattr(physical, "append_blocks", counted)
+    session.store.restore_many(spans)
+    assert appends == [3]
+    assert all(s.tier is Tier.DEVICE for s in spans)
+    assert session.stats().host_bytes == 0
+    assert_matches_full(session, tiny_model, [21, 22])
+    session.check()
+
+
+def test_byte_accounting_equals_tensors(backend):
+    session = backend.session("t")
+    session.extend(HISTORY)
+    session.store.archive(session.spans[1], "host")
+    session.store.archive(session.spans[3], "int4")
+    tiers = session.store.bytes_by_tier()
+    layers = session.store.physical.cache.managed_layers
+    held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in layers)
+    assert tiers.device == held
+    assert tiers.host == session.store.blocks[session.spans[1].span_id].nbytes
+    assert tiers.quantized == session.store.blocks[session.spans[3].span_id].nbytes
