@@ -30,7 +30,11 @@ from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.host import HostMemoryError
 
 TOL = 1e-4
-RULES = {"custom:arch": {"owner": "archive"}, "custom:drop": {"owner": "evict"}}
+RULES = {
+    "custom:arch": {"owner": "archive"},
+    "custom:drop": {"owner": "evict"},
+    "custom:commit": {"owner": "commit"},
+}
 TOOL_TURN = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
@@ -152,7 +156,7 @@ def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, si
     # token ids, still recallable), never half-archived.
     assert stats.host_bytes == stats.quantized_bytes == 0
     left = [s for s in session.spans if s.tier is not Tier.DEVICE]
-    assert all(s.state is SpanState.EVICTED and s.span_id in session.manager.recallable for s in left)
+    assert all(s.state is SpanState.EVICTED and s.span_id in session.recallable for s in left)
     if site == "host_limit":
         assert all("HostMemoryError" in r["error"] for r in records)
     assert "kept safe" in caplog.text
@@ -164,7 +168,7 @@ def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, si
     assert session.stats().budget_satisfied
     # Archived now (or archived, then evicted from the quantized tier under the same pressure): recallable.
     demoted = [s for s in session.spans if s.state in (SpanState.ARCHIVED, SpanState.EVICTED)]
-    assert any(s.span_id in session.manager.recallable for s in demoted)
+    assert any(s.span_id in session.recallable for s in demoted)
     session.check()
 
 
@@ -197,7 +201,7 @@ def test_failed_restore_recomputes_the_span(tiny_model, tiny_tokenizer, bring_ba
     session.manager.recallable.add(tool.span_id)
     with inject_faults(session, "restore") as fault:
         if bring_back == "move":
-            assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None
+            assert session.apply(Custom(event="commit", owner="call_1")).transitions
         elif bring_back == "pin":
             assert session.pin("call_1").span_ids == (tool.span_id,)
         elif bring_back == "confirm":
@@ -220,12 +224,14 @@ def test_restore_and_recompute_both_failing_leaves_an_evicted_span(tiny_model, t
     session.apply(Custom(event="arch", owner="call_1"))
     (tool,) = session.spans_owned_by("call_1")
     with inject_faults(session, "restore"), inject_faults(session, "forward"):
-        assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is None
+        assert not session.apply(Custom(event="commit", owner="call_1")).transitions
     # The archived copy is gone and the recompute failed: the span says so, and keeps its tokens.
     assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED and tool.token_ids
     assert session.stats().faults == 2
     session.check()
-    assert session.manager.move(tool, SpanState.COMMITTED, reason="later") is not None
+    # A confirmation brings it back later (recomputed from its token ids).
+    assert session.apply(UserConfirmed("call_1")).applied
+    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
     session.check()
     assert_exact(session, tiny_model)
 
