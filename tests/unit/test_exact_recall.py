@@ -14,6 +14,7 @@ import torch
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
 from agentkv.events import ToolCallCompleted
 from agentkv.spans import Span, SpanKind
+from tests.unit.held_kv import span_keys
 
 FILLER = "build log line ok compiled module linked fine "
 TOOL_TEXT = FILLER * 10 + "error code KX7-4471 in step nine " + FILLER * 10
@@ -225,13 +226,9 @@ def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_m
     session.check()
     assert session.stats().attended_tokens == before, "the page replaced its old copies"
     assert not set(page) & set(session.store.quantized_offsets(tool))
-    physical, reference = session.store.physical, free.store.physical
-    got = physical.slots_of(tool.span_id, page)
-    want = reference.slots_of(tool_span(free).span_id, page)
-    for layer in range(physical.num_layers):
-        torch.testing.assert_close(
-            physical.layer_keys_at(layer, got), reference.layer_keys_at(layer, want), rtol=1e-5, atol=1e-5
-        )
+    got, want = span_keys(session, tool, page), span_keys(free, tool_span(free), page)
+    for held, reference in zip(got, want, strict=True):
+        torch.testing.assert_close(held, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantized(

@@ -62,6 +62,7 @@ from agentkv.spans import SpanKind
 from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.host import HostBlock
 from agentkv.store.quantized import QuantizedBlock
+from tests.unit.held_kv import span_keys
 
 TOL = 1e-4
 EXAMPLES = int(os.environ.get("AGENTKV_HYPOTHESIS_EXAMPLES", "150"))
@@ -640,11 +641,9 @@ def test_restored_pending_tail_attends_only_to_its_past(tiny_model, tiny_tokeniz
     session.check()
     with torch.inference_mode():
         out = tiny_model(input_ids=torch.tensor([session.token_ids()[: span.end]]), use_cache=True)
-    physical = session.store.physical
-    slots = physical.slots_of(span.span_id)
-    for layer in range(physical.num_layers):
+    offsets = list(range(span.length))  # every token of it attended, the tail included
+    for layer, held in enumerate(span_keys(session, span, offsets)):
         reference = out.past_key_values.layers[layer].keys[..., span.start : span.end, :]
-        held = physical.layer_keys(layer).index_select(-2, slots)
         assert (held - reference).abs().max().item() <= TOL
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
+from tests.unit.held_kv import span_keys
 from tests.unit.test_demotion_order import NOTE, history, user_span
 
 QUESTION = "Where is the spare key for locker KX7-4471 kept?"
@@ -33,11 +34,7 @@ def test_a_recalled_span_keeps_its_commit_score_and_holds_the_full_caches_kv(tin
     session.check()
     assert note.tier is Tier.DEVICE and session.stats().rehydrated_tokens >= note.length
     assert note.score == reference_note.score
-    physical, reference = session.store.physical, free.store.physical
-    got = physical.slots_of(note.span_id)
-    want = reference.slots_of(reference_note.span_id)
-    assert got.numel() == note.length
-    for layer in range(physical.num_layers):
-        torch.testing.assert_close(
-            physical.layer_keys_at(layer, got), reference.layer_keys_at(layer, want), rtol=1e-5, atol=1e-5
-        )
+    got, want = span_keys(session, note), span_keys(free, reference_note)
+    assert all(held.shape[-2] == note.length for held in got)
+    for held, reference in zip(got, want, strict=True):
+        torch.testing.assert_close(held, reference, rtol=1e-5, atol=1e-5)
