@@ -18,6 +18,7 @@ from agentkv.config import AgentKVConfig
 from agentkv.events import Event
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.results import ApplyResult
+from agentkv.policies import Policy, SpanView
 from agentkv.spans import Lease, Span, SpanKind
 
 __all__ = ["SessionCore"]
@@ -166,6 +167,24 @@ class SessionCore(SessionReadout):
                     self.manager.register_tool_call(call.id, span)
             if 0 <= span.message_index < len(self.messages):
                 self.messages[span.message_index] = normalized
+
+    # -- the scorer ------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy | None:
+        """The session's token scorer (None for `full`); see docs/policies.md."""
+        return self.manager.policy
+
+    @policy.setter
+    def policy(self, policy: Policy | None) -> None:
+        """Replace the scorer; the session keeps its mode (whole spans or tokens)."""
+        with self.lock:
+            self.manager.policy = policy
+
+    def scoring_view(self, span: Span | None = None) -> SpanView:
+        """What the policy sees of `span`'s attended tokens (None: all); TypeError where the store cannot."""
+        with self.lock:
+            return self.manager.scoring_view(span)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ def test_policy_example_runs_and_plugs_into_a_session(tiny_model, tiny_tokenizer
         tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"commit": {"keep_ratio": {"user": 0.5}}})
     )
     session = backend.session("docs")
-    session.manager.policy = policy_cls(head=4)  # type: ignore[operator]
+    session.policy = policy_cls(head=4)  # type: ignore[operator]
     session.extend([{"role": "user", "content": "the user asked about the weather in Paris " * 3}])
     session.generate(max_new_tokens=2)
     session.apply(TurnEnded())
@@ -33,6 +33,6 @@ def test_policy_example_runs_and_plugs_into_a_session(tiny_model, tiny_tokenizer
     # The head of the conversation is always kept by this policy.
     assert all(offset in user.kept for offset in range(4))
     composed = namespace["policy"]
-    view = session.manager.scoring_view()
+    view = session.scoring_view()
     assert composed.score(view).shape == (view.num_tokens,)  # type: ignore[attr-defined]
     session.check()

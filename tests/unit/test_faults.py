@@ -102,7 +102,7 @@ def test_inject_faults_touches_one_session_and_always_undoes(tiny_model, tiny_to
             pass
     assert not any("update" in vars(layer) for layer in layers)
     assert "archive" not in vars(a.store) and "restore" not in vars(a.store)
-    assert "score" not in vars(a.manager.policy)
+    assert "score" not in vars(a.policy)
     a.extend([*TOOL_TURN, {"role": "user", "content": "ok"}])
     assert_exact(a, tiny_model)
     assert a.stats().faults == b.stats().faults == 0
