@@ -154,17 +154,19 @@ def _probe_all(model: PreTrainedModel, ids: list[int], window: int) -> tuple[tor
 def test_session_probes_snapkv_with_its_own_window(tiny_model, tiny_tokenizer) -> None:
     session = _session(tiny_model, tiny_tokenizer, {"name": "snapkv", "window": 3})
     session.extend(HISTORY)  # one prefill: the last 3 queries are the conversation's last 3 tokens
-    physical = session.store.physical
+    tokens = session.store.attended_tokens(None, keys=False, queries=False)  # every slot, in slot order
+    assert tokens is not None and tokens.offsets.numel() == len(session.token_ids())
     window, _ = _probe_all(tiny_model, session.token_ids(), 3)
-    torch.testing.assert_close(physical.slot_window_attention, window, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(tokens.attention, window, atol=1e-5, rtol=1e-4)
 
 
 def test_session_sums_attention_for_h2o(tiny_model, tiny_tokenizer) -> None:
     session = _session(tiny_model, tiny_tokenizer, {"name": "h2o"})
     session.extend(HISTORY)
-    physical = session.store.physical
+    tokens = session.store.attended_tokens(None, keys=False, queries=False)  # every slot, in slot order
+    assert tokens is not None and tokens.offsets.numel() == len(session.token_ids())
     _, heavy = _probe_all(tiny_model, session.token_ids(), 1)
-    torch.testing.assert_close(physical.slot_heavy_attention, heavy, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(tokens.accumulated_attention, heavy, atol=1e-5, rtol=1e-4)
 
 
 def test_token_mode_keeps_up_to_the_high_watermark(tiny_model, tiny_tokenizer) -> None:
