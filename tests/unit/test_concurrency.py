@@ -26,7 +26,7 @@ import torch
 
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded, UserConfirmed
 from agentkv.backend.session import Session
-from agentkv.store.host import HostBlock
+from tests.unit.store_accounting import assert_tier_bytes
 
 SESSIONS = 32
 WORKERS = 8
@@ -130,25 +130,12 @@ def solo(tiny_model, tiny_tokenizer) -> list[dict[str, Any]]:
     return solo_runs(tiny_model, tiny_tokenizer)
 
 
-def held_bytes(session: Session) -> int:
-    """Device + quantized + host bytes, walked from the tensors (not from the store's own sums)."""
-    total = 0
-    for layer in session.store.physical.cache.managed_layers:
-        total += sum(t.numel() * t.element_size() for t in [*layer.prefix_tensors(), *layer.own_tensors()])
-    for block in session.store.blocks.values():
-        tensors = [*block.block.keys, *block.block.values] if isinstance(block, HostBlock) else []
-        total += sum(t.numel() * t.element_size() for t in tensors) if tensors else block.nbytes
-    return total
-
-
 def assert_final_state(backend: TransformersBackend, sessions: list[Session]) -> None:
     total_device = 0
     for session in sessions:
         session.check()
         stats = session.stats()
-        assert stats.device_bytes + stats.quantized_bytes + stats.host_bytes == held_bytes(session)
-        if not session.store.physical.variable_slot_bytes:  # attended int4 slots cost less than exact ones
-            assert stats.device_bytes == stats.attended_tokens * backend.runner.bytes_per_token
+        assert_tier_bytes(session)  # each tier's bytes are the tensors it holds
         total_device += stats.device_bytes + stats.quantized_bytes
     assert backend.device_bytes() == total_device
 

@@ -32,9 +32,9 @@ from langgraph.prebuilt import ToolNode
 
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded
 from agentkv.backend.session import Session
-from agentkv.store.host import HostBlock
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import with_kv_lifecycle
+from tests.unit.store_accounting import assert_tier_bytes
 
 THREADS = 32
 WORKERS = 8
@@ -175,17 +175,6 @@ def solo(tiny_model, tiny_tokenizer) -> list[dict[str, Any]]:
     return [asyncio.run(one(i)) for i in range(THREADS)]
 
 
-def held_bytes(session: Session) -> int:
-    """Device + quantized + host bytes walked from the tensors (as in test_concurrency.py)."""
-    total = 0
-    for layer in session.store.physical.cache.managed_layers:
-        total += sum(t.numel() * t.element_size() for t in [*layer.prefix_tensors(), *layer.own_tensors()])
-    for block in session.store.blocks.values():
-        tensors = [*block.block.keys, *block.block.values] if isinstance(block, HostBlock) else []
-        total += sum(t.numel() * t.element_size() for t in tensors) if tensors else block.nbytes
-    return total
-
-
 def assert_exact_accounting(backend: TransformersBackend) -> list[Session]:
     sessions = [backend.get(f"t{i}") for i in range(THREADS)]
     assert sorted(s.session_id for s in backend.sessions()) == sorted(f"t{i}" for i in range(THREADS))
@@ -193,7 +182,7 @@ def assert_exact_accounting(backend: TransformersBackend) -> list[Session]:
     for session in sessions:
         session.check()
         stats = session.stats()
-        assert stats.device_bytes + stats.quantized_bytes + stats.host_bytes == held_bytes(session)
+        assert_tier_bytes(session)  # each tier's bytes are the tensors it holds
         assert stats.device_bytes == stats.attended_tokens * backend.runner.bytes_per_token
         total_device += stats.device_bytes + stats.quantized_bytes
     assert backend.device_bytes() == total_device

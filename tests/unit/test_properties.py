@@ -59,10 +59,8 @@ from agentkv import (
 from agentkv.chat import normalize_messages
 from agentkv.lifecycle import DEMOTED_STATES, Lease
 from agentkv.spans import SpanKind
-from agentkv.store.attended import QuantizedAttendedLayer
-from agentkv.store.host import HostBlock
-from agentkv.store.quantized import QuantizedBlock
 from tests.unit.held_kv import span_keys
+from tests.unit.store_accounting import assert_tier_bytes, global_device_bytes
 
 TOL = 1e-4
 EXAMPLES = int(os.environ.get("AGENTKV_HYPOTHESIS_EXAMPLES", "150"))
@@ -154,62 +152,14 @@ def configs(draw: Any) -> dict[str, Any]:
 # -- independent checks ---------------------------------------------------------------------------------
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def held_bytes(session: Any) -> tuple[int, int, int]:
-    """(device, quantized, host) bytes, computed by walking the tensors themselves."""
-    device = 0
-    for layer in session.store.physical.cache.managed_layers:
-        for t in (layer.prefix_keys, layer.prefix_values):
-            device += _nbytes(t)
-        if isinstance(layer, QuantizedAttendedLayer):  # the exact slots, then codes and statistics
-            held = (layer.key_codes, layer.key_scales, layer.key_zeros, layer.value_codes)
-            device += sum(_nbytes(t) for t in (*held, layer.value_scales, layer.value_zeros))
-            if layer.exact_length:
-                device += _nbytes(layer.keys) + _nbytes(layer.values)
-        elif layer.own_length:
-            device += _nbytes(layer.keys) + _nbytes(layer.values)
-    quantized = host = 0
-    for block in session.store.blocks.values():
-        if isinstance(block, HostBlock):
-            host += sum(_nbytes(t) for t in [*block.block.keys, *block.block.values])
-        else:
-            assert isinstance(block, QuantizedBlock)
-            for q in [*block.keys, *block.values]:
-                quantized += _nbytes(q.data) + _nbytes(q.scales) + _nbytes(q.zeros)
-            for t in [*(block.residual_keys or []), *(block.residual_values or [])]:
-                quantized += _nbytes(t)
-    return device, quantized, host
-
-
 def assert_accounting(session: Any) -> None:
     """Reported bytes per tier equal the tensors held; per-token costs add up."""
     stats = session.stats()
-    device, quantized, host = held_bytes(session)
-    assert (stats.device_bytes, stats.quantized_bytes, stats.host_bytes) == (device, quantized, host)
+    _, _, host = assert_tier_bytes(session)
     bpt = session.runner.bytes_per_token
-    if not session.store.physical.variable_slot_bytes:  # attended int4/int2 slots cost less than exact ones
-        assert device == session.store.physical.length * bpt
     on_host = sum(s.held_tokens for s in session.spans if s.tier is Tier.HOST)
     assert host == on_host * bpt
     assert stats.attended_tokens == sum(s.held_tokens for s in session.spans if s.tier is Tier.DEVICE)
-
-
-def global_device_bytes(backend: TransformersBackend) -> int:
-    """Device bytes of all sessions and the prefix cache, a storage shared by several counted once."""
-    storages: dict[int, int] = {}
-    quantized = 0
-    held = [] if backend.prefix_cache is None else list(backend.prefix_cache.tensors())
-    for session in backend.sessions():
-        for layer in session.store.physical.cache.managed_layers:
-            held += [*layer.prefix_tensors(), *layer.own_tensors()]
-        quantized += held_bytes(session)[1]
-    for t in held:
-        if t.numel():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values()) + quantized
 
 
 def span_snapshot(session: Any) -> tuple[Any, ...]:
