@@ -12,8 +12,6 @@ from typing import Any
 import torch
 
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
-from agentkv.store.attended import QuantizedAttendedLayer
-from agentkv.store.cache import SharedPrefixLayer
 
 TOL = 1e-4
 """fp32 tolerance: sdpa over the same KV in another layout differs by rounding only."""
@@ -43,9 +41,10 @@ def test_no_pressure_means_the_plain_cache(tiny_model, tiny_tokenizer):
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig())
     session = backend.session("t")
     session.extend(notes(4))
-    layers = session.store.physical.cache.managed_layers
-    assert all(type(layer) is SharedPrefixLayer for layer in layers)  # never quantized: plain layers
-    assert session.stats().attended_quantized_tokens == 0
+    stats = session.stats()
+    assert stats.attended_quantized_tokens == 0
+    # Never quantized: every attended slot costs a full-precision token's bytes.
+    assert stats.device_bytes == stats.attended_tokens * backend.bytes_per_token
     probe = [5, 6, 7]
     reference = reference_logits(tiny_model, session.token_ids(), probe)
     assert (session.continuation_logits(probe) - reference).abs().max().item() <= TOL
@@ -68,8 +67,8 @@ def test_pressure_quantizes_in_attention_before_archiving(tiny_model, tiny_token
     assert stats.attended_quantized_tokens > 0
     assert all(s.tier is Tier.DEVICE for s in session.spans), "int4 in attention fits: nothing archived"
     assert stats.attended_tokens == free.stats().attended_tokens
-    layers = session.store.physical.cache.managed_layers
-    assert all(isinstance(layer, QuantizedAttendedLayer) for layer in layers)
+    # A slot counts as held quantized only where every layer holds it so.
+    assert session.store.attended_quantized_tokens() == stats.attended_quantized_tokens
     # Still attended, and close to the full cache (lossy, not exact).
     probe = [5, 6, 7]
     managed = session.continuation_logits(probe)
@@ -94,8 +93,8 @@ def test_forks_share_an_unquantized_cache_and_copy_only_when_quantized(tiny_mode
     held = parent.stats().device_bytes
     # The branch has a budget its parent's history already fills: its next turn brings pressure.
     child = parent.fork("b", config=AgentKVConfig.from_dict({"budget": {"device_bytes": held}}))
-    assert child.stats().shared_device_bytes > 0  # the parent's tensors, not a copy
-    assert all(type(layer) is SharedPrefixLayer for layer in child.store.physical.cache.managed_layers)
+    shared = child.stats()
+    assert shared.shared_device_bytes == shared.device_bytes == held  # the parent's tensors, not a copy
     # Under pressure the branch's first quantization takes its own copy.
     child.extend([*history, {"role": "user", "content": "branch b: a longer note " * 6}])
     child.check()
