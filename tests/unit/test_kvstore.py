@@ -1,4 +1,4 @@
-"""KVStore on a live session: the physical slot order, batched restores, bytes against the tensors.
+"""KVStore on a live session: slot order, batched restores, one compaction per budget check, bytes.
 
 These are tests of the store itself (`agentkv.store.kvstore`, `agentkv.store.cache`), so they
 read its physical cache directly; tests of the session and the lifecycle go through the public API.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
-from agentkv.spans import Tier
+from agentkv.spans import SpanState, Tier
 
 TOL = 1e-4
 HISTORY = [
@@ -88,3 +88,32 @@ def test_byte_accounting_equals_tensors(backend):
     assert tiers.device == held
     assert tiers.host == session.store.blocks[session.spans[1].span_id].nbytes
     assert tiers.quantized == session.store.blocks[session.spans[3].span_id].nbytes
+
+
+def test_one_budget_check_compacts_the_cache_once(tiny_model, tiny_tokenizer, monkeypatch):
+    # Demoting k spans in one budget check must copy the attended cache once, not k times.
+    config = AgentKVConfig.from_dict({"budget": {"device_tokens": 200, "low_watermark": 0.3}})
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, config)
+    session = backend.session("t")
+    physical = session.store.physical
+    compactions: list[int] = []
+    original = physical._select
+
+    def counted(keep):
+        compactions.append(int(keep.numel()))
+        original(keep)
+
+    monkeypatch.setattr(physical, "_select", counted)
+    history = [{"role": "system", "content": "You are a helpful assistant."}]
+    most_demoted = 0
+    for i in range(8):
+        history.append({"role": "user", "content": f"note {i}: the secret code is 44{i}7 lorem ipsum"})
+        history.append({"role": "assistant", "content": f"noted {i}"})
+        before = {s.span_id for s in session.spans if s.state is SpanState.ARCHIVED}
+        compactions.clear()
+        session.extend(history)
+        demoted = {s.span_id for s in session.spans if s.state is SpanState.ARCHIVED} - before
+        most_demoted = max(most_demoted, len(demoted))
+        assert len(compactions) <= 1
+        session.check()
+    assert most_demoted >= 2
