@@ -211,3 +211,53 @@ def test_the_lifecycle_is_at_most_six_floors_high() -> None:
 
     height = max(floor(m) for m in graph)
     assert height <= 6, sorted(floors.items(), key=lambda item: -item[1])
+
+
+# -- tests go through the public API ---------------------------------------------------------------
+
+PHYSICAL_READ = re.compile(r"\.physical\b")
+MANAGER_REACH = re.compile(r"\.manager\.[a-z_]+")
+PHYSICAL_READERS: dict[str, str] = {
+    "tests/unit/test_architecture.py": "names the attribute it forbids",
+    "tests/unit/test_attended_tier.py": "tests the store's attended quantized tier",
+    "tests/unit/test_key_planes.py": "tests the store's key planes",
+    "tests/unit/test_rehydration_mask.py": "tests the store's masks",
+    "tests/unit/test_kvstore.py": "tests the KVStore and its physical cache",
+    "tests/unit/store_accounting.py": "the independent oracle of the store's byte accounting",
+    "tests/unit/test_faults.py": "the fault helper patches layers; a half-way quantization shows only there",
+}
+"""Test files that may read a store's physical cache (`.physical`): the store's own tests."""
+MANAGER_READERS: dict[str, str] = {
+    "tests/unit/test_architecture.py": "names the reach-in it forbids",
+    "tests/unit/test_key_planes.py": "the placer's floor estimate against the store's key planes",
+    "tests/unit/test_rehydration_mask.py": "the mask of the mover's eager recompute is the subject",
+    "tests/unit/test_exact_recall.py": "the port's page recompute is the subject (and is made to fail)",
+    "tests/unit/test_recompute_score.py": "a span marked recallable as budget pressure would leave it",
+    "tests/unit/test_recall_floor.py": "a span marked recallable as budget pressure would leave it",
+    "tests/unit/test_calibration.py": "the port's choice of rung costs is the subject",
+    "tests/unit/test_recall_words.py": "the port's background distribution is the subject",
+    "tests/unit/test_faults.py": "the mover's eager recompute of an evicted span, which only recall reaches",
+    "tests/unit/test_properties.py": "every mover move is recorded; evicted spans recomputed eagerly",
+}
+"""Test files that may reach into the lifecycle manager (`session.manager.x`), and why."""
+
+
+def _test_files_matching(pattern: re.Pattern[str]) -> set[str]:
+    return {
+        str(path.relative_to(ROOT))
+        for path in ROOT.joinpath("tests").rglob("*.py")
+        if pattern.search(path.read_text(encoding="utf-8"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("pattern", "allowed"), [(PHYSICAL_READ, PHYSICAL_READERS), (MANAGER_REACH, MANAGER_READERS)]
+)
+def test_tests_reach_in_only_from_the_allow_list(pattern: re.Pattern[str], allowed: dict[str, str]) -> None:
+    """Everything else asserts through the public API (stats, check, spans, the store protocol,
+    events); an allowed file that no longer reaches in leaves the list, so it only shrinks."""
+    found = _test_files_matching(pattern)
+    assert not found - set(allowed), f"reach-ins outside the allow-list: {sorted(found - set(allowed))}"
+    assert not set(allowed) - found, (
+        f"allow-list entries that no longer reach in: {sorted(set(allowed) - found)}"
+    )

@@ -323,7 +323,7 @@ def test_scoring_reads_only_what_the_policy_needs(tiny_model: Any, tiny_tokenize
     physical = store.physical
     physical.quantize_slots(torch.arange(4, physical.length - 16))
     slots = physical.slots_of(session.spans[1].span_id)
-    table = session.manager.table
+    table = session.table
     # The lifecycle policy reads attention, kinds and recency, not keys: a commit dequantizes nothing.
     assert not make_policy("lifecycle").needs_keys and make_policy("key_norm").needs_keys
     lean = span_view(read_tokens(physical, slots, keys=False, queries=False), table)
