@@ -95,9 +95,17 @@ def test_backend_measures_once_and_fixed_keeps_the_priors(
     first = backend.rung_fidelity(config)
     assert backend.rung_fidelity(config) is first and calls == [1]
     assert first[Rung.DROPPED] == 1.0 and first[Rung.FULL] == 0.0
-    fixed = AgentKVConfig.model_validate({"budget": {"rung_costs": "fixed"}})
+    # Under pressure a `fixed` session plans with the priors: nothing is measured for its setting
+    # (another group size), while a calibrated session with the same setting measures it.
+    notes = [{"role": "user", "content": f"note {i}: the secret code is 44{i}7 lorem"} for i in range(4)]
+    pressure = {"quantization": {"group_size": 16}, "budget": {"device_tokens": 24}}
+    fixed = AgentKVConfig.model_validate({**pressure, "budget": {"device_tokens": 24, "rung_costs": "fixed"}})
     session = backend.session("fixed", config=fixed)
-    assert session.manager.port.rung_fidelity() is DEFAULT_FIDELITY
+    session.extend(notes)
+    assert session.stats().budget_satisfied and calls == [1]
+    measured = backend.session("measured", config=AgentKVConfig.model_validate(pressure))
+    measured.extend(notes)
+    assert measured.stats().budget_satisfied and calls == [1, 1]
 
 
 def _two_spans(fidelity: dict[Rung, float]) -> list[SpanOptions]:
