@@ -31,10 +31,14 @@ archive anything. A recomputed span attends its context as the cache holds it no
 from __future__ import annotations
 
 from agentkv.lifecycle.exact_pages import RankedPages, SpanPages
+from agentkv.lifecycle.placement import NEEDED_LAST
 from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
+
+MAKE_ROOM_PLANS = 3
+"""Plans made at most to free room for the best match (a plan that only quantizes frees no floor room)."""
 
 WHOLE_SPAN_PAGES = 2
 """A relevant span of at most this many pages is recomputed whole; a longer one page by page, best first."""
@@ -72,13 +76,25 @@ class ExactRecall(PlacementPeer):
         extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         if not self.port.recomputes_offsets:
             pages = None
+        cuts: dict[int, SpanPages | None] = {}
+
+        def cut_of(span: Span) -> SpanPages | None:
+            if span.span_id not in cuts:
+                cuts[span.span_id] = pages(span, store.quantized_offsets(span)) if pages is not None else None
+            return cuts[span.span_id]
+
+        best = next((s for s in spans if s.tier is Tier.DEVICE and quantized.get(s.span_id)), None)
+        if best is not None:
+            need = self._need(best, cut_of(best), extra_per_token)
+            if need > room:
+                quantized, room = self._make_room(need, room, limit, floor)
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
         for span in spans:
             if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
                 continue
             extra = span.length * extra_per_token
-            cut = pages(span, store.quantized_offsets(span)) if pages is not None else None
+            cut = cut_of(span)
             if (cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES) and extra <= room:
                 whole.append(span)
                 room -= extra
@@ -107,6 +123,35 @@ class ExactRecall(PlacementPeer):
                     self.table.counters.exact_recalled_tokens += span.length
                     exact.append(span.span_id)
         return exact
+
+    @staticmethod
+    def _need(span: Span, cut: SpanPages | None, extra_per_token: int) -> int:
+        """Bytes the best match needs at full precision: whole, or its relevant pages and their neighbours."""
+        if cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES:
+            return span.length * extra_per_token
+        chosen = cut.relevant
+        return sum(len(cut.pages[i]) for i in chosen + cut.context(chosen)) * extra_per_token
+
+    def _make_room(
+        self, need: int, room: int, limit: int, floor: AttendedFloor
+    ) -> tuple[dict[int, int], int]:
+        """Free `need - room` bytes for the best match: the spans the question does not need go first.
+
+        The placement service plans the moves in the `needed_last` order: every span the
+        current question does not need gives up its steps (int4, then leaving attention,
+        least value first) before a needed one does. What leaves stays recallable from its
+        token ids. Returns the slots held quantized and the room, measured again.
+        """
+        placer = self.placer
+        quantized = placer.quantized_now()
+        for _ in range(MAKE_ROOM_PLANS):
+            before = placer.usage_bytes()
+            placer.demote_to(before - (need - room), limit, order=NEEDED_LAST)
+            quantized = placer.quantized_now()
+            room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
+            if room >= need or placer.usage_bytes() >= before:
+                break
+        return quantized, room
 
     @staticmethod
     def _fit(cut: SpanPages, indices: list[int], room: int, extra_per_token: int) -> tuple[list[int], int]:

@@ -119,7 +119,7 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(self, target: int, limit: int | None) -> None:
+    def demote_to(self, target: int, limit: int | None, *, order: str | None = None) -> None:
         """Bring device usage to at most `target` bytes with one placement plan (re-planned if short).
 
         Spans recalled for this turn move only while usage is over `limit` itself (its
@@ -129,9 +129,11 @@ class Placer:
         keys holds more): when usage is still over `target` after the moves, the plan is
         made again from what the store now holds (`REPLANS` at most). With 8-bit keys,
         once nothing is left to quantize, keys drop to 4 bits (in the planner's order)
-        before any span leaves attention.
+        before any span leaves attention. `order` overrides the session's step order
+        (`placement_order`) for this call.
         """
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
+        step_order = order or self.placement_order
         for _ in range(REPLANS):
             usage = self.usage_bytes()
             if usage <= target:
@@ -144,17 +146,17 @@ class Placer:
                 token_bytes=self.port.bytes_per_token,
                 fidelity=self.port.rung_fidelity(),
             )
-            plan = plan_placement(choices, usage, target, hard_target=hard, order=self.placement_order)
+            plan = plan_placement(choices, usage, target, hard_target=hard, order=step_order)
             by_id = {s.span_id: s for s in self.table.spans}
-            order = [by_id[c.span_id] for c in choices if c.span_id in plan.rungs]
+            moving = [by_id[c.span_id] for c in choices if c.span_id in plan.rungs]
             leaving = [
                 s
-                for s in order
+                for s in moving
                 if plan.rungs[s.span_id] not in ATTENDED_RUNGS and s.state is not SpanState.EVICTABLE
             ]
             if leaving and self.mover.can_coarsen():
                 # 8-bit keys drop to 4 bits before any span leaves attention: the rest of the plan first.
-                staying = [s for s in order if s not in leaving]
+                staying = [s for s in moving if s not in leaving]
                 self._apply(staying, plan.rungs)
                 if staying or self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - target):
                     continue
@@ -162,7 +164,7 @@ class Placer:
                 if self.mover.coarsen(self._attended_in_order(), usage - target):
                     continue
                 return
-            self._apply(order, plan.rungs)
+            self._apply(moving, plan.rungs)
             if self.usage_bytes() >= usage:
                 return  # nothing moved (every move failed): the plan would repeat itself
 

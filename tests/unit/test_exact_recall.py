@@ -295,3 +295,28 @@ def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_w
     assert not quantized & set(page_of_code(session, tool)), "the tool result's quoted page is exact"
     assert quantized, "the tool result is not recomputed whole"
     assert session.stats().budget_satisfied
+
+
+def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_its_best_match(
+    tiny_model, tiny_tokenizer
+):
+    """Every token at int4 already fills the budget: the quoted page is made room for, not left at int4.
+
+    The spans the question does not need give up attention first (they stay recallable
+    from their token ids); the budget still holds.
+    """
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
+    budget_tokens = int(at_floor / (low * bpt)) - 2  # no room left at the floor
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    assert tool.tier is Tier.DEVICE
+    quantized = set(session.store.quantized_offsets(tool))
+    assert not quantized & set(page_of_code(session, tool)), "the page holding the asked-for code is exact"
+    gone = [s for s in session.spans if s.state is SpanState.ARCHIVED]  # the default archive: the host
+    assert gone, "a committed span the question does not need left attention to make the room"
+    assert all(s.span_id in session.recallable for s in gone), "what left can come back"
+    assert session.stats().budget_satisfied
