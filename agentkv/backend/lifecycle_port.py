@@ -20,7 +20,7 @@ from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
-from agentkv.spans import Span
+from agentkv.spans import Span, Tier
 from agentkv.store.kvstore import KVStore
 
 
@@ -84,13 +84,13 @@ class SessionServices(SessionServicesBase):
         """A local model recomputes single tokens."""
         return True
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
         """Recompute some of an attended span's tokens in full precision, replacing the KV held for them.
 
         The tokens are run at their logical positions over the cache as it is, their old
         (quantized) copies masked out; the old copies are removed only once the forward
         succeeded, so a failure leaves the span as it was. Exact page recall uses it
-        (`agentkv.lifecycle.exact_recall`).
+        (`agentkv.lifecycle.exact_recall`). Returns the span's tier afterwards (the mover writes it).
 
         Raises:
             ValueError: some offset is not held in the attended cache.
@@ -108,6 +108,7 @@ class SessionServices(SessionServicesBase):
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
         physical.remove(old)
+        return self.session.store.attended_tier(span)
 
     def question_queries(self) -> tuple[torch.Tensor, ...] | None:
         """Per layer, the RoPE'd queries `[H_q, m, D]` of the last pending span; the cache is unchanged."""

@@ -15,7 +15,7 @@ from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
-from agentkv.spans import Span
+from agentkv.spans import Span, Tier
 
 __all__ = ["PortSession", "SessionServicesBase"]
 
@@ -74,7 +74,7 @@ class SessionServicesBase:
         """Whether some tokens of a span can be recomputed alone: not without a local model."""
         return False
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
         """Not supported without a local model."""
         del span, offsets
         msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"

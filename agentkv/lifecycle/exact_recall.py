@@ -56,7 +56,7 @@ class ExactRecall(PlacementPeer):
         limit = placer.effective_limit()
         if not self.enabled or floor is None or limit is None or not isinstance(store, AttendedQuantizer):
             return []
-        if not store.attended_quantized_tokens():
+        if not any(s.tier is Tier.ATTENDED_QUANTIZED for s in self.table.spans):
             return []
         quantized = placer.quantized_now()
         room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
@@ -66,7 +66,7 @@ class ExactRecall(PlacementPeer):
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
         for span in spans:
-            if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
+            if span.tier is not Tier.ATTENDED_QUANTIZED:
                 continue
             extra = span.length * extra_per_token
             if extra <= room:
@@ -87,7 +87,7 @@ class ExactRecall(PlacementPeer):
                 if self._recompute_offsets(span, offsets):
                     exact.append(span.span_id)
             for span in whole:
-                if self._recompute(span, store):
+                if self._recompute(span):
                     self.table.counters.exact_recalled_tokens += span.length
                     exact.append(span.span_id)
         return exact
@@ -105,17 +105,13 @@ class ExactRecall(PlacementPeer):
 
     def _recompute_offsets(self, span: Span, offsets: list[int]) -> bool:
         """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
-        with self.timer.timed("store_seconds"):
-            try:
-                self.port.recompute_offsets(span, offsets)
-            except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
-                self.mover.fault("exact page recall", span, e)
-                return False
+        if not self.mover.recompute_offsets(span, offsets, reason="exact page recall"):
+            return False
         self.table.counters.exact_recalled_tokens += len(offsets)
         self.table.counters.rehydrated_tokens += len(offsets)
         return True
 
-    def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
+    def _recompute(self, span: Span) -> bool:
         """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.
 
         An uncompressed span is recomputed lazily: its KV is dropped and its tokens join
@@ -124,14 +120,7 @@ class ExactRecall(PlacementPeer):
         at once, then holds the offsets it held before.
         """
         if span.kept is None:
-            with self.timer.timed("store_seconds"):
-                try:
-                    store.recompute_pending(span)
-                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
-                    self.mover.fault("exact recall", span, e)
-                    return False
-            self.table.counters.rehydrated_tokens += span.length
-            return True
+            return self.mover.recompute_pending(span, reason="exact recall")
         offsets = span.kept_offsets
         if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
             return False

@@ -53,7 +53,13 @@ class LifecycleManager:
         self.marks = RecallMarks()
         self.tool_calls = ToolCallRegistry()
         self.mover = Mover(
-            self.table, port.store, port.recompute, config.archive_tier, self.marks, self.timer
+            self.table,
+            port.store,
+            port.recompute,
+            config.archive_tier,
+            self.marks,
+            self.timer,
+            recompute_offsets=port.recompute_offsets,
         )
         self.pages = PageIndex(port, config.recall)
         self.compressor = Compressor(
@@ -62,7 +68,7 @@ class LifecycleManager:
             policy,
             config,
             self.timer,
-            self.mover.fault,
+            self.mover,
             whole_spans=self.whole_spans,
             window_attention=port.window_attention,
             page_tokens=config.recall.page_tokens if self.whole_spans and self.pages.enabled else None,

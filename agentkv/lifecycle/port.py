@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from agentkv.config import AgentKVConfig
     from agentkv.lifecycle.placement import Rung
     from agentkv.lifecycle.table import SpanTable
-    from agentkv.spans import Span
+    from agentkv.spans import Span, Tier
     from agentkv.store.protocol import KVStoreProtocol
 
 
@@ -65,9 +65,10 @@ class SessionPort(Protocol):
         """Whether `recompute_offsets` is supported (exact page recall needs it)."""
         ...
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
-        """Recompute some of an attended span's tokens in full precision, replacing their KV.
+    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
+        """Recompute some of an attended span's tokens in full precision, replacing their KV; its tier now.
 
+        The span stays on the attended quantized tier while any of its tokens stays quantized.
         Raises on failure (the span stays as it was), and `NotImplementedError` where
         `recomputes_offsets` is False.
         """
