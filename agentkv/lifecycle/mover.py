@@ -134,11 +134,10 @@ class Mover:
     def move_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
 
-        The span is attended again like any span compressed at commit: `kept` lists
-        the offsets it holds (recall's chosen pages, or what it held before an exact
-        recompute); its token ids stay, so the rest can come back later. Commit-time
-        compression (which re-runs on a recomputed span) must not thin the offsets out:
-        they are this commit's choice.
+        The span is attended again like any span compressed at commit: `kept` lists the offsets it
+        holds (recall's chosen pages, or what it held before an exact recompute); its token ids stay,
+        so the rest can come back later. Commit-time compression (which re-runs on a recomputed
+        span) must not thin the offsets out: they are this commit's choice.
         """
         compress, self.compress_at_commit = self.compress_at_commit, None
         try:
@@ -160,8 +159,9 @@ class Mover:
         return result.dropped.get(span.span_id, 0)
 
     def cut(self, span: Span, keep_tokens: int) -> None:
-        """A rewritten message keeps its first `keep_tokens`: the store cuts the rest, the tier follows."""
+        """A rewritten message keeps its first `keep_tokens` (the rest is cut): new, ACTIVE, unfrozen."""
         span.tier = self.store.cut(span, keep_tokens)
+        span.state, span.frozen = SpanState.ACTIVE, False
 
     def keep_attended(self, keep: torch.Tensor) -> dict[int, int]:
         """Keep only the attended slots `keep` across the cache (token mode); tokens dropped by span id."""

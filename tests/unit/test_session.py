@@ -9,6 +9,7 @@ import torch
 
 from agentkv import AgentKVConfig, TransformersBackend, UnknownSessionError
 from agentkv.spans import SpanState, Tier
+from tests.unit.store_moves import archive, restore
 
 TOL = 1e-4
 
@@ -124,12 +125,12 @@ def test_offload_and_restore_any_span_is_exact(backend, tiny_model, span_index):
     session.extend(HISTORY)
     span = session.spans[span_index]
     device_before = session.stats().device_bytes
-    session.store.archive(span, "host")
+    archive(session.store, span, "host")
     assert span.tier is Tier.HOST
     stats = session.stats()
     assert stats.host_bytes == span.length * session.runner.bytes_per_token
     assert stats.device_bytes == device_before - stats.host_bytes
-    session.store.restore(span)
+    restore(session.store, [span])
     assert span.tier is Tier.DEVICE
     assert session.stats().host_bytes == 0
     assert_matches_full(session, tiny_model, [21, 22])
@@ -141,7 +142,7 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
     session.extend(HISTORY)
     spans = [session.spans[i] for i in (1, 3, 5)]
     for span in spans:
-        session.store.archive(span, "host")
+        archive(session.store, span, "host")
     appends: list[int] = []
     physical = session.store.physical
     original = physical.append_blocks
@@ -151,7 +152,7 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
         original(items)
 
     monkeypatch.setattr(physical, "append_blocks", counted)
-    session.store.restore_many(spans)
+    restore(session.store, spans)
     assert appends == [3]
     assert all(s.tier is Tier.DEVICE for s in spans)
     assert session.stats().host_bytes == 0
@@ -165,9 +166,9 @@ def test_int8_restore_is_close(backend, tiny_model):
     probe = [21, 22, 23]
     exact = session.continuation_logits(probe)
     span = session.spans[5]
-    session.store.archive(span, "int8")
+    archive(session.store, span, "int8")
     assert session.stats().quantized_bytes > 0
-    session.store.restore(span)
+    restore(session.store, [span])
     approx = session.continuation_logits(probe)
     # int8 KIVI on a random tiny model: logits move by well under 1% of their spread.
     spread = exact.abs().max().item()
@@ -177,8 +178,8 @@ def test_int8_restore_is_close(backend, tiny_model):
 def test_byte_accounting_equals_tensors(backend):
     session = backend.session("t")
     session.extend(HISTORY)
-    session.store.archive(session.spans[1], "host")
-    session.store.archive(session.spans[3], "int4")
+    archive(session.store, session.spans[1], "host")
+    archive(session.store, session.spans[3], "int4")
     tiers = session.store.bytes_by_tier()
     layers = session.store.physical.cache.managed_layers
     held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in layers)
