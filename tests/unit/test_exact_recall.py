@@ -197,7 +197,7 @@ def test_a_span_too_long_for_the_room_gets_the_quoted_page_recomputed(tiny_model
     at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
-    assert tool.tier is Tier.DEVICE and tool.kept is None
+    assert tool.tier is Tier.ATTENDED_QUANTIZED and tool.kept is None  # some of it is still held at int4
     quantized = set(session.store.quantized_offsets(tool))
     code = page_of_code(session, tool)
     assert not quantized & set(code), "the page holding the asked-for code is in full precision"
@@ -255,7 +255,7 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
         tiny_model,
         tiny_tokenizer,
         budget_tokens=budget_tokens,
-        on_ask=lambda s: monkeypatch.setattr(s.manager.port, "recompute_offsets", broken),
+        on_ask=lambda s: monkeypatch.setattr(s.manager.mover, "recompute_tokens", broken),
     )
     assert session.stats().faults >= 1
     assert set(page_of_code(session, tool)) <= set(session.store.quantized_offsets(tool))

@@ -88,7 +88,7 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
 
 def test_recall_brings_back_a_span_that_fits_once_quantized(tiny_model, tiny_tokenizer):
     session, tool, limit = archived_then_asked(tiny_model, tiny_tokenizer)
-    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE, "recalled (recomputed)"
+    assert tool.state is SpanState.COMMITTED and tool.tier.attended, "recalled (recomputed)"
     stats = session.stats()
     assert stats.budget_satisfied and stats.device_bytes <= limit
     assert stats.attended_quantized_tokens > 0  # it fits because lower-priority spans went to int4
