@@ -209,7 +209,8 @@ class EngineStore(WholeSpanStore):
 
     def check(self, spans: Sequence[Span]) -> list[str]:
         """Engine tiers are the spans' own fields; only a quantized tier would be inconsistent."""
-        return [f"span {s.span_id} is on the quantized tier" for s in spans if s.tier is Tier.QUANTIZED]
+        quantized = (Tier.QUANTIZED, Tier.ATTENDED_QUANTIZED)
+        return [f"span {s.span_id} is on the {s.tier} tier" for s in spans if s.tier in quantized]
 
     # -- what the engine sees -----------------------------------------------------------------
 
