@@ -189,6 +189,9 @@ def stats_table(snapshot: dict[str, Any]) -> Table:
         ", ".join(f"{k}={v}" for k, v in by_state.items()) if isinstance(by_state, dict) else str(by_state)
     )
     table.add_row("tokens_by_state", shown)
+    by_tier = stats.get("tokens_by_tier", {})
+    if isinstance(by_tier, dict) and by_tier:
+        table.add_row("tokens_by_tier", ", ".join(f"{k}={v}" for k, v in by_tier.items() if v))
     table.add_row("events applied / no-op", f"{stats.get('events_applied')} / {stats.get('events_noop')}")
     table.add_row("budget satisfied", str(stats.get("budget_satisfied")))
     return table

@@ -223,6 +223,33 @@ def test_quantized_in_attention_logits_close_to_full_precision(
     assert int(quant.argmax()) == int(full.argmax())
 
 
+@pytest.mark.parametrize(
+    ("content", "tier"),
+    [
+        (MESSAGES[1]["content"] + "Also the gate code is 12.", Tier.ATTENDED_QUANTIZED),
+        ("A different question.", Tier.DEVICE),  # only its exact leading tokens stay
+    ],
+)
+def test_a_rewritten_message_keeps_its_start_on_the_tier_its_slots_are_on(
+    tiny_model: Any, tiny_tokenizer: Any, content: str, tier: Tier
+) -> None:
+    settings = {
+        "attended_bits": 4,
+        "group_size": 16,
+        "attended_residual_tokens": 16,
+        "attended_sink_tokens": 64,
+    }
+    session = _backend(tiny_model, tiny_tokenizer, {"policy": "full", "quantization": settings}).session("r")
+    session.extend(MESSAGES)
+    quantize(session.store, list(session.spans))
+    span = session.spans[1]
+    assert span.tier is Tier.ATTENDED_QUANTIZED and span.start + 1 < 64 < span.end
+    session.extend([MESSAGES[0], {"role": "user", "content": content}])
+    session.check()  # the tier agrees with the slots the rewrite kept
+    assert session.spans[1] is span and session.stats().reused_tokens > 0  # the message kept its start
+    assert span.state is SpanState.ACTIVE and span.tier is tier
+
+
 def _budget_session(
     tiny_model: Any, tiny_tokenizer: Any, device_tokens: int, order: str = "needed_last"
 ) -> tuple[Any, Any]:
@@ -254,6 +281,8 @@ def test_budget_quantizes_in_attention_before_archiving(tiny_model: Any, tiny_to
     stats = session.stats()
     assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing left attention
     assert all(s.tier.attended for s in session.spans)
+    assert stats.tokens_by_tier["attended_quantized"] > 0
+    assert sum(stats.tokens_by_tier.values()) == stats.logical_tokens
     assert any(s.tier is Tier.ATTENDED_QUANTIZED for s in session.spans)
     assert session.store.attended_quantized_tokens() > 0
     walked = sum(tensor_bytes(t) for t in session.store.physical.tensors())
