@@ -172,7 +172,8 @@ class Session(SessionCore):
                     # The rewritten message keeps its unchanged leading tokens; it is new content.
                     span = self.spans[-1]
                     span.token_ids = list(ids)
-                    span.generated = False  # ACTIVE and unfrozen since the cut (`Mover.cut`)
+                    self.manager.mover.reopen(span)  # after `_count_turn`, whose turn end commits it first
+                    span.generated = False
                     span.turn = self.turn
                     # Forget what the old message registered (its tool call ids): they are not this one's.
                     self.manager.on_span_removed(span)

@@ -42,7 +42,7 @@ class Mover:
         archive_tier: str,
         marks: RecallMarks,
         timer: SectionTimer,
-        recompute_offsets: RecomputeOffsets | None = None,
+        recompute_offsets: RecomputeOffsets,
     ) -> None:
         self.table = table
         self.store = store
@@ -159,8 +159,11 @@ class Mover:
         return result.dropped.get(span.span_id, 0)
 
     def cut(self, span: Span, keep_tokens: int) -> None:
-        """A rewritten message keeps its first `keep_tokens` (the rest is cut): new, ACTIVE, unfrozen."""
+        """A rewritten message keeps its span's first `keep_tokens`; the store cuts the rest (`reopen`)."""
         span.tier = self.store.cut(span, keep_tokens)
+
+    def reopen(self, span: Span) -> None:
+        """A cut span's kept start is new content: ACTIVE and unfrozen (a rewrite, not a transition)."""
         span.state, span.frozen = SpanState.ACTIVE, False
 
     def keep_attended(self, keep: torch.Tensor) -> dict[int, int]:
@@ -255,9 +258,7 @@ class Mover:
         return True
 
     def recompute_offsets(self, span: Span, offsets: Sequence[int], *, reason: str) -> bool:
-        """Recompute some tokens of an attended span at full precision (its tier follows); False: not done."""
-        if self.recompute_tokens is None:
-            return False
+        """Recompute some tokens of an attended span at full precision (its tier follows); False: a fault."""
         with self.timer.timed("store_seconds"):
             try:
                 span.tier = self.recompute_tokens(span, offsets)
