@@ -250,6 +250,19 @@ def test_a_rewritten_message_keeps_its_start_on_the_tier_its_slots_are_on(
     assert span.state is SpanState.ACTIVE and span.tier is tier
 
 
+def test_a_rewritten_question_keeps_its_start_and_is_active_again(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    """The new message's turn first ends the one before (committing it); the rewritten question is new."""
+    session = _backend(tiny_model, tiny_tokenizer, {"policy": "lifecycle"}).session("q")
+    session.extend(MESSAGES)
+    question = session.spans[-1]
+    assert question.state is SpanState.ACTIVE
+    session.extend([*MESSAGES[:-1], {"role": "user", "content": "What is the secret code again?"}])
+    assert session.spans[-1] is question and question.state is SpanState.ACTIVE and not question.frozen
+    session.check()
+
+
 def _budget_session(
     tiny_model: Any, tiny_tokenizer: Any, device_tokens: int, order: str = "needed_last"
 ) -> tuple[Any, Any]:
