@@ -313,10 +313,9 @@ def _fractions(value: str) -> tuple[float, ...]:
 
 def _bench_engine(args: argparse.Namespace, console: Console) -> int:
     """`agentkv bench engine`: concurrent tool agents on vLLM + LMCache (see `agentkv.bench.engine`)."""
-    from agentkv.bench.engine import run_engine_bench
+    from agentkv.bench.engine import EngineBenchSettings, run_engine_bench
 
-    out = Path(args.out) / "engine"
-    summary = run_engine_bench(
+    settings = EngineBenchSettings(
         vllm_url=args.vllm_url,
         coordinator_url=args.coordinator_url,
         threads=args.threads,
@@ -327,6 +326,10 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         fleet_l2_gb=args.fleet_l2_gb,
         admission_tokens=args.admission_tokens,
         admission_quantum_turns=args.admission_quantum_turns,
+    )
+    out = Path(args.out) / "engine"
+    summary = run_engine_bench(
+        settings,
         out_dir=out,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         progress=lambda line: console.log(line),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -58,6 +58,8 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    removed_keys: ClassVar[Mapping[str, str]] = {}
+    """Keys that were settings once, each with why it went: the unknown-key error says so."""
 
     @model_validator(mode="before")
     @classmethod
@@ -321,6 +323,18 @@ class RecallConfig(Section):
     device; evicted ones can be recomputed from their token ids.
     """
 
+    removed_keys: ClassVar[Mapping[str, str]] = {
+        "pages": (
+            "page recall lost to the attended int4 tier at a 25% budget and added nothing on top"
+            " of it (docs/benchmarks.md, 'Pruned recall switches'); delete the key"
+        ),
+        "attention_weight": "it weighted page recall, which is removed (see recall.pages); delete the key",
+        "restore_displaced": (
+            "it moved 2 of 225 answers for 40-55% more prefill"
+            " (docs/benchmarks.md, 'Pruned recall switches'); delete the key"
+        ),
+    }
+
     enabled: bool = Field(
         default=True, strict=True, description="Recall archived spans relevant to each new user turn."
     )
@@ -359,26 +373,14 @@ class RecallConfig(Section):
         ),
     )
     """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
-    pages: bool = Field(
-        default=False,
-        strict=True,
-        description=(
-            "Recall long spans page by page, scored by the question's queries against page key digests."
-        ),
-    )
-    """Recall long spans page by page, scored by the question's queries against page key digests."""
     page_tokens: int = Field(
-        default=32, ge=8, le=128, strict=True, description="Tokens per page (Quest 16, ArkVale 32)."
-    )
-    """Tokens per page (Quest 16, ArkVale 32)."""
-    attention_weight: float = Field(
-        default=0.5,
-        ge=0.0,
+        default=32,
+        ge=8,
+        le=128,
         strict=True,
-        allow_inf_nan=False,
-        description="Weight of a page's attention bound (scaled to 0..1 per question) next to word overlap.",
+        description="Tokens per page when exact recall recomputes part of a long quantized span.",
     )
-    """Weight of a page's attention bound (scaled to 0..1 per question) next to word overlap."""
+    """Tokens per page when exact recall recomputes part of a long quantized span."""
 
 
 FORGET_PROMPT_FIELD = "{handles}"

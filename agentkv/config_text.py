@@ -142,6 +142,9 @@ def describe(err: Any, loc: Loc, root: type[BaseModel]) -> str:
         return f"must be {op} {number(ctx.get(key))}, got {got}"
     if kind == "extra_forbidden":
         model = model_at(root, loc[:-1])
+        removed: Mapping[str, str] = getattr(model, "removed_keys", {})
+        if str(loc[-1]) in removed:
+            return f"removed: {removed[str(loc[-1])]}"
         allowed = tuple(model.model_fields) if model else ()
         return unknown_value("key", str(loc[-1]), allowed, in_path=True)
     if kind == "invalid_key":

@@ -21,7 +21,6 @@ class Counters:
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0
-    page_recalled_tokens: int = 0
     exact_recalled_tokens: int = 0
     observed_commits: int = 0
     events_applied: int = 0
@@ -94,14 +93,10 @@ class SessionStats:
     rehydrated_tokens: int = 0
     restored_tokens: int = 0
     compressed_tokens: int = 0
-    page_recalled_tokens: int = 0
-    """Tokens brought back as pages of longer spans (page recall)."""
     exact_recalled_tokens: int = 0
     """Tokens of relevant spans held quantized that recall recomputed at full precision."""
     observed_commits: int = 0
     """Tool results compressed at commit by their turn's question (`commit.observe: question`)."""
-    digest_bytes: int = 0
-    """Page key digests on the device (page recall); the device budget counts them."""
     shared_device_bytes: int = 0
     """Part of `device_bytes` shared with another session (a branch fork's parent, or the
     backend's prefix cache), not owned; the global budget counts it once across sessions."""
@@ -135,7 +130,7 @@ class SessionStats:
     """The same limit in full-precision token equivalents, the unit of `budget.device_tokens`
     (bytes / one full-precision token's bytes): tokens held at int4 take less, so more fit."""
     budget_used_bytes: int = 0
-    """What the device budget counts now: attended KV, quantized archives and page digests."""
+    """What the device budget counts now: attended KV and quantized archives."""
     budget_used_tokens: float = 0.0
     """`budget_used_bytes` in full-precision token equivalents."""
     lifecycle_seconds: float = 0.0

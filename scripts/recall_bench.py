@@ -9,7 +9,7 @@ methods, with the bench's own `run_one`. Exact match, bytes and overhead are the
 bench's; KL is left out (no reference).
 
     .venv/bin/python scripts/recall_bench.py --workloads buildfix,analytics \\
-        --methods agentkv-nohost,agentkv-pages --budgets 0.25,0.125 --out runs/recall/a.json
+        --methods agentkv-nohost,agentkv-snap --budgets 0.25,0.125 --out runs/recall/a.json
 """
 
 from __future__ import annotations

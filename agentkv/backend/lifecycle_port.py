@@ -42,18 +42,8 @@ class ServedSession(Protocol):
         ...
 
 
-class SessionServices(SessionServicesBase):
+class SessionServices(SessionServicesBase[ServedSession]):
     """`SessionPort` over a local session: recompute and attention probes run the model."""
-
-    session: ServedSession
-
-    def __init__(self, session: ServedSession) -> None:
-        super().__init__(session)
-
-    @property
-    def store(self) -> KVStore:
-        """The session's store."""
-        return self.session.store
 
     def rung_fidelity(self) -> Mapping[Rung, float]:
         """The rung costs measured on the backend's model (`budget.rung_costs: calibrated`), or the priors."""
@@ -84,42 +74,48 @@ class SessionServices(SessionServicesBase):
         """A local model recomputes single tokens."""
         return True
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
-        """Recompute some of an attended span's tokens in full precision, replacing the KV held for them.
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
+        """Recompute some tokens of attended spans in full precision, in one forward, replacing their KV.
 
         The tokens are run at their logical positions over the cache as it is, their old
-        (quantized) copies masked out; the old copies are removed only once the forward
-        succeeded, so a failure leaves the span as it was. Exact page recall uses it
-        (`agentkv.lifecycle.exact_recall`). Returns the span's tier afterwards (the mover writes it).
+        (quantized) copies masked out; a recomputed token attends the recomputed tokens
+        before it, not their old copies. The old copies are removed only once the forward
+        succeeded, so a failure leaves every span as it was. Exact page recall uses it
+        (`agentkv.lifecycle.exact_recall`). Returns each span's tier afterwards (the mover writes it).
 
         Raises:
             ValueError: some offset is not held in the attended cache.
         """
         physical = self.session.store.physical
         physical.compact_pending()
-        wanted = sorted(set(offsets))
-        old = physical.slots_of(span.span_id, wanted)
-        if int(old.numel()) != len(wanted):
-            msg = f"span {span.span_id}: {len(wanted) - int(old.numel())} of the offsets are not attended"
-            raise ValueError(msg)
-        positions = [span.start + o for o in wanted]
-        feed = Feed([span.token_ids[o] for o in wanted], positions, [span.span_id] * len(wanted), wanted)
-        mask = self.session.runner.logical_mask(physical, positions, hidden=old)
+        tokens: list[tuple[int, int, Span, int]] = []  # (position, span id, span, offset)
+        old: list[torch.Tensor] = []
+        for span, offsets in parts:
+            wanted = sorted(set(offsets))
+            slots = physical.slots_of(span.span_id, wanted)
+            if int(slots.numel()) != len(wanted):
+                msg = (
+                    f"span {span.span_id}: {len(wanted) - int(slots.numel())} of the offsets are not attended"
+                )
+                raise ValueError(msg)
+            old.append(slots)
+            tokens += [(span.start + o, span.span_id, span, o) for o in wanted]
+        if not tokens:
+            return {}
+        tokens.sort(key=lambda t: (t[0], t[1]))
+        positions = [p for p, _, _, _ in tokens]
+        feed = Feed(
+            [span.token_ids[o] for _, _, span, o in tokens],
+            positions,
+            [span_id for _, span_id, _, _ in tokens],
+            [o for _, _, _, o in tokens],
+        )
+        hidden = torch.cat(old)
+        mask = self.session.runner.logical_mask(physical, positions, hidden=hidden)
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
-        physical.remove(old)
-        return self.session.store.attended_tier(span)
-
-    def question_queries(self) -> tuple[torch.Tensor, ...] | None:
-        """Per layer, the RoPE'd queries `[H_q, m, D]` of the last pending span; the cache is unchanged."""
-        pending = [s for s in self.session.table.spans if s.n_computed < s.length]
-        feed = Feed.pending(pending)
-        if not len(feed):
-            return None
-        window = pending[-1].length - pending[-1].n_computed
-        probe = self._probe(feed, window, keep_queries=True)
-        queries = probe.query_states
-        return None if queries is None else tuple(q[0] for q in queries)
+        physical.remove(hidden)
+        return {span.span_id: self.session.store.attended_tier(span) for span, _ in parts}
 
     def window_attention(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """`[S]` attention the attended slots get from `token_ids` read after the conversation's end."""
@@ -130,10 +126,10 @@ class SessionServices(SessionServicesBase):
         start = self.session.table.logical_length
         feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
         before = physical.length
-        probe = self._probe(feed, len(ids), keep_queries=False)
+        probe = self._probe(feed, len(ids))
         return probe.attention()[:before]
 
-    def _probe(self, feed: Feed, window: int, *, keep_queries: bool) -> AttentionProbe:
+    def _probe(self, feed: Feed, window: int) -> AttentionProbe:
         """Run `feed` after the attended cache under an attention probe, then cut the cache back."""
         session = self.session
         physical = session.store.physical
@@ -145,7 +141,7 @@ class SessionServices(SessionServicesBase):
         try:
             with (
                 session.backend.model_lock,
-                AttentionProbe(session.runner.model, window=window, keep_queries=keep_queries) as probe,
+                AttentionProbe(session.runner.model, window=window) as probe,
             ):
                 session.runner.forward(physical, feed, logits="none", attention_mask=mask)
         finally:

@@ -8,7 +8,7 @@ read. The ids, config, table, text encoding and branch sessions are the same cod
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
@@ -16,6 +16,9 @@ from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span, Tier
+
+if TYPE_CHECKING:
+    from agentkv.store.protocol import KVStoreProtocol
 
 __all__ = ["PortSession", "SessionServicesBase"]
 
@@ -30,12 +33,26 @@ class PortSession(Protocol):
     backend: Any
     """Its backend: `tokenizer`, `bytes_per_token`, `sessions()`, `close(id)`."""
 
+    @property
+    def store(self) -> KVStoreProtocol:
+        """Its store (`KVStore`, `EngineStore`)."""
+        ...
 
-class SessionServicesBase:
+
+SessionT = TypeVar("SessionT", bound=PortSession)
+"""The kind of session a port serves (`Session`, `EngineSession`)."""
+
+
+class SessionServicesBase(Generic[SessionT]):
     """`SessionPort` services that do not depend on what runs the session."""
 
-    def __init__(self, session: PortSession) -> None:
+    def __init__(self, session: SessionT) -> None:
         self.session = session
+
+    @property
+    def store(self) -> KVStoreProtocol:
+        """The session's store."""
+        return self.session.store
 
     @property
     def session_id(self) -> str:
@@ -74,15 +91,11 @@ class SessionServicesBase:
         """Whether some tokens of a span can be recomputed alone: not without a local model."""
         return False
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
         """Not supported without a local model."""
-        del span, offsets
+        del parts
         msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"
         raise NotImplementedError(msg)
-
-    def question_queries(self) -> tuple[Any, ...] | None:
-        """Not supported without a local model: None (page recall ranks by words)."""
-        return None
 
     def window_attention(self, token_ids: Sequence[int]) -> Any:
         """Not supported without a local model: None (commit compression uses the policy's scores)."""

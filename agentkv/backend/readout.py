@@ -112,7 +112,6 @@ class SessionReadout:
                 quantized_bytes=tiers.quantized,
                 host_bytes=tiers.host,
                 shared_device_bytes=tiers.shared,
-                digest_bytes=tiers.digest,
                 tokens_by_state=by_state,
                 tokens_by_tier=by_tier,
                 attended_tokens=attended,

@@ -28,8 +28,6 @@ from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
-from agentkv.chat import normalize_messages
-from agentkv.config import AgentKVConfig
 from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.limits import BudgetLimits
@@ -49,18 +47,9 @@ class Session(SessionCore):
     backend: SessionHost
     store: KVStore
 
-    def __init__(
-        self,
-        backend: SessionHost,
-        session_id: str,
-        *,
-        parent: Session | None = None,
-        branch: str | None = None,
-        config: AgentKVConfig | None = None,
-    ) -> None:
-        self.parent = parent
-        self._open(backend, session_id, parent, branch, config)
-        self.runner = backend.runner
+    def _start(self, parent: Session | None) -> None:
+        """The local model's runner and a `KVStore`; a branch forks its parent's cache."""
+        self.runner = self.backend.runner
         self.store = KVStore(
             self.runner.num_layers,
             self.runner.device,
@@ -72,7 +61,7 @@ class Session(SessionCore):
             attended_sink_tokens=self.config.quantization.attended_sink_tokens,
             host_bits=self.config.quantization.host_bits,
         )
-        self.table = SpanTable(session_id)
+        self.table = SpanTable(self.session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
         self.last_logits: torch.Tensor | None = None
         self.prefill_deferred = False
@@ -140,11 +129,8 @@ class Session(SessionCore):
                 Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
-        incoming = normalize_messages(messages)
         with self.lock:
-            self._check_open()
-            message_spans = self.table.message_spans()
-            k = self._matched_messages(incoming, message_spans)
+            incoming, message_spans, k = self._match(messages)
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()

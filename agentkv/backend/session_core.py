@@ -32,15 +32,20 @@ class SessionCore(SessionReadout):
     closed: bool
     limits: BudgetLimits
 
-    def _open(
+    def __init__(
         self,
         backend: BackendHost,
         session_id: str,
-        parent: SessionCore | None,
-        branch: str | None,
-        config: AgentKVConfig | None,
+        *,
+        parent: Self | None = None,
+        branch: str | None = None,
+        config: AgentKVConfig | None = None,
     ) -> None:
-        """The fields every session starts with; a branch keeps its parent's settings (budget, rules)."""
+        """The fields every session starts with, then the subclass's own (`_start`).
+
+        A branch keeps its parent's settings (budget, rules).
+        """
+        self.parent = parent
         self.backend = backend
         self.session_id = session_id
         self.config = config or (parent.config if parent is not None else backend.config)
@@ -50,6 +55,11 @@ class SessionCore(SessionReadout):
         self.closed = False
         self.limits = BudgetLimits.resolve(self.config.budget, backend.bytes_per_token)
         """The budget in bytes, resolved once; the manager enforces it (device and host alike)."""
+        self._start(parent)
+
+    def _start(self, parent: Self | None) -> None:
+        """Build the session's table, store and manager (a branch's from its parent's)."""
+        raise NotImplementedError
 
     def _check_open(self) -> None:
         if self.closed:
@@ -58,22 +68,25 @@ class SessionCore(SessionReadout):
             )
             raise SessionClosedError(msg)
 
-    def _matched_messages(
-        self, incoming: Sequence[ChatMessage], message_spans: Sequence[Span], *, restart: bool = False
-    ) -> int:
-        """How many leading `incoming` messages the table already holds (matched by fingerprint).
+    def _match(self, messages: Sequence[Any]) -> tuple[list[ChatMessage], list[Span], int]:
+        """`messages` normalised, the table's message spans, and how many leading messages it holds.
 
-        `restart`: match nothing (the history is encoded anew).
+        Messages are matched by fingerprint. Call with the lock held.
+
+        Raises:
+            SessionClosedError: the session is closed.
         """
+        incoming = normalize_messages(messages)
+        self._check_open()
+        message_spans = self.table.message_spans()
         k = 0
         while (
-            not restart
-            and k < len(message_spans)
+            k < len(message_spans)
             and k < len(incoming)
             and incoming[k].fingerprint() in message_spans[k].fingerprints
         ):
             k += 1
-        return k
+        return incoming, message_spans, k
 
     def _count_turn(self, message: ChatMessage) -> None:
         """A user message opens a turn: the manager hears of it, then the table's turn moves on."""

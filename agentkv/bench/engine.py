@@ -48,7 +48,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,43 @@ from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
 
 MODES: tuple[str, ...] = ("vllm", "lru", "events", "events-gated", "events+budget")
 RUN_MODES: tuple[str, ...] = ("lru", "events", "events-gated", "events+budget")
+
+
+@dataclass(frozen=True)
+class EngineBenchSettings:
+    """What every mode of one `agentkv bench engine` run uses (the CLI flags of the same names)."""
+
+    vllm_url: str
+    coordinator_url: str
+    threads: int = 8
+    """Concurrent agents (1..64)."""
+    turns: int = 4
+    max_tokens: int = 8
+    """Tokens each answer may generate."""
+    chunk_size: int = 64
+    """LMCache's chunk, in tokens."""
+    device_tokens: int = 768
+    """The device budget of `events+budget`."""
+    l2_quota_gb: float | None = None
+    """LMCache's L2 quota per conversation (or `fleet_l2_gb`, not both)."""
+    fleet_l2_gb: float | None = None
+    """One L2 budget for the whole fleet: every conversation shares the run's salt."""
+    admission_tokens: int | None = None
+    """The admission gate's capacity (`events-gated`); None = the fleet's L2 in tokens."""
+    admission_quantum_turns: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.threads <= 64:
+            msg = f"threads: expected 1..64, got {self.threads}"
+            raise ValueError(msg)
+        if self.l2_quota_gb is not None and self.fleet_l2_gb is not None:
+            msg = (
+                "l2_quota_gb (per conversation) and fleet_l2_gb (one for all): expected one of them, got both"
+            )
+            raise ValueError(msg)
+        if self.fleet_l2_gb is not None and self.fleet_l2_gb <= 0:
+            msg = f"fleet_l2_gb: expected > 0, got {self.fleet_l2_gb}"
+            raise ValueError(msg)
 
 
 @dataclass
@@ -132,37 +169,37 @@ def _tool_agent(
 
 def _mode_config(
     mode: str,
-    vllm_url: str,
-    coordinator_url: str,
-    chunk_size: int,
-    device_tokens: int,
+    settings: EngineBenchSettings,
     *,
     fleet_salt: str | None = None,
     fleet_pin_tokens: int | None = None,
-    admission_tokens: int | None = None,
-    admission_quantum_turns: int = 4,
 ) -> AgentKVConfig:
-    engine: dict[str, Any] = {"vllm_url": vllm_url, "chunk_size": chunk_size, "request_timeout_s": 900.0}
+    engine: dict[str, Any] = {
+        "vllm_url": settings.vllm_url,
+        "chunk_size": settings.chunk_size,
+        "request_timeout_s": 900.0,
+    }
     if fleet_salt is not None:  # one L2 budget for the fleet: every conversation shares the run's salt
         engine = {**engine, "salt": "shared", "salt_prefix": fleet_salt}
-    hinted = {**engine, "coordinator_url": coordinator_url}
+    hinted = {**engine, "coordinator_url": settings.coordinator_url}
     if fleet_pin_tokens is not None:
         hinted["fleet_pin_budget_tokens"] = fleet_pin_tokens
     if mode == "events":  # same prompts as lru: the lifecycle only decides where KV lives
         return AgentKVConfig.model_validate({"engine": hinted, "policy": "full"})
     if mode == "events-gated":  # and only the conversations whose working sets fit call
-        if admission_tokens is None:
+        if settings.admission_tokens is None:
             msg = "events-gated: expected admission_tokens (or fleet_l2_gb, its default), got none"
             raise ValueError(msg)
         gated = {
             **hinted,
-            "admission_tokens": admission_tokens,
-            "admission_quantum_turns": admission_quantum_turns,
+            "admission_tokens": settings.admission_tokens,
+            "admission_quantum_turns": settings.admission_quantum_turns,
             "admission_wait_s": 1800.0,  # the bench measures the gate: a wait should not time out
         }
         return AgentKVConfig.model_validate({"engine": gated, "policy": "full"})
     if mode == "events+budget":
-        return AgentKVConfig.model_validate({"engine": hinted, "budget": {"device_tokens": device_tokens}})
+        budget = {"device_tokens": settings.device_tokens}
+        return AgentKVConfig.model_validate({"engine": hinted, "budget": budget})
     if mode != "lru":
         msg = f"mode: expected one of {', '.join(RUN_MODES)}, got {mode!r}"
         raise ValueError(msg)
@@ -180,35 +217,22 @@ def _reset(backend: EngineBackend, coordinator: CoordinatorClient) -> None:
 
 def run_mode(
     mode: str,
+    settings: EngineBenchSettings,
     *,
-    vllm_url: str,
-    coordinator_url: str,
-    threads: int,
-    turns: int,
-    max_tokens: int,
-    chunk_size: int,
-    device_tokens: int,
     fleet_l2_tokens: int | None = None,
-    admission_tokens: int | None = None,
-    admission_quantum_turns: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> ModeResult:
     """Run one mode once, from cold caches (`fleet_l2_tokens`: one L2 budget for all)."""
     nonce = time.strftime("%H%M%S")
     config = _mode_config(
         mode,
-        vllm_url,
-        coordinator_url,
-        chunk_size,
-        device_tokens,
+        settings,
         fleet_salt=None if fleet_l2_tokens is None else f"{mode}-{nonce}",
         fleet_pin_tokens=fleet_l2_tokens,
-        admission_tokens=admission_tokens,
-        admission_quantum_turns=admission_quantum_turns,
     )
     backend = EngineBackend.from_config(config)
     # The LMCache stack is there in both modes; only the events mode sends it hints.
-    coordinator = CoordinatorClient(coordinator_url, backend.model_path)
+    coordinator = CoordinatorClient(settings.coordinator_url, backend.model_path)
     _reset(backend, coordinator)
     workloads = load_workloads()
     before = backend.vllm.metrics()
@@ -221,7 +245,8 @@ def run_mode(
 
     def agent(i: int) -> None:
         session_id = f"{mode}-{nonce}-{i}"
-        got, took, waited = _tool_agent(backend, session_id, workloads[i % len(workloads)], turns, max_tokens)
+        workload = workloads[i % len(workloads)]
+        got, took, waited = _tool_agent(backend, session_id, workload, settings.turns, settings.max_tokens)
         if backend.gate is not None:  # the conversation is over: its place goes to the next in line
             backend.gate.release(session_id)  # (the session stays open until the end, as in every mode)
         with lock:
@@ -231,8 +256,8 @@ def run_mode(
         if progress is not None:
             progress(f"{mode}: agent {i} done")
 
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(agent, range(threads)))
+    with ThreadPoolExecutor(max_workers=settings.threads) as pool:
+        list(pool.map(agent, range(settings.threads)))
     seconds = time.perf_counter() - started
     delta: EngineMetrics = backend.vllm.metrics().minus(before)
     after = coordinator.usage()
@@ -348,81 +373,46 @@ def prefill_floor(*, threads: int, turns: int, max_tokens: int, chunk_size: int)
 
 
 def run_engine_bench(
+    settings: EngineBenchSettings,
     *,
-    vllm_url: str,
-    coordinator_url: str,
-    threads: int = 8,
-    turns: int = 4,
-    max_tokens: int = 8,
-    chunk_size: int = 64,
-    device_tokens: int = 768,
-    l2_quota_gb: float | None = None,
-    fleet_l2_gb: float | None = None,
-    admission_tokens: int | None = None,
-    admission_quantum_turns: int = 4,
     out_dir: str | Path = "runs",
     modes: tuple[str, ...] = ("lru", "events"),
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run `lru` and the other `modes` and write `engine_bench.json`; returns the summary."""
-    if not 1 <= threads <= 64:
-        msg = f"threads: expected 1..64, got {threads}"
-        raise ValueError(msg)
     unknown = [m for m in modes if m not in RUN_MODES]
     if unknown:
         msg = f"modes: expected some of {', '.join(RUN_MODES)}, got {', '.join(unknown)}"
         raise ValueError(msg)
-    if l2_quota_gb is not None and fleet_l2_gb is not None:
-        msg = "l2_quota_gb (per conversation) and fleet_l2_gb (one for all): expected one of them, got both"
-        raise ValueError(msg)
     fleet_l2_tokens: int | None = None
-    if fleet_l2_gb is not None:
-        if fleet_l2_gb <= 0:
-            msg = f"fleet_l2_gb: expected > 0, got {fleet_l2_gb}"
-            raise ValueError(msg)
+    if settings.fleet_l2_gb is not None:
         from agentkv.models import converted_model_dir
 
-        fleet_l2_tokens = int(fleet_l2_gb * GIB) // kv_bytes_per_token(converted_model_dir())
-    if admission_tokens is None:  # the gate's default capacity: the L2 the fleet's pins may hold
-        admission_tokens = fleet_l2_tokens
-    if "events-gated" in modes and admission_tokens is None:
+        fleet_l2_tokens = int(settings.fleet_l2_gb * GIB) // kv_bytes_per_token(converted_model_dir())
+    if settings.admission_tokens is None:  # the gate's default capacity: the L2 the fleet's pins may hold
+        settings = replace(settings, admission_tokens=fleet_l2_tokens)
+    if "events-gated" in modes and settings.admission_tokens is None:
         msg = "modes: events-gated needs admission_tokens or fleet_l2_gb (its default), got neither"
         raise ValueError(msg)
-    quota = l2_quota_gb if fleet_l2_gb is None else fleet_l2_gb  # a run's shared salt: fleet-wide
-    if quota is not None:
-        CoordinatorClient(coordinator_url, "-").set_default_quota(quota)
-    common = dict(
-        vllm_url=vllm_url,
-        coordinator_url=coordinator_url,
-        threads=threads,
-        turns=turns,
-        max_tokens=max_tokens,
-        chunk_size=chunk_size,
-        device_tokens=device_tokens,
-        fleet_l2_tokens=fleet_l2_tokens,
-        admission_tokens=admission_tokens,
-        admission_quantum_turns=admission_quantum_turns,
-        progress=progress,
-    )
-    lru = run_mode("lru", **common)  # type: ignore[arg-type]
-    others = [run_mode(m, **common) for m in modes if m != "lru"]  # type: ignore[arg-type]
+    quota = settings.l2_quota_gb if settings.fleet_l2_gb is None else settings.fleet_l2_gb
+    if quota is not None:  # a run's shared salt: fleet-wide
+        CoordinatorClient(settings.coordinator_url, "-").set_default_quota(quota)
+    lru = run_mode("lru", settings, fleet_l2_tokens=fleet_l2_tokens, progress=progress)
+    others = [
+        run_mode(m, settings, fleet_l2_tokens=fleet_l2_tokens, progress=progress) for m in modes if m != "lru"
+    ]
     rows = [vllm_alone(lru), lru, *others]
     summary: dict[str, Any] = {
         "settings": {
-            "threads": threads,
-            "turns": turns,
-            "max_tokens": max_tokens,
-            "chunk_size": chunk_size,
-            "device_tokens": device_tokens,
-            "l2_quota_gb": l2_quota_gb,
-            "fleet_l2_gb": fleet_l2_gb,
+            **{k: v for k, v in asdict(settings).items() if not k.endswith("_url")},
             "fleet_pin_budget_tokens": fleet_l2_tokens,
-            "admission_tokens": admission_tokens,
-            "admission_quantum_turns": admission_quantum_turns,
         },
         "modes": [asdict(m) for m in rows],
         "prefill_floor": prefill_floor(
-            threads=threads, turns=turns, max_tokens=max_tokens, chunk_size=chunk_size
+            threads=settings.threads,
+            turns=settings.turns,
+            max_tokens=settings.max_tokens,
+            chunk_size=settings.chunk_size,
         ),
     }
     for other in others:

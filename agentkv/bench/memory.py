@@ -306,7 +306,7 @@ def _sample(session: Session, step: str) -> StepSample:
     stats = session.stats()
     return StepSample(
         step,
-        stats.device_bytes + stats.digest_bytes,  # page digests live on the device too
+        stats.device_bytes,
         stats.host_bytes,
         stats.quantized_bytes,
         stats.attended_tokens,
@@ -397,7 +397,7 @@ def run_one(
         exact_match=sum(r.exact_match for r in rows) / max(1, len(rows)),
         mean_logprob=_mean(r.logprob for r in rows),
         mean_kl=_mean(r.kl for r in rows),
-        final_device_bytes=stats.device_bytes + stats.digest_bytes,
+        final_device_bytes=stats.device_bytes,
         peak_host_bytes=peaks.host,
         peak_quantized_bytes=peaks.quantized,
         peak_total_bytes=max(peaks.total, stats.peak_device_bytes),
@@ -475,22 +475,32 @@ def run_memory_bench(
     questions: list[QuestionRow] = []
     workload_info: list[dict[str, Any]] = []
     total = len(loaded) * (1 + (len(chosen) - 1) * len(budgets))
-    done = 0
-    for workload in loaded:
-        full = METHODS["full"]
-        run, rows, reference, full_tokens = run_one(
-            backend_for(full, None),
+
+    def measure(
+        workload: Workload,
+        method: Method,
+        budget: float | None,
+        full_tokens: int,
+        reference: dict[str, torch.Tensor] | None,
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """Run one method at one budget (a fraction of `full_tokens`), keep its rows, report progress."""
+        tokens = None if budget is None else max(1, round(budget * full_tokens))
+        run, rows, logprobs, attended = run_one(
+            backend_for(method, tokens),
             workload,
-            full,
-            budget=None,
-            budget_tokens=None,
-            full_tokens=0,
-            reference=None,
+            method,
+            budget=budget,
+            budget_tokens=tokens,
+            full_tokens=full_tokens,
+            reference=reference,
         )
         runs.append(run)
         questions.extend(rows)
-        done += 1
-        _report(progress, done, total, run)
+        _report(progress, len(runs), total, run)
+        return logprobs, attended
+
+    for workload in loaded:
+        reference, full_tokens = measure(workload, METHODS["full"], None, 0, None)
         workload_info.append(
             {
                 "name": workload.name,
@@ -503,20 +513,7 @@ def run_memory_bench(
         )
         for method in chosen[1:]:
             for budget in budgets:
-                tokens = max(1, round(budget * full_tokens))
-                run, rows, _, _ = run_one(
-                    backend_for(method, tokens),
-                    workload,
-                    method,
-                    budget=budget,
-                    budget_tokens=tokens,
-                    full_tokens=full_tokens,
-                    reference=reference,
-                )
-                runs.append(run)
-                questions.extend(rows)
-                done += 1
-                _report(progress, done, total, run)
+                measure(workload, method, budget, full_tokens, reference)
     summary = summarise(runs, questions)
     result: dict[str, Any] = {
         "config": {

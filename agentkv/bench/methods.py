@@ -1,9 +1,10 @@
 """The methods `agentkv bench memory` compares, and which workloads are which.
 
 A method is a session config plus whether the session hears lifecycle events. To
-add a variant (a different archive tier, a policy parameter, recall in pages),
-add one `Method(...)` line to `METHODS`: the runner, the tables and the plots
-read everything from this table, and `--methods` selects from it.
+add a lifecycle variant (a different archive tier, quantization or commit setting),
+add one line to `LIFECYCLE_VARIANTS`; any other method is one `Method(...)` in
+`METHODS`. The runner, the tables and the plots read everything from `METHODS`,
+and `--methods` selects from it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ from agentkv.config import AgentKVConfig
 NOHOST_TIER = "drop"
 """Archive tier of `agentkv-nohost`: archived spans are dropped and recomputed on recall."""
 
-
-PAGES: Mapping[str, Any] = {"recall": {"pages": True}}
-"""Config of page recall (defaults: 32-token pages, attention weight 0.5; not tuned on any workload)."""
 
 SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"tool_result": 0.5}}}
 """Question-observed compression at commit: a tool result keeps half its tokens (chosen a priori)."""
@@ -69,94 +67,41 @@ class Method:
         return AgentKVConfig.from_dict(data)
 
 
+LIFECYCLE_VARIANTS: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
+    # The defaults: under pressure spans are first held at int4 in attention, then archived.
+    ("agentkv", "host", {}),
+    ("agentkv-nohost", NOHOST_TIER, {}),
+    # Archived spans go to the int4 archive (on the device, not attended).
+    ("agentkv-int4", "int4", {}),
+    # Without the attended tier: pressure archives whole spans at once (host / dropped / int4 archive).
+    ("agentkv-archive", "host", ARCHIVE_ONLY),
+    ("agentkv-nohost-archive", NOHOST_TIER, ARCHIVE_ONLY),
+    ("agentkv-int4-archive", "int4", ARCHIVE_ONLY),
+    # The host archive held as int8 codes (`quantization.host_bits`), with and without the attended tier.
+    ("agentkv-host8", "host", HOST8),
+    ("agentkv-archive-host8", "host", {"quantization": {"attended_bits": None, "host_bits": 8}}),
+    # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
+    # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
+    ("agentkv-q4", NOHOST_TIER, Q4),
+    ("agentkv-q2", NOHOST_TIER, {"quantization": {"attended_bits": 2}}),
+    ("agentkv-k4v2", NOHOST_TIER, {"quantization": {"attended_bits": 2, "attended_key_bits": 4}}),
+    # Keys at 8 bits in two 4-bit planes (agentkv.store.key_planes), values at 4: under more pressure
+    # a span's keys drop to 4 bits before any span is archived.
+    ("agentkv-k8", NOHOST_TIER, {"quantization": {"attended_bits": 4, "attended_key_bits": 8}}),
+    # Tool results compressed at commit by their turn's question (SnapKV window).
+    ("agentkv-snap", NOHOST_TIER, SNAP),
+    ("agentkv-q4-snap", NOHOST_TIER, {**SNAP, **Q4}),
+)
+"""The lifecycle methods (policy `lifecycle`, with events): name, archive tier, further config keys."""
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("full", "full", budgeted=False),
-        Method("window", "window", baseline=True),
-        Method("streaming_llm", "streaming_llm", baseline=True),
-        Method("h2o", "h2o", baseline=True),
-        Method("snapkv", "snapkv", baseline=True),
-        Method("tova", "tova", baseline=True),
-        # The defaults: under pressure spans are first held at int4 in attention, then archived.
-        Method("agentkv", "lifecycle", archive_tier="host", events=True),
-        Method("agentkv-nohost", "lifecycle", archive_tier=NOHOST_TIER, events=True),
-        # Archived spans go to the int4 archive (on the device, not attended).
-        Method("agentkv-int4", "lifecycle", archive_tier="int4", events=True),
-        # Without the attended tier: pressure archives whole spans at once (host / dropped / int4 archive).
-        Method("agentkv-archive", "lifecycle", archive_tier="host", events=True, extra=ARCHIVE_ONLY),
-        Method(
-            "agentkv-nohost-archive", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=ARCHIVE_ONLY
-        ),
-        Method("agentkv-int4-archive", "lifecycle", archive_tier="int4", events=True, extra=ARCHIVE_ONLY),
-        # The host archive held as int8 codes (`quantization.host_bits`), with and without the attended tier.
-        Method("agentkv-host8", "lifecycle", archive_tier="host", events=True, extra=HOST8),
-        Method(
-            "agentkv-archive-host8",
-            "lifecycle",
-            archive_tier="host",
-            events=True,
-            extra={"quantization": {"attended_bits": None, "host_bits": 8}},
-        ),
-        # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
-        # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
-        Method(
-            "agentkv-q4",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={"quantization": {"attended_bits": 4}},
-        ),
-        Method(
-            "agentkv-q2",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={"quantization": {"attended_bits": 2}},
-        ),
-        Method(
-            "agentkv-k4v2",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={"quantization": {"attended_bits": 2, "attended_key_bits": 4}},
-        ),
-        # Keys at 8 bits in two 4-bit planes (agentkv.store.key_planes), values at 4: under more pressure
-        # a span's keys drop to 4 bits before any span is archived.
-        Method(
-            "agentkv-k8",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={"quantization": {"attended_bits": 4, "attended_key_bits": 8}},
-        ),
-        # Lever 2: archived spans recalled by pages (Quest digests + word overlap), nothing on host.
-        Method("agentkv-pages", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=PAGES),
-        # Lever 3: tool results compressed at commit by their turn's question (SnapKV window).
-        Method("agentkv-snap", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra=SNAP),
-        Method(
-            "agentkv-pages-snap",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={**PAGES, **SNAP},
-        ),
-        # Page recall into the attended int4 tier.
-        Method(
-            "agentkv-q4-pages",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={**PAGES, **Q4},
-        ),
-        Method("agentkv-q4-snap", "lifecycle", archive_tier=NOHOST_TIER, events=True, extra={**SNAP, **Q4}),
-        # All three levers together.
-        Method(
-            "agentkv-q4-pages-snap",
-            "lifecycle",
-            archive_tier=NOHOST_TIER,
-            events=True,
-            extra={**PAGES, **SNAP, **Q4},
+        *(Method(name, name, baseline=True) for name in ("window", "streaming_llm", "h2o", "snapkv", "tova")),
+        *(
+            Method(name, "lifecycle", archive_tier=tier, events=True, extra=extra)
+            for name, tier, extra in LIFECYCLE_VARIANTS
         ),
     )
 }

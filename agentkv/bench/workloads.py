@@ -197,12 +197,13 @@ def load_workloads(names: Sequence[str | Path] | None = None) -> list[Workload]:
     return [load_workload(name) for name in (names if names is not None else workload_names())]
 
 
-def parse_workload(data: Any, *, where: str = "workload") -> Workload:
+def parse_workload(data: Any, *, where: str = "workload", min_turns: int = MIN_TURNS) -> Workload:
     """Validate a workload given as Python data (what the JSON file holds).
 
     Checks more than types: a question's gold answer must appear in the turn it
     names, so a typo in a workload cannot silently turn into a question no
-    method can answer.
+    method can answer. `min_turns`: the fewest turns allowed (`agentkv bench forget`'s
+    traces are shorter than the memory bench's workloads).
     """
     obj = _mapping(data, where)
     name = _text(obj, "name", where)
@@ -210,8 +211,8 @@ def parse_workload(data: Any, *, where: str = "workload") -> Workload:
     system = _text(obj, "system", where)
     title = _text(obj, "title", where) if "title" in obj else name
     raw_turns = _list(obj, "turns", where)
-    if not MIN_TURNS <= len(raw_turns) <= MAX_TURNS:
-        msg = f"{where}.turns: expected {MIN_TURNS} to {MAX_TURNS} turns, got {len(raw_turns)}"
+    if not min_turns <= len(raw_turns) <= MAX_TURNS:
+        msg = f"{where}.turns: expected {min_turns} to {MAX_TURNS} turns, got {len(raw_turns)}"
         raise ValueError(msg)
     turns = tuple(_turn(t, f"{where}.turns[{i}]", first=i == 0) for i, t in enumerate(raw_turns))
     _check_choices(turns, f"{where}.turns")
@@ -269,17 +270,7 @@ def _proposals(raw: Any, where: str) -> tuple[Proposal, ...]:
     if len(raw) == 1:
         msg = f"{where}: a choice needs at least 2 proposals, got 1"
         raise ValueError(msg)
-    proposals = []
-    for k, item in enumerate(raw):
-        at = f"{where}[{k}]"
-        obj = _mapping(item, at)
-        _check_keys(obj, {"id", "text"}, at)
-        proposals.append(Proposal(id=_text(obj, "id", at), text=_text(obj, "text", at)))
-    ids = [p.id for p in proposals]
-    if len(set(ids)) != len(ids):
-        msg = f"{where}: proposal ids must be unique, got {ids}"
-        raise ValueError(msg)
-    return tuple(proposals)
+    return tuple(Proposal(id=i, text=text) for i, text in _options(raw, where, "text", "proposal"))
 
 
 def _check_choices(turns: tuple[Turn, ...], where: str) -> None:
@@ -316,25 +307,31 @@ def _branches(data: Any, where: str) -> Branches:
     if len(raw) < 2:
         msg = f"{where}.options: a tree-of-thought segment needs at least 2 branches, got {len(raw)}"
         raise ValueError(msg)
-    options = []
-    for k, option in enumerate(raw):
-        o = _mapping(option, f"{where}.options[{k}]")
-        _check_keys(o, {"id", "reasoning"}, f"{where}.options[{k}]")
-        options.append(
-            BranchOption(
-                id=_text(o, "id", f"{where}.options[{k}]"),
-                reasoning=_text(o, "reasoning", f"{where}.options[{k}]"),
-            )
-        )
+    options = tuple(
+        BranchOption(id=i, reasoning=text)
+        for i, text in _options(raw, f"{where}.options", "reasoning", "branch")
+    )
     ids = [o.id for o in options]
     selected = _text(obj, "selected", where)
-    if len(set(ids)) != len(ids):
-        msg = f"{where}.options: branch ids must be unique, got {ids}"
-        raise ValueError(msg)
     if selected not in ids:
         msg = f"{where}.selected: {selected!r} is not one of the branch ids {ids}"
         raise ValueError(msg)
-    return Branches(options=tuple(options), selected=selected)
+    return Branches(options=options, selected=selected)
+
+
+def _options(raw: list[Any], where: str, text_key: str, what: str) -> list[tuple[str, str]]:
+    """`(id, text)` of each `{"id": ..., <text_key>: ...}` item; ids unique (`what` names them)."""
+    items = []
+    for k, item in enumerate(raw):
+        at = f"{where}[{k}]"
+        obj = _mapping(item, at)
+        _check_keys(obj, {"id", text_key}, at)
+        items.append((_text(obj, "id", at), _text(obj, text_key, at)))
+    ids = [i for i, _ in items]
+    if len(set(ids)) != len(ids):
+        msg = f"{where}: {what} ids must be unique, got {ids}"
+        raise ValueError(msg)
+    return items
 
 
 def _question(data: Any, where: str, turns: tuple[Turn, ...]) -> Question:

@@ -170,18 +170,21 @@ class SessionPins:
 
     def pin(self, sequence: list[int]) -> bool:
         """One reference on the sequence's chunks; a failed request may still land (then reconciled)."""
-        coordinator = self.target.coordinator
-        if self.hints.send("pin", lambda: coordinator.pin(sequence, self.cache_salt)):
+        landed = self._send("pin", self.target.coordinator.pin, sequence)
+        if landed:
             self.hints.stats.pins += 1
-            return True
-        self.uncertain.append(list(sequence))
-        return False
+        return landed
 
     def unpin(self, sequence: list[int]) -> bool:
         """Give one reference back; a failed request may not have landed (then reconciled)."""
-        coordinator = self.target.coordinator
-        if self.hints.send("unpin", lambda: coordinator.unpin(sequence, self.cache_salt)):
+        landed = self._send("unpin", self.target.coordinator.unpin, sequence)
+        if landed:
             self.hints.stats.unpins += 1
+        return landed
+
+    def _send(self, verb: str, call: Callable[[list[int], str], object], sequence: list[int]) -> bool:
+        """Send a pin or an unpin; one that failed may still land, so it waits in `uncertain`."""
+        if self.hints.send(verb, lambda: call(sequence, self.cache_salt)):
             return True
         self.uncertain.append(list(sequence))
         return False

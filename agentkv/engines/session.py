@@ -19,8 +19,6 @@ from agentkv.backend.contracts import BackendHost, ExtendResult
 from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
-from agentkv.chat import normalize_messages
-from agentkv.config import AgentKVConfig
 from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import VLLMClient
@@ -50,18 +48,8 @@ class EngineHost(BackendHost, Protocol):
         ...
 
 
-class EngineServices(SessionServicesBase):
+class EngineServices(SessionServicesBase["EngineSession"]):
     """The `SessionPort` the lifecycle manager uses, over an engine session."""
-
-    session: EngineSession
-
-    def __init__(self, session: EngineSession) -> None:
-        super().__init__(session)
-
-    @property
-    def store(self) -> EngineStore:
-        """The session's engine store."""
-        return self.session.store
 
     def recompute(self, span: Span) -> None:
         """Nothing to do now: the span is back in the prompt, the engine computes it on the next call."""
@@ -86,17 +74,9 @@ class EngineSession(SessionCore):
     backend: EngineHost
     store: EngineStore
 
-    def __init__(
-        self,
-        backend: EngineHost,
-        session_id: str,
-        *,
-        parent: EngineSession | None = None,
-        branch: str | None = None,
-        config: AgentKVConfig | None = None,
-    ) -> None:
-        self.parent = parent
-        self._open(backend, session_id, parent, branch, config)
+    def _start(self, parent: EngineSession | None) -> None:
+        """The engine's salt and an `EngineStore`; a branch shares its parent's salt and prompt."""
+        backend, session_id = self.backend, self.session_id
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
         self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
         self.engine_sequence: list[int] = list(parent.engine_sequence) if parent is not None else []
@@ -147,11 +127,8 @@ class EngineSession(SessionCore):
         plan for them, as in `Session.extend`.
         """
         started = time.perf_counter()
-        incoming = normalize_messages(messages)
         with self.lock:
-            self._check_open()
-            message_spans = self.table.message_spans()
-            k = self._matched_messages(incoming, message_spans)
+            incoming, message_spans, k = self._match(messages)
             reused = sum(s.length for s in message_spans[:k])
             cropped = self._crop(message_spans[k]) if k < len(message_spans) else 0
             new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []

@@ -56,7 +56,7 @@ PINNING_STATES = frozenset({SpanState.COMMITTED})
 class EngineStore(WholeSpanStore):
     """The store protocol (`archive`, `restore_many`, `drop`, `note_state`, …) over vLLM + LMCache.
 
-    Whole spans only: no token access, page digests or lazy recompute (`WholeSpanStore`).
+    Whole spans only: no token access or lazy recompute (`WholeSpanStore`).
 
     Args:
         target: the engine this session uses; None = vLLM alone (no LMCache): verbs

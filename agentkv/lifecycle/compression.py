@@ -45,22 +45,6 @@ def span_view(tokens: AttendedTokens, table: SpanTable) -> SpanView:
     )
 
 
-def wants_digest(span: Span) -> bool:
-    """Whether a span gets a page digest at its first commit (page recall).
-
-    Only a span whose every token is held on the device at full length (a digest of
-    a compressed span would describe pages it cannot bring back); system prompts are
-    pinned and never recalled.
-    """
-    return (
-        span.kind not in (SpanKind.SYSTEM, SpanKind.PROMPT)
-        and span.tier.attended
-        and span.kept is None
-        and span.n_computed == span.length
-        and span.length > 0
-    )
-
-
 SNAP_KERNEL = 5
 """Pooling kernel of question-observed compression (SnapKV's reference code: 5, average)."""
 
@@ -93,12 +77,9 @@ class Compressor:
         *,
         whole_spans: bool,
         window_attention: WindowAttention | None = None,
-        page_tokens: int | None = None,
     ) -> None:
         self.window_attention = window_attention
         """The session's observation of a question (question-observed compression), or None."""
-        self.page_tokens = page_tokens
-        """Tokens per page of the digests built at commit (page recall), or None: no digests."""
         self.table = table
         self.store = store
         self.policy = policy
@@ -113,9 +94,7 @@ class Compressor:
     def compress_at_commit(self, span: Span) -> None:
         """Score the span once (and keep its top tokens if its kind has a keep ratio), then freeze it.
 
-        With page recall on, the span's page digest is built first, while all its keys
-        are attended (pages compressed away here can still be recalled later). With
-        `commit.observe: question`, a tool result keeps the tokens its turn's question
+        With `commit.observe: question`, a tool result keeps the tokens its turn's question
         attends to (`question_scores`) instead of the policy's top tokens.
         """
         span.frozen = True
@@ -129,8 +108,6 @@ class Compressor:
                 )
                 if tokens is None or tokens.slots.numel() == 0:
                     return
-                if self.page_tokens is not None and wants_digest(span):
-                    store.index_pages(span, self.page_tokens)
                 view = span_view(tokens, self.table)
                 scores = self.policy.score(view).float()
                 if not span.scored:  # scored once: a recomputed span keeps its commit score

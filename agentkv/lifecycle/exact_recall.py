@@ -6,14 +6,18 @@ precision is copied exactly. Recall knows which attended spans the new user mess
 needs (`agentkv.lifecycle.recall`); those the attended quantized tier holds at int4
 are recomputed from their token ids, best first, while the room allows.
 
-A relevant span too long for the room is recomputed in part: its pages
-(`agentkv.lifecycle.exact_pages`) that the caller ranks as relevant are recomputed
-in full precision, best first, while the room allows; the rest of the span stays
-attended at int4. The pages next to the chosen ones come next (the following page
-first), before any less relevant span: a log entry or a table row often continues
-on the line after the one the question's words match. A page is
-recomputed over the cache as it is (the span's own earlier tokens at int4 included)
-and replaces the quantized KV of its tokens.
+A relevant span longer than `WHOLE_SPAN_PAGES` pages is recomputed in part first:
+its pages (`agentkv.lifecycle.exact_pages`) that the caller ranks as relevant are
+recomputed in full precision, best first, while the room allows; the rest of the
+span stays attended at int4. The pages next to the chosen ones come next (the
+following page first): a log entry or a table row often continues on the line after
+the one the question's words match. The room goes to what the question needs most
+densely: a 600-token tool result that ranks second on a word it shares with the
+question must not take, whole, the room the line holding the answer in the third
+span needs. Only once every relevant span has its pages does room left over
+recompute the rest of the long spans, in their rank order. A page is recomputed
+over the cache as it is (the span's own earlier tokens at int4 included) and
+replaces the quantized KV of its tokens.
 
 The room is the low watermark minus what the device would hold with every other
 attended token at the floor of the demotion order (`AttendedFloor`; the placement
@@ -32,6 +36,9 @@ from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
+WHOLE_SPAN_PAGES = 2
+"""A relevant span of at most this many pages is recomputed whole; a longer one page by page, best first."""
+
 
 class ExactRecall(PlacementPeer):
     """Recomputes the relevant spans held quantized in attention at full precision."""
@@ -45,8 +52,10 @@ class ExactRecall(PlacementPeer):
     ) -> list[int]:
         """Recompute `spans` (relevant, attended, best first) that are held quantized, while the room allows.
 
-        A span that does not fit whole has its best pages recomputed instead, when
-        `pages` ranks them and the session can recompute single tokens.
+        A span longer than `WHOLE_SPAN_PAGES` pages, or one that does not fit whole, has
+        its best pages recomputed first, when `pages` ranks them and the session can
+        recompute single tokens; room left once every relevant span had its turn goes to
+        the rest of those spans.
 
         Returns:
             Ids of the spans recomputed at full precision, whole or in part.
@@ -69,23 +78,30 @@ class ExactRecall(PlacementPeer):
             if span.tier is not Tier.ATTENDED_QUANTIZED:
                 continue
             extra = span.length * extra_per_token
-            if extra <= room:
+            cut = pages(span, store.quantized_offsets(span)) if pages is not None else None
+            if (cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES) and extra <= room:
                 whole.append(span)
                 room -= extra
-            elif pages is not None and room >= extra_per_token:
-                cut = pages(span, store.quantized_offsets(span))
+            elif cut is not None and room >= extra_per_token:
                 chosen, room = self._fit(cut, cut.relevant, room, extra_per_token)
                 if chosen:
                     more, room = self._fit(cut, cut.context(chosen), room, extra_per_token)
                     parts.append((span, cut, chosen + more))
+        for i, (span, cut, chosen) in enumerate(parts):  # room left over: the rest of the long spans
+            taken = set(chosen)
+            rest = [j for j in range(len(cut.pages)) if j not in taken]
+            more, room = self._fit(cut, rest, room, extra_per_token)
+            parts[i] = (span, cut, chosen + more)
+        # A span that got every page back is recomputed whole: its tokens join the prefill.
+        whole += [span for span, cut, chosen in parts if len(chosen) == len(cut.pages)]
+        parts = [part for part in parts if len(part[2]) < len(part[1].pages)]
         exact: list[int] = []
         # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
-            for span, cut, chosen in parts:
-                offsets = sorted(o for i in chosen for o in cut.pages[i])
-                if self._recompute_offsets(span, offsets):
-                    exact.append(span.span_id)
+            paged = [(span, sorted(o for i in chosen for o in cut.pages[i])) for span, cut, chosen in parts]
+            if paged and self._recompute_offsets(paged):
+                exact += [span.span_id for span, _ in paged]
             for span in whole:
                 if self._recompute(span):
                     self.table.counters.exact_recalled_tokens += span.length
@@ -103,12 +119,13 @@ class ExactRecall(PlacementPeer):
                 room -= cost
         return chosen, room
 
-    def _recompute_offsets(self, span: Span, offsets: list[int]) -> bool:
-        """Recompute some of a span's tokens in full precision; False (a recorded fault) if that fails."""
-        if not self.mover.recompute_offsets(span, offsets, reason="exact page recall"):
+    def _recompute_offsets(self, parts: list[tuple[Span, list[int]]]) -> bool:
+        """Recompute tokens of spans at full precision in one forward; False (a recorded fault) if not."""
+        if not self.mover.recompute_offsets(parts, reason="exact page recall"):
             return False
-        self.table.counters.exact_recalled_tokens += len(offsets)
-        self.table.counters.rehydrated_tokens += len(offsets)
+        tokens = sum(len(offsets) for _, offsets in parts)
+        self.table.counters.exact_recalled_tokens += tokens
+        self.table.counters.rehydrated_tokens += tokens
         return True
 
     def _recompute(self, span: Span) -> bool:

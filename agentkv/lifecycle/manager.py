@@ -25,7 +25,6 @@ from agentkv.lifecycle.invariants import raise_problems, table_problems
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.pages import PageIndex
 from agentkv.lifecycle.placer import Placer
 from agentkv.lifecycle.port import SessionPort
 from agentkv.lifecycle.recall import Recaller
@@ -61,7 +60,6 @@ class LifecycleManager:
             self.timer,
             recompute_offsets=port.recompute_offsets,
         )
-        self.pages = PageIndex(port, config.recall)
         self.compressor = Compressor(
             self.table,
             port.store,
@@ -71,7 +69,6 @@ class LifecycleManager:
             self.mover,
             whole_spans=self.whole_spans,
             window_attention=port.window_attention,
-            page_tokens=config.recall.page_tokens if self.whole_spans and self.pages.enabled else None,
         )
         self.mover.compress_at_commit = self.compressor.compress_at_commit
         self.placer = Placer(port, limits, self.mover, self.marks)
@@ -84,7 +81,7 @@ class LifecycleManager:
             enforced=policy is not None,
         )
         recall = config.recall
-        self.recaller = Recaller(self.placer, self.timer, recall, self.pages, enabled=self.whole_spans)
+        self.recaller = Recaller(self.placer, self.timer, recall, enabled=self.whole_spans)
         self.exact = ExactRecall(self.placer, self.timer, enabled=recall.recompute_quantized)
         """Recomputes relevant spans held quantized at full precision (`recall.recompute_quantized`)."""
         if policy is None and limits.device_bytes is not None:
@@ -190,7 +187,7 @@ class LifecycleManager:
         found = self.recaller.recall(message)
         exact = self.exact.recompute(found.relevant, found.floor, found.pages_of)
         if found.spans or exact:
-            self.table.record("recall", spans=found.spans, paged=found.paged, exact=exact)
+            self.table.record("recall", spans=found.spans, exact=exact)
         return found.spans + exact
 
     @property

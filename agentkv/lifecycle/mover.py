@@ -135,8 +135,8 @@ class Mover:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
 
         The span is attended again like any span compressed at commit: `kept` lists the offsets it
-        holds (recall's chosen pages, or what it held before an exact recompute); its token ids stay,
-        so the rest can come back later. Commit-time compression (which re-runs on a recomputed
+        holds (exact recall's chosen pages, or what it held before an exact recompute); its token ids
+        stay, so the rest can come back later. Commit-time compression (which re-runs on a recomputed
         span) must not thin the offsets out: they are this commit's choice.
         """
         compress, self.compress_at_commit = self.compress_at_commit, None
@@ -257,14 +257,15 @@ class Mover:
         self.table.counters.rehydrated_tokens += span.length
         return True
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int], *, reason: str) -> bool:
-        """Recompute some tokens of an attended span at full precision (its tier follows); False: a fault."""
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]], *, reason: str) -> bool:
+        """Recompute tokens of attended spans at full precision, in one forward; False: a recorded fault."""
         with self.timer.timed("store_seconds"):
             try:
-                span.tier = self.recompute_tokens(span, offsets)
-            except Exception as e:  # noqa: BLE001 - the span is still attended, quantized, as it was
-                self.fault(reason, span, e)
+                tiers = self.recompute_tokens(parts)
+            except Exception as e:  # noqa: BLE001 - every span is still attended, quantized, as it was
+                self.fault(reason, parts[0][0] if parts else None, e)
                 return False
+        self._write_tiers(tiers)
         return True
 
     def restore_together(self, spans: Sequence[Span]) -> None:

@@ -45,9 +45,9 @@ class Placer:
     # -- usage and room ---------------------------------------------------------------------
 
     def usage_bytes(self) -> int:
-        """What the device budget counts: attended KV, quantized archives, page digests (on the device)."""
+        """What the device budget counts: attended KV and quantized archives (both on the device)."""
         tiers = self.port.store.bytes_by_tier()
-        return tiers.device + tiers.quantized + tiers.digest
+        return tiers.device + tiers.quantized
 
     def effective_limit(self) -> int | None:
         """This session's device limit now: its own, lowered by its share of a global excess."""
@@ -94,7 +94,7 @@ class Placer:
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
-        What the device counts now (attended KV, quantized archives, digests), less the
+        What the device counts now (attended KV, quantized archives), less the
         evictable spans (the budget drops them first), less the fine planes of 8-bit keys
         (the budget drops them before archiving anything), less what quantizing the exact
         tokens would free (the sinks and the residual window stay exact), plus the new

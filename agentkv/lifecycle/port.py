@@ -65,19 +65,12 @@ class SessionPort(Protocol):
         """Whether `recompute_offsets` is supported (exact page recall needs it)."""
         ...
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> Tier:
-        """Recompute some of an attended span's tokens in full precision, replacing their KV; its tier now.
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
+        """Recompute some tokens of attended spans in full precision, in one forward; each span's tier now.
 
-        The span stays on the attended quantized tier while any of its tokens stays quantized.
-        Raises on failure (the span stays as it was), and `NotImplementedError` where
+        A span stays on the attended quantized tier while any of its tokens stays quantized.
+        Raises on failure (every span stays as it was), and `NotImplementedError` where
         `recomputes_offsets` is False.
-        """
-        ...
-
-    def question_queries(self) -> tuple[Any, ...] | None:
-        """Per layer, the RoPE'd queries `[H_q, m, D]` of the pending user message; None: not supported.
-
-        Page recall scores page digests with them; the cache is left as it was.
         """
         ...
 

@@ -2,12 +2,9 @@
 
 Ranking lives in `agentkv.lifecycle.recall_ranking` (word overlap and embeddings,
 no forward pass); this module chooses within the budget room and moves the
-chosen spans back through the mover. With `recall.pages`, long demoted spans are
-ranked page by page (`agentkv.lifecycle.pages`: word overlap plus the question's
-attention bound on each page's key digest) and come back holding only the chosen pages.
-What recall found relevant is its answer (`Recalled`): the manager hands it to exact
-recall (`agentkv.lifecycle.exact_recall`), which asks the placement service
-(`agentkv.lifecycle.placer`) for its room as recall does.
+chosen spans back through the mover. What recall found relevant is its answer
+(`Recalled`): the manager hands it to exact recall (`agentkv.lifecycle.exact_recall`),
+which asks the placement service (`agentkv.lifecycle.placer`) for its room as recall does.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from typing import Any
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.exact_pages import PageNames, RankedPages, SpanPages, text_pages
-from agentkv.lifecycle.pages import Page, PageIndex, scale_bounds
 from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
 from agentkv.lifecycle.timing import SectionTimer
@@ -32,8 +28,6 @@ class Recalled:
 
     spans: list[int] = field(default_factory=list)
     """Ids of the spans brought back to the device (restored or recomputed)."""
-    paged: list[int] = field(default_factory=list)
-    """Ids of the spans among them brought back holding only their chosen pages."""
     relevant: list[Span] = field(default_factory=list)
     """Attended spans relevant to the message, best first (the protected ones first)."""
     floor: AttendedFloor | None = None
@@ -45,13 +39,9 @@ class Recalled:
 class Recaller(PlacementPeer):
     """Ranks demoted spans against a new user message and brings the best back."""
 
-    def __init__(
-        self, placer: Placer, timer: SectionTimer, config: RecallConfig, pages: PageIndex, *, enabled: bool
-    ) -> None:
+    def __init__(self, placer: Placer, timer: SectionTimer, config: RecallConfig, *, enabled: bool) -> None:
         super().__init__(placer, timer)
         self.config = config
-        self.pages = pages
-        """Page digests and scores (page recall, `recall.pages`)."""
         self.enabled = enabled and config.enabled
         self._token_texts: dict[int, str] = {}
         self._logprobs: Any = None
@@ -98,11 +88,10 @@ class Recaller(PlacementPeer):
             return Recalled()  # nothing to bring back, and nothing the budget will demote
         attended = [s for s in spans if s.state is SpanState.COMMITTED and s.tier.attended and not s.pinned]
         with self.timer.timed("policy_seconds"):
-            units, pages = self._units(demoted, attended)
             query_ids = self.port.encode_text(message.content)
             ranked = rank_for_recall(
                 message.content,
-                units,
+                demoted + attended,
                 spans,
                 text_of=self._text,
                 query_ids=query_ids,
@@ -110,8 +99,6 @@ class Recaller(PlacementPeer):
                 embed=self.port.token_embeddings(),
                 memo=self._memo,
             )
-            if self.pages.enabled:
-                ranked = self._add_attention(ranked, pages, demoted + attended)
         ranked = [
             (span, score)
             for span, score in ranked
@@ -120,34 +107,21 @@ class Recaller(PlacementPeer):
         attended_ids = {s.span_id for s in attended}
         self.marks.needed = self._needed(ranked, attended_ids)
         floor = self.placer.floor()
-        costs = [self._cost(pages.get(span.span_id, span), floor) for span, _ in ranked]
+        costs = [self._cost(span, floor) for span, _ in ranked]
         room = self.placer.recall_room(floor)
         picked = choose_within_room(ranked, costs, room, relative_floor=config.relative_floor)
         chosen: list[tuple[Span, float]] = []
         protected: list[Span] = []
-        paged: dict[int, tuple[Span, list[int], float]] = {}
-        for unit, score in (ranked[i] for i in picked):
-            page = pages.get(unit.span_id)
-            if page is not None:
-                span = page.span
-                if span.span_id not in paged and len(chosen) + len(paged) >= config.max_spans:
-                    continue
-                _, offsets, best = paged.get(span.span_id, (span, [], score))
-                paged[span.span_id] = (span, offsets + list(page.offsets), max(best, score))
-            elif unit.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
-                self.marks.mark_recalled(unit.span_id, score)
-                protected.append(unit)
-            elif len(chosen) + len(paged) < config.max_spans:
-                chosen.append((unit, score))
-        self.mover.restore_together([span for span, _ in chosen] + [span for span, _, _ in paged.values()])
+        for span, score in (ranked[i] for i in picked):
+            if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
+                self.marks.mark_recalled(span.span_id, score)
+                protected.append(span)
+            elif len(chosen) < config.max_spans:
+                chosen.append((span, score))
+        self.mover.restore_together([span for span, _ in chosen])
         recalled: list[int] = []
         for span, score in chosen:
             if self.mover.move(span, SpanState.COMMITTED, reason="recall") is not None:
-                recalled.append(span.span_id)
-                self.marks.mark_recalled(span.span_id, score)
-        for span, offsets, score in paged.values():
-            if self.mover.move_holding(span, offsets, reason="page recall"):
-                self.table.counters.page_recalled_tokens += len(set(offsets) & set(span.kept_offsets))
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
         # Room left after the protected spans goes to the next most relevant attended spans.
@@ -155,7 +129,6 @@ class Recaller(PlacementPeer):
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
         return Recalled(
             spans=recalled,
-            paged=sorted(paged),
             relevant=protected + others,
             floor=floor,
             pages_of=self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0),
@@ -165,7 +138,7 @@ class Recaller(PlacementPeer):
         """Exact recall's pages: a span's quantized offsets cut into pages, ranked like spans.
 
         A page is worth recomputing when it is at least `relative_floor` times as relevant
-        as the best unit recall ranked (`best`), the rule by which spans compete for recall:
+        as the best span recall ranked (`best`), the rule by which spans compete for recall:
         the page holding the words the question asks about, not a line of a weakly matching
         span that shares only "on" with it.
         """
@@ -202,58 +175,9 @@ class Recaller(PlacementPeer):
         floor = ranked[0][1] * self.config.relative_floor
         return {span.span_id for span, score in ranked if span.span_id in attended_ids and score >= floor}
 
-    def _units(self, demoted: list[Span], attended: list[Span]) -> tuple[list[Span], dict[int, Page]]:
-        """What recall ranks: whole spans, and with page recall the pages of long demoted spans.
-
-        Returns:
-            The units (real spans and page stand-ins), and each stand-in's page by its id.
-        """
-        if not self.pages.enabled:
-            return demoted + attended, {}
-        units: list[Span] = []
-        pages: dict[int, Page] = {}
-        for span in demoted:
-            span_pages = self.pages.pages(span)
-            if len(span_pages) < 2:
-                units.append(span)
-                continue
-            for page in span_pages:
-                stand_in = page.as_span()
-                pages[stand_in.span_id] = page
-                units.append(stand_in)
-        return units + attended, pages
-
-    def _add_attention(
-        self, ranked: list[tuple[Span, float]], pages: dict[int, Page], spans: list[Span]
-    ) -> list[tuple[Span, float]]:
-        """Add `attention_weight` times each unit's scaled Quest bound to its word-overlap score.
-
-        A page gets its own bound; a whole span gets its best page's. Without the
-        question's queries (no model to probe) the ranking stays word overlap alone.
-        """
-        queries = self.pages.question_queries()
-        if queries is None:
-            return ranked
-        scaled = scale_bounds(self.pages.bounds(spans, queries))
-        weight = self.config.attention_weight
-        out: list[tuple[Span, float]] = []
-        for unit, score in ranked:
-            page = pages.get(unit.span_id)
-            bound = 0.0
-            if page is not None and page.span.span_id in scaled:
-                bound = float(scaled[page.span.span_id][page.index])
-            elif unit.span_id in scaled:
-                bound = float(scaled[unit.span_id].max())
-            out.append((unit, score + weight * bound))
-        out.sort(key=lambda item: (item[1], item[0].start), reverse=True)
-        return out
-
-    def _cost(self, unit: Span | Page, floor: AttendedFloor | None) -> int:
-        """Device bytes a span or a page holds once attended (a dropped span is recomputed in full)."""
-        if isinstance(unit, Page):
-            tokens = len(unit.offsets)
-        else:
-            tokens = unit.n_computed if unit.tier is Tier.DROPPED else unit.held_tokens
+    def _cost(self, span: Span, floor: AttendedFloor | None) -> int:
+        """Device bytes a span holds once attended (a dropped span is recomputed in full)."""
+        tokens = span.n_computed if span.tier is Tier.DROPPED else span.held_tokens
         return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
 
     def _text(self, span: Span) -> str:

@@ -14,8 +14,8 @@ from agentkv.store.protocol import KVStoreProtocol
 
 Recompute = Callable[[Span], None]
 """`SessionPort.recompute`: compute a dropped span's KV at its logical positions (raises on failure)."""
-RecomputeOffsets = Callable[[Span, Sequence[int]], Tier]
-"""`SessionPort.recompute_offsets`: some tokens of an attended span at full precision; its tier after."""
+RecomputeOffsets = Callable[[Sequence[tuple[Span, Sequence[int]]]], dict[int, Tier]]
+"""`SessionPort.recompute_offsets`: some tokens of attended spans at full precision; their tiers after."""
 
 
 def rehydrate(span: Span, store: KVStoreProtocol, recompute: Recompute) -> Tier | None:

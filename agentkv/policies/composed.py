@@ -3,13 +3,14 @@
 Instead of a plugin system, scorers combine the way kvpress presses do: a wrapper
 holds its parts and fills in `score`. Two needs keep recurring — "mix these
 signals" and "but never drop the sinks / the last few tokens" — so those are the
-wrappers here. `needs_attention` / `needs_query` / `needs_keys` are the union of the parts', so
-the session collects what any part reads.
+wrappers here. A wrapper's `needs_*` flags are the union of its parts' (`_read_what_parts_read`),
+so the session collects what any part reads.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,14 @@ def _check_policy(owner: str, value: object) -> None:
     if not isinstance(value, Policy):
         msg = f"{owner}: expected a Policy, got {type(value).__name__}"
         raise TypeError(msg)
+
+
+def _read_what_parts_read(wrapper: Policy, parts: Sequence[Policy]) -> None:
+    """A wrapper needs every signal any of its parts reads (attention, queries, keys, H2O sums)."""
+    wrapper.needs_attention = any(p.needs_attention for p in parts)
+    wrapper.needs_query = any(p.needs_query for p in parts)
+    wrapper.needs_keys = any(p.needs_keys for p in parts)
+    wrapper.needs_accumulated_attention = any(p.needs_accumulated_attention for p in parts)
 
 
 @dataclass
@@ -44,9 +53,7 @@ class WeightedSumPolicy(Policy):
                 name = type(policy).__name__
                 msg = f"WeightedSumPolicy: weight for {name} must be a finite number, got {weight!r}"
                 raise ValueError(msg)
-        self.needs_attention = any(p.needs_attention for p, _ in self.parts)
-        self.needs_query = any(p.needs_query for p, _ in self.parts)
-        self.needs_keys = any(p.needs_keys for p, _ in self.parts)
+        _read_what_parts_read(self, [p for p, _ in self.parts])
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` weighted sum of the parts' z-scores."""
@@ -68,8 +75,7 @@ class ProtectRecentPolicy(Policy):
     def __post_init__(self) -> None:
         _check_policy("ProtectRecentPolicy", self.inner)
         check_count("ProtectRecentPolicy", "recent_tokens", self.recent_tokens)
-        self.needs_attention = self.inner.needs_attention
-        self.needs_query = self.inner.needs_query
+        _read_what_parts_read(self, [self.inner])
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` inner scores, recent tokens lifted."""
@@ -88,8 +94,7 @@ class ProtectSinksPolicy(Policy):
     def __post_init__(self) -> None:
         _check_policy("ProtectSinksPolicy", self.inner)
         check_count("ProtectSinksPolicy", "sink_tokens", self.sink_tokens)
-        self.needs_attention = self.inner.needs_attention
-        self.needs_query = self.inner.needs_query
+        _read_what_parts_read(self, [self.inner])
 
     def score(self, view: SpanView) -> torch.Tensor:
         """`[n]` inner scores, sinks lifted."""

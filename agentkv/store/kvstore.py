@@ -21,13 +21,12 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
-from agentkv.store.digest import PageDigest
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
 from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
 from agentkv.store.quantized import QuantizedBlock
-from agentkv.store.tokens import digest_span, keep_slots, read_tokens
+from agentkv.store.tokens import keep_slots, read_tokens
 
 __all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
 
@@ -80,8 +79,6 @@ class KVStore:
         self.host_bits = host_bits
         """Bits of the host archive's quantized copies (None: full precision, restored exactly)."""
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
-        self.digests: dict[int, PageDigest] = {}
-        """Per span id, its page key digest (page recall); kept while the span's KV is archived or dropped."""
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -92,13 +89,11 @@ class KVStore:
         blocks = list(self.blocks.values())
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
-        digests = list(self.digests.values())
         return TierBytes(
             device=self.physical.nbytes(),
             quantized=quantized,
             host=host,
             shared=self.physical.shared_bytes(),
-            digest=sum(d.nbytes for d in digests),
         )
 
     def host_bytes(self) -> int:
@@ -121,16 +116,14 @@ class KVStore:
         Archived blocks are not copied: the branch sees those spans as evicted
         (recomputable from their tokens).
         """
-        child = copy.copy(self)  # the same settings; its own cache, blocks and digests below
+        child = copy.copy(self)  # the same settings; its own cache and blocks below
         child.physical = self.physical.fork()
         child.blocks = {}
-        child.digests = {}
         return child
 
     def close(self) -> None:
         """Free every archived block and the attended cache."""
         self.blocks.clear()
-        self.digests.clear()
         self.physical.truncate(0)
 
     @contextmanager
@@ -323,7 +316,7 @@ class KVStore:
         slots = physical.slots_of(span.span_id)
         return sorted(physical.slot_offset[slots[physical.quantized_mask(slots)]].tolist())
 
-    # -- token access (policies, page digests) ---------------------------------------------
+    # -- token access (policies) -----------------------------------------------------------
 
     def attended_size(self) -> tuple[int, int] | None:
         """Attended slots and device bytes of one slot (token-mode eviction's arithmetic)."""
@@ -342,20 +335,6 @@ class KVStore:
         dropped = keep_slots(self.physical, spans, keep)
         tiers = {s.span_id: self.attended_tier(s) for s in spans if s.span_id in dropped}
         return MoveResult(tiers=tiers, dropped=dropped)
-
-    def index_pages(self, span: Span, page_tokens: int) -> bool:
-        """Digest a fully attended span's keys by page (kept while the span is archived or dropped)."""
-        if span.span_id in self.digests or not span.tier.attended:
-            return False
-        digest = digest_span(self.physical, span, page_tokens)
-        if digest is None:
-            return False
-        self.digests[span.span_id] = digest
-        return True
-
-    def page_digest(self, span: Span) -> PageDigest | None:
-        """The span's page digest, if it has one."""
-        return self.digests.get(span.span_id)
 
     def recompute_lazily(self, span: Span) -> Tier | None:
         """A dropped span becomes attended with every token pending: the next prefill computes it."""
@@ -496,7 +475,6 @@ class KVStore:
         if span.tier.attended:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
-        self.digests.pop(span.span_id, None)
 
     def _require_attended(self, span: Span, action: str) -> None:
         if not span.tier.attended:
@@ -557,9 +535,6 @@ class KVStore:
         for block_span in self.blocks:
             if block_span not in by_id:
                 problems.append(f"archived block of unknown span {block_span}")
-        for digest_owner in self.digests:
-            if digest_owner not in by_id:
-                problems.append(f"page digest of unknown span {digest_owner}")
         # Accounting: what the tiers report is what their tensors hold.
         tiers = self.bytes_by_tier()
         walked = sum(tensor_bytes(t) for t in physical.tensors())

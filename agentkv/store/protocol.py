@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     import torch
 
     from agentkv.spans import Span, SpanState, Tier
-    from agentkv.store.digest import PageDigest
 
 ARCHIVE_TIERS: tuple[str, ...] = ("host", "int8", "int4", "drop")
 """Where `archive` may put a span (`agentkv.archive_tier` in YAML)."""
@@ -53,8 +52,6 @@ class TierBytes:
     host: int
     shared: int = 0
     """Part of `device` that is a prefix shared with a parent session (not owned)."""
-    digest: int = 0
-    """Page key digests on the device for recall (`agentkv.store.digest`); the device budget counts them."""
 
 
 @dataclass(frozen=True)
@@ -208,14 +205,6 @@ class KVStoreProtocol(Protocol):
         """
         ...
 
-    def index_pages(self, span: Span, page_tokens: int) -> bool:
-        """Digest a fully attended span's keys by page (page recall); False: not supported, or not held."""
-        ...
-
-    def page_digest(self, span: Span) -> PageDigest | None:
-        """The span's page key digest, if the store holds one (None: none, or not supported)."""
-        ...
-
     def recompute_lazily(self, span: Span) -> Tier | None:
         """Make a dropped span attended with every token pending, so the next prefill recomputes it.
 
@@ -229,7 +218,7 @@ class WholeSpanStore:
     """The "not supported" answers of a store whose KV the lifecycle cannot read token by token.
 
     A served engine (and a simulated store) moves whole spans only: no policy scores its
-    tokens, no page digests, no lazy recompute. Such a store inherits these answers, so
+    tokens, no lazy recompute. Such a store inherits these answers, so
     the lifecycle gets a clear behaviour (spans frozen uncompressed, recall by words) from
     it rather than an `AttributeError`.
     """
@@ -248,16 +237,6 @@ class WholeSpanStore:
         del spans, keep
         msg = f"{type(self).__name__} keeps whole spans: token-mode eviction does not apply"
         raise NotImplementedError(msg)
-
-    def index_pages(self, span: Span, page_tokens: int) -> bool:
-        """Not supported: False."""
-        del span, page_tokens
-        return False
-
-    def page_digest(self, span: Span) -> PageDigest | None:
-        """Not supported: None."""
-        del span
-        return None
 
     def cut(self, span: Span, keep_tokens: int) -> Tier:
         """Not supported: whole spans only (a rewritten message is re-sent whole)."""

@@ -1,7 +1,7 @@
-"""The attended cache read and thinned token by token: what policies score and page recall digests.
+"""The attended cache read and thinned token by token: what policies score.
 
 The lifecycle sees these only through the store protocol (`KVStoreProtocol.attended_tokens`,
-`keep_attended`, `index_pages`); the tensors stay here, over a `PhysicalCache`.
+`keep_attended`); the tensors stay here, over a `PhysicalCache`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 
 from agentkv.spans import Span
 from agentkv.store.cache import PhysicalCache
-from agentkv.store.digest import DIGEST_DTYPE, QUEST_SKIP_LAYERS, PageDigest, build_digest
 from agentkv.store.protocol import AttendedTokens
 
 RECENT_TOKENS = 16
@@ -68,21 +67,3 @@ def keep_slots(physical: PhysicalCache, spans: Sequence[Span], keep: torch.Tenso
             span.kept = [o for o in span.kept_offsets if o not in dropped]
             out[span.span_id] = len(dropped)
     return out
-
-
-def digest_span(physical: PhysicalCache, span: Span, page_tokens: int) -> PageDigest | None:
-    """The page digest of a span whose every token is attended (None when some are not, or no keys)."""
-    slots = physical.slots_of(span.span_id)
-    if slots.numel() != span.length:
-        return None
-    order = torch.argsort(physical.slot_offset[slots])
-    slots = slots[order]
-    keys: list[torch.Tensor] = []
-    for layer in range(QUEST_SKIP_LAYERS, physical.num_layers):
-        layer_keys = physical.layer_keys_at(layer, slots)
-        if layer_keys is None:
-            return None
-        keys.append(layer_keys.float())  # [1, H, n, D]
-    if not keys:
-        return None
-    return build_digest(keys, page_tokens, dtype=DIGEST_DTYPE)

@@ -274,6 +274,18 @@ def test_unknown_keys_list_allowed_keys() -> None:
     )
 
 
+def test_removed_keys_say_why_they_went() -> None:
+    message = error_of({"recall": {"pages": True}})
+    assert message.startswith("agentkv.recall.pages: removed: page recall lost to the attended int4 tier")
+    assert message.endswith("delete the key")
+    assert error_of({"recall": {"attention_weight": 0.5}}).startswith(
+        "agentkv.recall.attention_weight: removed: it weighted page recall"
+    )
+    # A removed key is not offered as a near miss of an unknown one.
+    assert "pages" not in error_of({"recall": {"page": True}})
+    assert AgentKVConfig.from_dict({"recall": {"page_tokens": 16}}).recall.page_tokens == 16
+
+
 def test_literal_errors_list_allowed_values() -> None:
     assert error_of({"archive_tier": "disk"}) == (
         "agentkv.archive_tier: unknown value 'disk'; allowed: host, int8, int4, drop"

@@ -531,11 +531,12 @@ def test_engine_down_the_agent_still_gets_a_clear_error_from_vllm_and_no_hint_er
 
 
 def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
-    from agentkv.bench.engine import _mode_config, run_engine_bench
+    from agentkv.bench.engine import EngineBenchSettings, _mode_config, run_engine_bench
 
-    lru = _mode_config("lru", "http://v:1", COORD, CHUNK, 384)
-    events = _mode_config("events", "http://v:1", COORD, CHUNK, 384)
-    budgeted = _mode_config("events+budget", "http://v:1", COORD, CHUNK, 384)
+    settings = EngineBenchSettings("http://v:1", COORD, chunk_size=CHUNK, device_tokens=384)
+    lru = _mode_config("lru", settings)
+    events = _mode_config("events", settings)
+    budgeted = _mode_config("events+budget", settings)
     assert lru.engine is not None and lru.engine.coordinator_url is None
     assert events.engine is not None and events.engine.coordinator_url == COORD
     assert events.policy.name == lru.policy.name == "full"  # no budget: no span leaves the prompt
@@ -543,9 +544,13 @@ def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
     with pytest.raises(
         ValueError, match="mode: expected one of lru, events, events-gated, events\\+budget, got 'lfu'"
     ):
-        _mode_config("lfu", "http://v:1", COORD, CHUNK, 384)
+        _mode_config("lfu", settings)
     with pytest.raises(ValueError, match="modes: expected some of"):
-        run_engine_bench(vllm_url="http://v:1", coordinator_url=COORD, modes=("lru", "mru"))
+        run_engine_bench(settings, modes=("lru", "mru"))
+    with pytest.raises(ValueError, match="threads: expected 1..64, got 0"):
+        EngineBenchSettings("http://v:1", COORD, threads=0)
+    with pytest.raises(ValueError, match="expected one of them, got both"):
+        EngineBenchSettings("http://v:1", COORD, l2_quota_gb=1.0, fleet_l2_gb=2.0)
 
 
 def test_engine_sessions_report_prefixes_the_engine_shared_across_threads(

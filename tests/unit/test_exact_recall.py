@@ -222,7 +222,7 @@ def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_m
     page = session.store.quantized_offsets(tool)[:24]
     assert page and page == list(range(page[0], page[0] + 24))
     before = session.stats().attended_tokens
-    assert session.manager.mover.recompute_offsets(tool, page, reason="test")
+    assert session.manager.mover.recompute_offsets([(tool, page)], reason="test")
     session.check()
     assert tool.tier is Tier.ATTENDED_QUANTIZED  # the rest of the span is still held at int4
     assert session.stats().attended_tokens == before, "the page replaced its old copies"
@@ -248,7 +248,7 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
     at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
 
-    def broken(span: Span, offsets: Any) -> None:
+    def broken(parts: Any) -> None:
         raise RuntimeError("device lost")
 
     session, tool = quantized_then_asked(
@@ -260,3 +260,43 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
     assert session.stats().faults >= 1
     assert set(page_of_code(session, tool)) <= set(session.store.quantized_offsets(tool))
     assert tool.tier is Tier.ATTENDED_QUANTIZED and tool.state is SpanState.COMMITTED
+
+
+def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_whole(
+    tiny_model, tiny_tokenizer
+):
+    """The room fits the whole tool result (ranked first), or its quoted pages and the short note.
+
+    Taken whole, the tool result would spend the room the note needs; page by page, both get
+    what the question asks about in full precision, and the room left goes back to the tool result.
+    """
+    note_text = "ticket TK-9981 covers KX7-4471"
+    before = history()
+    before[5:5] = [{"role": "user", "content": note_text}, {"role": "assistant", "content": "noted"}]
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend([*before, {"role": "user", "content": QUESTION}])
+    floor = free.store.attended_floor()
+    assert floor is not None
+    total, tool_tokens = free.logical_length, tool_span(free).length
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    # Room at the floor for the whole tool result in full precision and a token or two, not the note too.
+    at_floor = floor.span_cost(total) + floor.exact_surplus + (tool_tokens + 2) * (bpt - floor.token_bytes)
+    budget_tokens = int(at_floor / (low * bpt)) + 8
+    data = {"budget": {"device_tokens": budget_tokens, "placement_order": "attended_first"}}
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("t")
+    session.extend(before)
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    note = next(s for s in session.spans if note_text in tiny_tokenizer.decode(s.token_ids))
+    for span in (tool, note):
+        if not session.store.attended_quantized_tokens(span):
+            quantize(session.store, [span])
+        assert session.store.attended_quantized_tokens(span) > 0
+    assert note.length + 4 < 2 * AgentKVConfig().recall.page_tokens < tool.length
+    session.extend([*before, {"role": "user", "content": QUESTION}])
+    session.check()
+    assert session.store.attended_quantized_tokens(note) == 0, "the short note quoting the code is exact"
+    quantized = set(session.store.quantized_offsets(tool))
+    assert not quantized & set(page_of_code(session, tool)), "the tool result's quoted page is exact"
+    assert quantized, "the tool result is not recomputed whole"
+    assert session.stats().budget_satisfied

@@ -137,11 +137,8 @@ class FakePort:
 
     recomputes_offsets = False
 
-    def recompute_offsets(self, span: Span, offsets: Sequence[int]) -> None:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
         raise NotImplementedError
-
-    def question_queries(self) -> None:
-        return None
 
     def window_attention(self, token_ids: Sequence[int]) -> None:
         return None

@@ -310,6 +310,10 @@ def test_composed_wrappers(view: SpanView) -> None:
     sinks = ProtectSinksPolicy(SlidingWindowPolicy(), sink_tokens=2)
     assert _positions(view, sinks.select(view, 5)) == {0, 1, 57, 58, 59}
     assert ProtectSinksPolicy(TOVAPolicy()).needs_attention
+    # A wrapper reads what its parts read: keys for a key-norm part, H2O's sums for an H2O part.
+    assert recent.needs_keys and not sinks.needs_keys
+    assert ProtectSinksPolicy(H2OPolicy()).needs_accumulated_attention
+    assert WeightedSumPolicy(((H2OPolicy(), 1.0),)).needs_accumulated_attention
     with pytest.raises(ValueError, match="at least one"):
         WeightedSumPolicy(())
     with pytest.raises(TypeError, match="Policy"):
