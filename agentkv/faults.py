@@ -27,7 +27,8 @@ from agentkv.store.host import HostMemoryError
 
 if TYPE_CHECKING:
     from agentkv.backend.session import Session
-    from agentkv.spans import Span
+    from agentkv.spans import Span, Tier
+    from agentkv.store.protocol import MoveResult
 
 FAULT_SITES: tuple[str, ...] = (
     "offload",
@@ -148,12 +149,12 @@ def _patch(obj: object, name: str, replacement: Callable[..., Any]) -> Callable[
     return restore
 
 
-def _failing_archive(session: Session, fault: FaultInjection) -> Callable[[Span, str], None]:
+def _failing_archive(session: Session, fault: FaultInjection) -> Callable[[Span, str], Tier]:
     store = session.store
     original = store.archive
     tiers = ("host",) if fault.where in ("offload", "host_limit") else ("int8", "int4")
 
-    def archive(span: Span, tier: str) -> None:
+    def archive(span: Span, tier: str) -> Tier:
         if tier in tiers and fault.fire():
             if fault.where == "host_limit":
                 # What the real check raises when the tier is full: the limit is what is held now.
@@ -163,7 +164,7 @@ def _failing_archive(session: Session, fault: FaultInjection) -> Callable[[Span,
             what = "offload to the host tier" if tier == "host" else f"quantization to {tier}"
             msg = f"injected fault: {what} of span {span.span_id} failed"
             raise InjectedFault(msg)
-        original(span, tier)
+        return original(span, tier)
 
     return archive
 
@@ -187,18 +188,17 @@ def _failing_attended(session: Session, fault: FaultInjection) -> Callable[..., 
     return quantize_slots
 
 
-def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Sequence[Span]], None]:
+def _failing_restore(session: Session, fault: FaultInjection) -> Callable[[Sequence[Span]], MoveResult]:
     store = session.store
     original = store.restore_many
 
-    def restore_many(spans: Sequence[Span]) -> None:
+    def restore_many(spans: Sequence[Span]) -> MoveResult:
         if not fault.fire():
-            original(spans)
-            return
+            return original(spans)
         # Fail in the middle of the copy back, after the first layers were written.
         remove = _patch_middle_layer(session, lambda: True, "restore")
         try:
-            original(spans)
+            return original(spans)
         finally:
             remove()
 

@@ -106,6 +106,17 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+TIER_HATCHES: dict[str, str | None] = {
+    "device": None,
+    "attended_quantized": "--",
+    "host": "//",
+    "quantized": "..",
+    "dropped": "xx",
+}
+"""How the span strip draws each tier (`agentkv.spans.Tier` values): full precision in attention is plain."""
+TIER_LABELS = {"attended_quantized": "attended-q"}
+"""Short names in the span table for tiers whose value would widen it past an 80-column console."""
+
 SPAN_COLUMNS = ("id", "kind", "owner", "state", "tier", "pin", "tokens", "held", "bytes", "preview")
 """The span table's columns, in order."""
 SHRINKING_COLUMNS = ("owner", "preview")
@@ -153,7 +164,7 @@ def _span_row(span: dict[str, Any]) -> list[str]:
         str(span["kind"]),
         escape(str(span.get("owner") or "")),
         f"[{STATE_COLOURS.get(state, 'white')}]{escape(state)}[/]",
-        str(span["tier"]),
+        TIER_LABELS.get(str(span["tier"]), str(span["tier"])),
         "📌" if span.get("pinned") else "",
         str(span["tokens"]),
         str(span["held_tokens"]),
@@ -178,6 +189,9 @@ def stats_table(snapshot: dict[str, Any]) -> Table:
         ", ".join(f"{k}={v}" for k, v in by_state.items()) if isinstance(by_state, dict) else str(by_state)
     )
     table.add_row("tokens_by_state", shown)
+    by_tier = stats.get("tokens_by_tier", {})
+    if isinstance(by_tier, dict) and by_tier:
+        table.add_row("tokens_by_tier", ", ".join(f"{k}={v}" for k, v in by_tier.items() if v))
     table.add_row("events applied / no-op", f"{stats.get('events_applied')} / {stats.get('events_noop')}")
     table.add_row("budget satisfied", str(stats.get("budget_satisfied")))
     return table
@@ -225,15 +239,13 @@ def span_strip_figure(snapshot: dict[str, Any]) -> Figure:
             color=STATE_COLOURS.get(span["state"], "#999999"),
             edgecolor="black",
             linewidth=0.3,
-            hatch=None
-            if tier == "device"
-            else ("//" if tier == "host" else ".." if tier == "quantized" else "xx"),
+            hatch=TIER_HATCHES.get(tier, "xx"),
         )
     ax.set_yticks([])
     ax.set_xlabel("logical position (tokens)")
     ax.set_title(
         f"session {snapshot.get('session_id', '?')}: spans by state "
-        "(hatched: host //, quantized .., dropped xx)"
+        "(hatched: quantized in attention --, host //, quantized archive .., dropped xx)"
     )
     fig.legend(
         handles=[Patch(color=c, label=s) for s, c in STATE_COLOURS.items()],

@@ -106,6 +106,8 @@ class SessionStats:
     attended_tokens: int = 0
     attended_quantized_tokens: int = 0
     """Of `attended_tokens`, those held at int4/int2 in attention (the attended quantized tier)."""
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    """Tokens of the spans on each tier (`agentkv.spans.Tier` values, `attended_quantized` included)."""
     logical_tokens: int = 0
     spans: int = 0
     turn: int = 0

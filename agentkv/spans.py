@@ -35,12 +35,29 @@ class SpanState(StrEnum):
 
 
 class Tier(StrEnum):
-    """Where a span's KV lives right now."""
+    """Where a span's KV lives right now (the mover writes it, from what the store's verbs return)."""
 
-    DEVICE = "device"  # full precision, in the attended physical cache
-    QUANTIZED = "quantized"  # int8/int4 on the model's device, not attended
+    DEVICE = "device"  # attended, every held token at full precision
+    ATTENDED_QUANTIZED = "attended_quantized"  # attended, some or all held tokens quantized in attention
+    QUANTIZED = "quantized"  # int8/int4 archive on the model's device, not attended
     HOST = "host"  # full precision on the CPU (pinned when CUDA), not attended
     DROPPED = "dropped"  # no KV held; recomputable from the token ids
+
+    @property
+    def attended(self) -> bool:
+        """Whether the model attends the span's KV (at full precision or quantized in attention)."""
+        return self in ATTENDED_TIERS
+
+    @property
+    def archived(self) -> bool:
+        """Whether the span's KV is held out of attention, recallable (host or the quantized archive)."""
+        return self in ARCHIVED_TIERS
+
+
+ATTENDED_TIERS = frozenset({Tier.DEVICE, Tier.ATTENDED_QUANTIZED})
+"""Tiers the model attends: what "on the device, in attention" means."""
+ARCHIVED_TIERS = frozenset({Tier.HOST, Tier.QUANTIZED})
+"""Tiers an archived span is on: its KV is held, out of attention, and can be restored."""
 
 
 ATTENDED_STATES = frozenset({SpanState.ACTIVE, SpanState.COMMITTED, SpanState.EVICTABLE})

@@ -20,7 +20,7 @@ from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
-from agentkv.spans import Span
+from agentkv.spans import Span, Tier
 from agentkv.store.kvstore import KVStore
 
 
@@ -74,14 +74,14 @@ class SessionServices(SessionServicesBase[ServedSession]):
         """A local model recomputes single tokens."""
         return True
 
-    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
         """Recompute some tokens of attended spans in full precision, in one forward, replacing their KV.
 
         The tokens are run at their logical positions over the cache as it is, their old
         (quantized) copies masked out; a recomputed token attends the recomputed tokens
         before it, not their old copies. The old copies are removed only once the forward
         succeeded, so a failure leaves every span as it was. Exact page recall uses it
-        (`agentkv.lifecycle.exact_recall`).
+        (`agentkv.lifecycle.exact_recall`). Returns each span's tier afterwards (the mover writes it).
 
         Raises:
             ValueError: some offset is not held in the attended cache.
@@ -101,7 +101,7 @@ class SessionServices(SessionServicesBase[ServedSession]):
             old.append(slots)
             tokens += [(span.start + o, span.span_id, span, o) for o in wanted]
         if not tokens:
-            return
+            return {}
         tokens.sort(key=lambda t: (t[0], t[1]))
         positions = [p for p, _, _, _ in tokens]
         feed = Feed(
@@ -115,6 +115,7 @@ class SessionServices(SessionServicesBase[ServedSession]):
         with self.session.backend.model_lock:
             self.session.forward(feed, logits="none", attention_mask=mask)
         physical.remove(hidden)
+        return {span.span_id: self.session.store.attended_tier(span) for span, _ in parts}
 
     def window_attention(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """`[S]` attention the attended slots get from `token_ids` read after the conversation's end."""

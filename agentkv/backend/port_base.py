@@ -15,7 +15,7 @@ from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
-from agentkv.spans import Span
+from agentkv.spans import Span, Tier
 
 if TYPE_CHECKING:
     from agentkv.store.protocol import KVStoreProtocol
@@ -91,7 +91,7 @@ class SessionServicesBase(Generic[SessionT]):
         """Whether some tokens of a span can be recomputed alone: not without a local model."""
         return False
 
-    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
         """Not supported without a local model."""
         del parts
         msg = f"{type(self).__name__} cannot recompute single tokens (no local model)"

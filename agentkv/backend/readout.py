@@ -18,7 +18,7 @@ from agentkv.chat import ChatMessage
 from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, LogRecord, SessionStats
-from agentkv.spans import Lease, Span, SpanState
+from agentkv.spans import Lease, Span, SpanState, Tier
 from agentkv.store.protocol import TierBytes
 
 __all__ = ["ReadableStore", "SessionReadout"]
@@ -104,8 +104,10 @@ class SessionReadout:
         with self.lock:
             tiers = self.store.bytes_by_tier()
             by_state = {state.value: 0 for state in SpanState}
+            by_tier = {tier.value: 0 for tier in Tier}
             for span in self.spans:
                 by_state[span.state.value] += span.length
+                by_tier[span.tier.value] += span.length
             c = self.counters
             c.peak_device_bytes = max(c.peak_device_bytes, tiers.device)
             attended, attended_quantized = self._attended_tokens()
@@ -117,6 +119,7 @@ class SessionReadout:
                 host_bytes=tiers.host,
                 shared_device_bytes=tiers.shared,
                 tokens_by_state=by_state,
+                tokens_by_tier=by_tier,
                 attended_tokens=attended,
                 attended_quantized_tokens=attended_quantized,
                 logical_tokens=self.logical_length,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from agentkv.policies import AttentionProbe, Policy, attention_window, needs_accumulated_attention
-from agentkv.spans import Span, Tier
+from agentkv.spans import Span
 from agentkv.store.cache import PhysicalCache
 
 ATTENTION_DECAY = 0.9
@@ -47,7 +47,7 @@ class Feed:
         span_ids: list[int] = []
         offsets: list[int] = []
         for span in spans:
-            if span.n_computed >= span.length or span.tier is not Tier.DEVICE:
+            if span.n_computed >= span.length or not span.tier.attended:
                 continue
             for offset in range(span.n_computed, span.length):
                 ids.append(span.token_ids[offset])

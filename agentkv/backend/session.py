@@ -35,7 +35,7 @@ from agentkv.lifecycle.manager import LifecycleManager
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import PromptRead
-from agentkv.spans import ATTENDED_STATES, Span, SpanState, Tier
+from agentkv.spans import ATTENDED_STATES, Span, SpanState
 from agentkv.store.kvstore import KVStore
 
 logger = logging.getLogger("agentkv.backend.session")
@@ -158,7 +158,8 @@ class Session(SessionCore):
                     # The rewritten message keeps its unchanged leading tokens; it is new content.
                     span = self.spans[-1]
                     span.token_ids = list(ids)
-                    span.state, span.frozen, span.generated = SpanState.ACTIVE, False, False
+                    self.manager.mover.reopen(span)  # after `_count_turn`, whose turn end commits it first
+                    span.generated = False
                     span.turn = self.turn
                     # Forget what the old message registered (its tool call ids): they are not this one's.
                     self.manager.on_span_removed(span)
@@ -228,7 +229,7 @@ class Session(SessionCore):
 
     def _reusable_prefix(self, span: Span) -> bool:
         """Whether a span's leading tokens can stay when its message is rewritten."""
-        return span.tier is Tier.DEVICE and span.kept is None and span.state is not SpanState.EVICTED
+        return span.tier.attended and span.kept is None and span.state is not SpanState.EVICTED
 
     def _crop(self, first: Span, *, keep_tokens: int = 0) -> int:
         """Drop `first` (except its first `keep_tokens`) and every span after it."""
@@ -244,9 +245,7 @@ class Session(SessionCore):
                 first.message_index if first.message_index >= 0 else len(self.messages)
             )
             if keep_tokens:
-                slots = self.store.physical.slots_of(first.span_id)
-                offsets = self.store.physical.slot_offset[slots]
-                self.store.physical.remove(slots[offsets >= keep_tokens])
+                self.manager.mover.cut(first, keep_tokens)
                 dropped += first.length - keep_tokens
                 first.token_ids = first.token_ids[:keep_tokens]
                 first.n_computed = keep_tokens
@@ -288,7 +287,7 @@ class Session(SessionCore):
                 self.forward(feed, attention_mask=mask) if mask is not None else self.forward(feed)
             )
         for span in self.spans:
-            if span.tier is Tier.DEVICE and span.n_computed < span.length:
+            if span.tier.attended and span.n_computed < span.length:
                 span.mark_computed()
         self.counters.prefill_tokens += len(feed)
         return self.counters.prefill_tokens - encoded_before
@@ -472,14 +471,14 @@ class Session(SessionCore):
             for clone in self.table.spans:
                 # Archived blocks are not copied: the child evicts those spans (recomputable from
                 # their tokens), so its states still say where its KV is.
-                if clone.tier in (Tier.HOST, Tier.QUANTIZED):
+                if clone.tier.archived:
                     self.manager.move(clone, SpanState.EVICTED, reason="fork: archive not copied")
             self.manager.inherit(parent.manager)
 
 
 def _attended(span: Span) -> int:
     """Tokens of a span whose KV the model attends now (computed, held at full precision or attended int4)."""
-    if span.tier is not Tier.DEVICE or span.state not in ATTENDED_STATES:
+    if not span.tier.attended or span.state not in ATTENDED_STATES:
         return 0
     return min(span.held_tokens, span.n_computed)
 

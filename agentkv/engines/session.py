@@ -24,7 +24,7 @@ from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import VLLMClient
 from agentkv.events import Event, TurnEnded
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
-from agentkv.spans import Span, Tier
+from agentkv.spans import Span
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -107,7 +107,7 @@ class EngineSession(SessionCore):
             self.manager.inherit(parent.manager)
 
     def _attended_tokens(self) -> tuple[int, int]:
-        return sum(s.length for s in self.spans if s.tier is Tier.DEVICE), 0
+        return sum(s.length for s in self.spans if s.tier.attended), 0
 
     def _hint_failed(self, what: str, error: Exception) -> None:
         """A hint the engine did not take is a survived fault of this session (counted and logged)."""

@@ -43,7 +43,7 @@ from agentkv.engines.hints import EngineTarget, HintSender, HintStats
 from agentkv.engines.lmcache import TierName
 from agentkv.engines.pins import SessionPins
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import TierBytes, WholeSpanStore
+from agentkv.store.protocol import MoveResult, TierBytes, WholeSpanStore
 
 __all__ = ["PINNING_STATES", "EngineStore", "EngineTarget", "HintStats", "common_prefix"]
 
@@ -62,7 +62,7 @@ class EngineStore(WholeSpanStore):
         target: the engine this session uses; None = vLLM alone (no LMCache): verbs
             still decide the prompt, no hints are sent.
         cache_salt: the conversation's salt; branch sessions pass their parent's.
-        spans: the session's span table in logical order (read, never written, except `span.tier`).
+        spans: the session's span table in logical order (read, never written: the mover writes tiers).
         bytes_per_token: KV bytes of one token on the engine (all layers, K and V).
         shared_prefix: for a branch, the sequence it inherits from its parent: never deleted by it.
         owner: who asks the fleet's pin planner (the session id; default: the salt).
@@ -123,45 +123,44 @@ class EngineStore(WholeSpanStore):
 
     # -- the store protocol -----------------------------------------------------------------
 
-    def archive(self, span: Span, tier: str) -> None:
-        """Leave the span out of the prompt; L2 keeps the sequence that held it (recallable)."""
+    def archive(self, span: Span, tier: str) -> Tier:
+        """Leave the span out of the prompt; L2 keeps the sequence that held it (recallable: HOST)."""
         if tier == "drop":
-            self.drop(span)
-            return
-        span.tier = Tier.HOST
+            return self.drop(span)
         self._archived_since_sync.append(span.span_id)
         self._mark_stale("l1")
+        return Tier.HOST
 
-    def restore_many(self, spans: Sequence[Span]) -> None:
-        """Put archived spans back in the prompt; the next `sync` prefetches that prefix."""
+    def restore_many(self, spans: Sequence[Span]) -> MoveResult:
+        """Put archived spans back in the prompt (DEVICE); the next `sync` prefetches that prefix."""
         for span in spans:
-            span.tier = Tier.DEVICE
             self._on_l2.pop(span.span_id, None)
         self._recalled_since_sync = True
+        return MoveResult(tiers={s.span_id: Tier.DEVICE for s in spans})
 
-    def drop(self, span: Span) -> None:
-        """Leave the span out of the prompt; its stale tail is deleted on every tier at `sync`."""
-        if span.tier is Tier.DEVICE:
+    def drop(self, span: Span) -> Tier:
+        """Leave the span out of the prompt (DROPPED); its stale tail is deleted on every tier at `sync`."""
+        if span.tier.attended:
             self._mark_stale("all")
             self._dropped_since_sync.append(span.span_id)
         self._on_l2.pop(span.span_id, None)
-        span.tier = Tier.DROPPED
+        return Tier.DROPPED
 
     def forget(self, span: Span) -> None:
-        """A history rewrite or a pruned branch: the span's tail is stale everywhere."""
+        """A history rewrite or a pruned branch: the span's tail is stale everywhere (it leaves the table)."""
         self._mark_stale("all")
         self._dropped_since_sync.append(span.span_id)
         self._on_l2.pop(span.span_id, None)
-        span.tier = Tier.DROPPED
 
-    def compress(self, span: Span, keep_offsets: list[int]) -> int:
-        """Engines keep whole spans: commit-time token compression does not apply (0 dropped)."""
+    def compress(self, span: Span, keep_offsets: list[int]) -> MoveResult:
+        """Engines keep whole spans: commit-time token compression does not apply (nothing dropped)."""
         del span, keep_offsets
-        return 0
+        return MoveResult()
 
-    def adopt_recomputed(self, span: Span) -> None:
-        """The span is attended again; the engine recomputes (or reloads) it on the next call."""
-        span.tier = Tier.DEVICE
+    def adopt_recomputed(self, span: Span) -> Tier:
+        """The span is attended again (DEVICE); the engine recomputes (or reloads) it on the next call."""
+        del span
+        return Tier.DEVICE
 
     def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
         """Commit pins are placed at `sync` (on the prompt the engine will see); nothing to send now."""
@@ -170,7 +169,7 @@ class EngineStore(WholeSpanStore):
     def bytes_by_tier(self) -> TierBytes:
         """KV the engine holds for this session: the prompt (device), what L2 keeps of the archive (host)."""
         spans = list(self.spans())
-        device = sum(s.n_computed for s in spans if s.tier is Tier.DEVICE) * self.bytes_per_token
+        device = sum(s.n_computed for s in spans if s.tier.attended) * self.bytes_per_token
         host = sum(self.held_on_l2(s) for s in spans if s.tier is Tier.HOST) * self.bytes_per_token
         shared = min(len(self.shared_prefix), device // self.bytes_per_token) * self.bytes_per_token
         return TierBytes(device=device, quantized=0, host=host, shared=shared)
@@ -210,19 +209,20 @@ class EngineStore(WholeSpanStore):
 
     def check(self, spans: Sequence[Span]) -> list[str]:
         """Engine tiers are the spans' own fields; only a quantized tier would be inconsistent."""
-        return [f"span {s.span_id} is on the quantized tier" for s in spans if s.tier is Tier.QUANTIZED]
+        quantized = (Tier.QUANTIZED, Tier.ATTENDED_QUANTIZED)
+        return [f"span {s.span_id} is on the {s.tier} tier" for s in spans if s.tier in quantized]
 
     # -- what the engine sees -----------------------------------------------------------------
 
     def prompt(self) -> list[int]:
         """The token ids the engine sees: the spans whose KV is attended, in logical order."""
-        return [t for s in self.spans() if s.tier is Tier.DEVICE for t in s.token_ids]
+        return [t for s in self.spans() if s.tier.attended for t in s.token_ids]
 
     def committed_length(self) -> int:
         """Prompt tokens up to the end of the last committed (or pinned) span."""
         length = end = 0
         for span in self.spans():
-            if span.tier is not Tier.DEVICE:
+            if not span.tier.attended:
                 continue
             length += len(span.token_ids)
             if span.state in PINNING_STATES or span.pinned:
@@ -266,7 +266,7 @@ class EngineStore(WholeSpanStore):
         layout: dict[int, int] = {}
         offset = 0
         for span in self.spans():
-            if span.tier is Tier.DEVICE:
+            if span.tier.attended:
                 layout[span.span_id] = offset
                 offset += len(span.token_ids)
         return layout

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 
 from agentkv.config import AgentKVConfig
+from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.table import SpanTable
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.policies import Policy, SpanView
@@ -24,9 +25,6 @@ from agentkv.spans import Span, SpanKind
 from agentkv.store.protocol import AttendedTokens, KVStoreProtocol
 
 logger = logging.getLogger(__name__)
-
-FaultReporter = Callable[[str, Span | None, Exception], None]
-"""Records a survived failure: `(where, span or None, error)`."""
 
 WindowAttention = Callable[[list[int]], torch.Tensor | None]
 """`SessionPort.window_attention`: `[S]` attention from token ids read after the conversation's end."""
@@ -75,7 +73,7 @@ class Compressor:
         policy: Policy | None,
         config: AgentKVConfig,
         timer: SectionTimer,
-        fault: FaultReporter,
+        mover: Mover,
         *,
         whole_spans: bool,
         window_attention: WindowAttention | None = None,
@@ -89,7 +87,9 @@ class Compressor:
         """Span mode: spans are compressed once at commit (token mode leaves them to `evict_tokens`)."""
         self.config = config
         self.timer = timer
-        self.fault = fault
+        self.mover = mover
+        """Applies what compression keeps (`Mover.compress`, `Mover.keep_attended`) and records faults."""
+        self.fault = mover.fault
 
     def compress_at_commit(self, span: Span) -> None:
         """Score the span once (and keep its top tokens if its kind has a keep ratio), then freeze it.
@@ -126,7 +126,7 @@ class Compressor:
                 else:
                     chosen = self.policy.select(view, keep)
             offsets = tokens.offsets[chosen].tolist()
-            dropped = store.compress(span, offsets)
+            dropped = self.mover.compress(span, offsets)
             self.table.counters.compressed_tokens += dropped
         except Exception as e:  # noqa: BLE001 - a failing policy keeps the whole span
             self.fault("policy", span, e)
@@ -190,7 +190,7 @@ class Compressor:
             self.fault("policy", None, e)
             return []
         with self.timer.timed("store_seconds"):
-            dropped = store.keep_attended(table.spans, tokens.slots[chosen])
+            dropped = self.mover.keep_attended(tokens.slots[chosen])
         emptied: list[Span] = []
         for span in table.spans:
             if span.span_id in dropped:

@@ -69,7 +69,7 @@ class ExactRecall(PlacementPeer):
         limit = placer.effective_limit()
         if not self.enabled or floor is None or limit is None or not isinstance(store, AttendedQuantizer):
             return []
-        if not store.attended_quantized_tokens():
+        if not any(s.tier is Tier.ATTENDED_QUANTIZED for s in self.table.spans):
             return []
         quantized = placer.quantized_now()
         room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
@@ -83,7 +83,7 @@ class ExactRecall(PlacementPeer):
                 cuts[span.span_id] = pages(span, store.quantized_offsets(span)) if pages is not None else None
             return cuts[span.span_id]
 
-        best = next((s for s in spans if s.tier is Tier.DEVICE and quantized.get(s.span_id)), None)
+        best = next((s for s in spans if s.tier is Tier.ATTENDED_QUANTIZED), None)
         if best is not None:
             need = self._need(best, cut_of(best), extra_per_token)
             if need > room:
@@ -91,7 +91,7 @@ class ExactRecall(PlacementPeer):
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
         for span in spans:
-            if span.tier is not Tier.DEVICE or not quantized.get(span.span_id):
+            if span.tier is not Tier.ATTENDED_QUANTIZED:
                 continue
             extra = span.length * extra_per_token
             cut = cut_of(span)
@@ -119,7 +119,7 @@ class ExactRecall(PlacementPeer):
             if paged and self._recompute_offsets(paged):
                 exact += [span.span_id for span, _ in paged]
             for span in whole:
-                if self._recompute(span, store):
+                if self._recompute(span):
                     self.table.counters.exact_recalled_tokens += span.length
                     exact.append(span.span_id)
         return exact
@@ -166,18 +166,14 @@ class ExactRecall(PlacementPeer):
 
     def _recompute_offsets(self, parts: list[tuple[Span, list[int]]]) -> bool:
         """Recompute tokens of spans at full precision in one forward; False (a recorded fault) if not."""
-        with self.timer.timed("store_seconds"):
-            try:
-                self.port.recompute_offsets(parts)
-            except Exception as e:  # noqa: BLE001 - every span is still attended, quantized, as it was
-                self.mover.fault("exact page recall", parts[0][0], e)
-                return False
+        if not self.mover.recompute_offsets(parts, reason="exact page recall"):
+            return False
         tokens = sum(len(offsets) for _, offsets in parts)
         self.table.counters.exact_recalled_tokens += tokens
         self.table.counters.rehydrated_tokens += tokens
         return True
 
-    def _recompute(self, span: Span, store: AttendedQuantizer) -> bool:
+    def _recompute(self, span: Span) -> bool:
         """Recompute one attended span at full precision; False (a recorded fault, or nothing done) if not.
 
         An uncompressed span is recomputed lazily: its KV is dropped and its tokens join
@@ -186,14 +182,7 @@ class ExactRecall(PlacementPeer):
         at once, then holds the offsets it held before.
         """
         if span.kept is None:
-            with self.timer.timed("store_seconds"):
-                try:
-                    store.recompute_pending(span)
-                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
-                    self.mover.fault("exact recall", span, e)
-                    return False
-            self.table.counters.rehydrated_tokens += span.length
-            return True
+            return self.mover.recompute_pending(span, reason="exact recall")
         offsets = span.kept_offsets
         if self.mover.move(span, SpanState.EVICTED, reason="exact recall") is None:
             return False

@@ -41,11 +41,11 @@ def table_problems(table: SpanTable, tool_call_spans: Iterable[tuple[str, int]] 
     if message_index != len(table.messages):
         problems.append(f"{message_index} message spans for {len(table.messages)} messages")
     for span in spans:
-        if span.state is SpanState.ARCHIVED and span.tier not in (Tier.HOST, Tier.QUANTIZED):
+        if span.state is SpanState.ARCHIVED and not span.tier.archived:
             problems.append(f"archived span {span.span_id} is on tier {span.tier.value}")
         if span.state is SpanState.EVICTED and span.tier is not Tier.DROPPED:
             problems.append(f"evicted span {span.span_id} is on tier {span.tier.value}")
-        if span.state in (SpanState.ACTIVE, SpanState.COMMITTED) and span.tier is not Tier.DEVICE:
+        if span.state in (SpanState.ACTIVE, SpanState.COMMITTED) and not span.tier.attended:
             problems.append(f"{span.state.value} span {span.span_id} is on tier {span.tier.value}")
         if span.pinned and span.state in DEMOTED_STATES:
             problems.append(f"pinned span {span.span_id} is {span.state.value}")

@@ -52,7 +52,13 @@ class LifecycleManager:
         self.marks = RecallMarks()
         self.tool_calls = ToolCallRegistry()
         self.mover = Mover(
-            self.table, port.store, port.recompute, config.archive_tier, self.marks, self.timer
+            self.table,
+            port.store,
+            port.recompute,
+            config.archive_tier,
+            self.marks,
+            self.timer,
+            recompute_offsets=port.recompute_offsets,
         )
         self.compressor = Compressor(
             self.table,
@@ -60,7 +66,7 @@ class LifecycleManager:
             policy,
             config,
             self.timer,
-            self.mover.fault,
+            self.mover,
             whole_spans=self.whole_spans,
             window_attention=port.window_attention,
         )

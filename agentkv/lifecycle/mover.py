@@ -3,22 +3,27 @@
 Every move goes `check_transition` → the store verb the move needs → the new
 state, and a failed store verb is a recorded fault that leaves the span where it
 was (a failed offload never loses a span; a failed restore falls back on
-recomputing the span from its token ids).
+recomputing the span from its token ids). Only the mover writes `span.state` and
+`span.tier`: a store verb returns the tier a span is on afterwards and the mover writes it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.rehydration import Recompute, rehydrate, rehydrate_lazily
+from agentkv.lifecycle.rehydration import Recompute, RecomputeOffsets, rehydrate, rehydrate_lazily
 from agentkv.lifecycle.results import Transition
 from agentkv.lifecycle.rules import DEMOTED_STATES, check_transition
 from agentkv.lifecycle.table import SpanTable
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedQuantizer, KVStoreProtocol
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +42,14 @@ class Mover:
         archive_tier: str,
         marks: RecallMarks,
         timer: SectionTimer,
+        recompute_offsets: RecomputeOffsets,
     ) -> None:
         self.table = table
         self.store = store
         self.recompute = recompute
         """The session's recompute of a dropped span (`SessionPort.recompute`)."""
+        self.recompute_tokens = recompute_offsets
+        """The session's recompute of some tokens of an attended span (`SessionPort.recompute_offsets`)."""
         self.archive_tier = archive_tier
         self.marks = marks
         self.timer = timer
@@ -65,9 +73,10 @@ class Mover:
         store = self.store
         with self.timer.timed("store_seconds"):
             if target is SpanState.COMMITTED:
-                if lazily and span.tier is Tier.DROPPED:
-                    self.table.counters.rehydrated_tokens += rehydrate_lazily(span, store)
-                if span.tier is not Tier.DEVICE and not self._bring_back(span):
+                if lazily and (tier := rehydrate_lazily(span, store)) is not None:
+                    span.tier = tier
+                    self.table.counters.rehydrated_tokens += span.length
+                if not span.tier.attended and not self._bring_back(span):
                     self._settle_failed_bring_back(span)
                     return None
                 if self.compress_at_commit is None:
@@ -77,12 +86,12 @@ class Mover:
                 # A span committed before any of its KV is computed (a history sent in one call, a
                 # lazily recomputed span) is scored once the prefill computed it (`commit_computed`).
             elif target is SpanState.ARCHIVED:
-                if span.tier is Tier.DEVICE and not self._archive(span):
+                if span.tier.attended and not self._archive(span):
                     return None
                 if span.tier is Tier.DROPPED:
                     target = SpanState.EVICTED
             elif target is SpanState.EVICTED:
-                store.drop(span)
+                span.tier = store.drop(span)
                 self.marks.recallable.discard(span.span_id)
         span.state = target
         store.note_state(span, before, target)
@@ -114,7 +123,7 @@ class Mover:
             for s in self.table.spans
             if s.state is SpanState.COMMITTED
             and not s.frozen
-            and s.tier is Tier.DEVICE
+            and s.tier.attended
             and s.n_computed == s.length
         ]
         with self.timer.timed("store_seconds"):
@@ -125,11 +134,10 @@ class Mover:
     def move_holding(self, span: Span, offsets: list[int], *, reason: str) -> bool:
         """Bring a span back (restored or recomputed at its logical positions) holding only `offsets`.
 
-        The span is attended again like any span compressed at commit: `kept` lists
-        the offsets it holds (exact recall's chosen pages, or what it held before an exact
-        recompute); its token ids stay, so the rest can come back later. Commit-time
-        compression (which re-runs on a recomputed span) must not thin the offsets out:
-        they are this commit's choice.
+        The span is attended again like any span compressed at commit: `kept` lists the offsets it
+        holds (exact recall's chosen pages, or what it held before an exact recompute); its token ids
+        stay, so the rest can come back later. Commit-time compression (which re-runs on a recomputed
+        span) must not thin the offsets out: they are this commit's choice.
         """
         compress, self.compress_at_commit = self.compress_at_commit, None
         try:
@@ -141,8 +149,28 @@ class Mover:
         keep = sorted(set(offsets) & set(span.kept_offsets))
         if keep and len(keep) < span.held_tokens:
             with self.timer.timed("store_seconds"):
-                self.store.compress(span, keep)
+                self.compress(span, keep)
         return True
+
+    def compress(self, span: Span, keep_offsets: list[int]) -> int:
+        """Keep only `keep_offsets` of an attended span; tokens dropped (raises what the store raised)."""
+        result = self.store.compress(span, keep_offsets)
+        self._write_tiers(result.tiers)
+        return result.dropped.get(span.span_id, 0)
+
+    def cut(self, span: Span, keep_tokens: int) -> None:
+        """A rewritten message keeps its span's first `keep_tokens`; the store cuts the rest (`reopen`)."""
+        span.tier = self.store.cut(span, keep_tokens)
+
+    def reopen(self, span: Span) -> None:
+        """A cut span's kept start is new content: ACTIVE and unfrozen (a rewrite, not a transition)."""
+        span.state, span.frozen = SpanState.ACTIVE, False
+
+    def keep_attended(self, keep: torch.Tensor) -> dict[int, int]:
+        """Keep only the attended slots `keep` across the cache (token mode); tokens dropped by span id."""
+        result = self.store.keep_attended(self.table.spans, keep)
+        self._write_tiers(result.tiers)
+        return result.dropped
 
     def ready_to_pin(self, span: Span, *, confirmed: bool, reason: str) -> bool:
         """Bring a span to where a pin may hold it; False when it cannot be pinned.
@@ -165,20 +193,18 @@ class Mover:
         return True
 
     def hold_quantized(self, spans: Sequence[Span]) -> int:
-        """Hold attended spans quantized in attention (the store's attended tier), in one pass; bytes freed.
-
-        A failure is a recorded fault: every slot is still attended, and the next plan
-        archives instead.
-        """
+        """Hold attended spans quantized in attention, in one pass; bytes freed (a failure is a fault)."""
         store = self.store
         if not isinstance(store, AttendedQuantizer):
             return 0
         with self.timer.timed("store_seconds"):
             try:
-                return store.quantize_attended_until(spans, None)
+                result = store.quantize_attended_until(spans, None)
             except Exception as e:  # noqa: BLE001 - every slot is still attended
                 self.fault("quantization in attention", None, e)
                 return 0
+        self._write_tiers(result.tiers)
+        return result.freed
 
     def can_coarsen(self) -> bool:
         """Whether the store holds 8-bit keys in attention that could drop to 4 bits."""
@@ -205,20 +231,10 @@ class Mover:
         at once, holding the offsets it held. Returns whether anything changed; a failure
         is a recorded fault and leaves the span attended, quantized.
         """
-        store = self.store
-        if span.tier is not Tier.DEVICE or not isinstance(store, AttendedQuantizer):
-            return False
-        if not store.attended_quantized_tokens(span):
+        if span.tier is not Tier.ATTENDED_QUANTIZED:
             return False
         if span.kept is None:
-            with self.timer.timed("store_seconds"):
-                try:
-                    store.recompute_pending(span)
-                except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
-                    self.fault(reason, span, e)
-                    return False
-            self.table.counters.rehydrated_tokens += span.length
-            return True
+            return self.recompute_pending(span, reason=reason)
         offsets = span.kept_offsets
         if self.move(span, SpanState.EVICTED, reason=reason) is None:
             return False
@@ -227,21 +243,43 @@ class Mover:
             return False
         return True
 
-    def restore_together(self, spans: Sequence[Span]) -> None:
-        """Restore archived spans with one append, before their moves (which then find them attended).
+    def recompute_pending(self, span: Span, *, reason: str) -> bool:
+        """Recompute an uncompressed attended span lazily (at the next prefill); False: a recorded fault."""
+        store = self.store
+        if not isinstance(store, AttendedQuantizer):
+            return False
+        with self.timer.timed("store_seconds"):
+            try:
+                span.tier = store.recompute_pending(span)
+            except Exception as e:  # noqa: BLE001 - the span is still attended, quantized
+                self.fault(reason, span, e)
+                return False
+        self.table.counters.rehydrated_tokens += span.length
+        return True
 
-        On failure nothing is restored and each span's own move restores it, or
-        recomputes it from its token ids.
-        """
-        archived = [s for s in spans if s.tier in (Tier.HOST, Tier.QUANTIZED)]
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]], *, reason: str) -> bool:
+        """Recompute tokens of attended spans at full precision, in one forward; False: a recorded fault."""
+        with self.timer.timed("store_seconds"):
+            try:
+                tiers = self.recompute_tokens(parts)
+            except Exception as e:  # noqa: BLE001 - every span is still attended, quantized, as it was
+                self.fault(reason, parts[0][0] if parts else None, e)
+                return False
+        self._write_tiers(tiers)
+        return True
+
+    def restore_together(self, spans: Sequence[Span]) -> None:
+        """Restore archived spans in one append before their moves (on failure each move restores its own)."""
+        archived = [s for s in spans if s.tier.archived]
         if len(archived) < 2:
             return
         with self.timer.timed("store_seconds"):
             try:
-                self.store.restore_many(archived)
+                restored = self.store.restore_many(archived)
             except Exception as e:  # noqa: BLE001 - each span falls back on its own move
                 self.fault("restore", None, e)
                 return
+            self._write_tiers(restored.tiers)
             self.table.counters.restored_tokens += sum(s.held_tokens for s in archived)
 
     def fault(self, where: str, span: Span | None, error: Exception) -> None:
@@ -256,10 +294,8 @@ class Mover:
     def _settle_failed_bring_back(self, span: Span) -> None:
         """After a restore *and* its recompute failed, say what is true: the KV is gone.
 
-        The failed restore already dropped the archived block to fall back on
-        recomputing; when the recompute fails too, an ARCHIVED span would claim KV it
-        no longer has. It becomes EVICTED: its token ids remain, so a later recall
-        (or `move(span, COMMITTED)`) recomputes it.
+        The failed restore dropped the archived block, so the span becomes EVICTED: its
+        token ids remain, so a later recall (or `move(span, COMMITTED)`) recomputes it.
         """
         if span.tier is Tier.DROPPED and span.state is not SpanState.EVICTED:
             before = span.state
@@ -277,7 +313,7 @@ class Mover:
     def _archive(self, span: Span) -> bool:
         """Archive to the configured tier; on failure keep the span on the device (a recorded fault)."""
         try:
-            self.store.archive(span, self.archive_tier)
+            span.tier = self.store.archive(span, self.archive_tier)
         except Exception as e:  # noqa: BLE001 - a failed offload must never lose the span
             self.fault("archive", span, e)
             return False
@@ -286,21 +322,29 @@ class Mover:
     def _bring_back(self, span: Span) -> bool:
         """Restore an archived span, or recompute a dropped one."""
         store = self.store
-        if span.tier in (Tier.HOST, Tier.QUANTIZED):
+        if span.tier.archived:
             try:
-                store.restore_many([span])
+                self._write_tiers(store.restore_many([span]).tiers)
                 self.table.counters.restored_tokens += span.held_tokens
                 return True
             except Exception as e:  # noqa: BLE001 - fall back to recomputing from the token ids
                 self.fault("restore", span, e)
-                store.drop(span)
+                span.tier = store.drop(span)
         return self.rehydrate(span)
 
     def rehydrate(self, span: Span) -> bool:
         """Recompute a dropped span from its token ids; False (a recorded fault) when that fails."""
         try:
-            self.table.counters.rehydrated_tokens += rehydrate(span, self.store, self.recompute)
+            tier = rehydrate(span, self.store, self.recompute)
         except Exception as e:  # noqa: BLE001
             self.fault("rehydrate", span, e)
             return False
+        if tier is not None:
+            span.tier = tier
+            self.table.counters.rehydrated_tokens += span.n_computed
         return True
+
+    def _write_tiers(self, tiers: Mapping[int, Tier]) -> None:
+        """Write the tiers a store verb returned (`MoveResult.tiers`) on the spans they name."""
+        for span_id, tier in tiers.items():
+            self.table.span(span_id).tier = tier

@@ -72,7 +72,7 @@ class Placer:
         fixed = [
             s.held_tokens + (s.length - s.n_computed)
             for s in self.table.spans
-            if s.tier is Tier.DEVICE and (s.pinned or s.state is SpanState.ACTIVE)
+            if s.tier.attended and (s.pinned or s.state is SpanState.ACTIVE)
         ]
         if floor is None:
             held = sum(fixed) * self.port.bytes_per_token
@@ -81,12 +81,14 @@ class Placer:
         return max(0, self.limits.high_bytes(limit) - held)
 
     def quantized_now(self) -> dict[int, int]:
-        """Each device span's slots held quantized in attention now, by span id (empty without the tier)."""
+        """Each attended span's slots held quantized in attention now, by span id (empty without the tier)."""
         store = self.port.store
         if not isinstance(store, AttendedQuantizer):
             return {}
         return {
-            s.span_id: store.attended_quantized_tokens(s) for s in self.table.spans if s.tier is Tier.DEVICE
+            s.span_id: store.attended_quantized_tokens(s) if s.tier is Tier.ATTENDED_QUANTIZED else 0
+            for s in self.table.spans
+            if s.tier.attended
         }
 
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
@@ -106,7 +108,7 @@ class Placer:
         exact_held = 0
         pending = 0
         for span in self.table.spans:
-            if span.tier is not Tier.DEVICE:
+            if not span.tier.attended:
                 continue
             if span.state is SpanState.EVICTABLE:
                 usage -= store.span_bytes(span)
@@ -170,7 +172,7 @@ class Placer:
 
     def _attended_in_order(self) -> list[Span]:
         """Attended spans, the lifecycle's lowest class first (the order keys drop to 4 bits in)."""
-        attended = [s for s in self.table.spans if s.tier is Tier.DEVICE]
+        attended = [s for s in self.table.spans if s.tier.attended]
         return sorted(attended, key=lambda s: (lifecycle_class(s, self.marks), s.start))
 
     def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:

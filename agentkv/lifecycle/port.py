@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from agentkv.config import AgentKVConfig
     from agentkv.lifecycle.placement import Rung
     from agentkv.lifecycle.table import SpanTable
-    from agentkv.spans import Span
+    from agentkv.spans import Span, Tier
     from agentkv.store.protocol import KVStoreProtocol
 
 
@@ -65,9 +65,10 @@ class SessionPort(Protocol):
         """Whether `recompute_offsets` is supported (exact page recall needs it)."""
         ...
 
-    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> None:
-        """Recompute some tokens of attended spans in full precision, in one forward, replacing their KV.
+    def recompute_offsets(self, parts: Sequence[tuple[Span, Sequence[int]]]) -> dict[int, Tier]:
+        """Recompute some tokens of attended spans in full precision, in one forward; each span's tier now.
 
+        A span stays on the attended quantized tier while any of its tokens stays quantized.
         Raises on failure (every span stays as it was), and `NotImplementedError` where
         `recomputes_offsets` is False.
         """

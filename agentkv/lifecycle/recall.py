@@ -86,9 +86,7 @@ class Recaller(PlacementPeer):
         ]
         if not demoted and self.placer.effective_limit() is None:
             return Recalled()  # nothing to bring back, and nothing the budget will demote
-        attended = [
-            s for s in spans if s.state is SpanState.COMMITTED and s.tier is Tier.DEVICE and not s.pinned
-        ]
+        attended = [s for s in spans if s.state is SpanState.COMMITTED and s.tier.attended and not s.pinned]
         with self.timer.timed("policy_seconds"):
             query_ids = self.port.encode_text(message.content)
             ranked = rank_for_recall(

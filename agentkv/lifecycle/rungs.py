@@ -85,7 +85,7 @@ def span_options(
             continue
         if span.state is SpanState.EVICTABLE:
             # The grace queue: what it holds on the device goes first (the host budget sees the rest).
-            if not span.pinned and span.tier in (Tier.DEVICE, Tier.QUANTIZED):
+            if not span.pinned and (span.tier.attended or span.tier is Tier.QUANTIZED):
                 out.append(
                     _droppable(span, store.span_bytes(span), value=0.0, fidelity=fidelity, released=True)
                 )
@@ -98,7 +98,7 @@ def span_options(
                     _droppable(span, store.span_bytes(span), value=value, fidelity=fidelity, klass=klass)
                 )
             continue
-        if span.tier is not Tier.DEVICE:
+        if not span.tier.attended:
             continue
         choice = _attended(span, quantizer, floor, value, klass, archive_tier, token_bytes, fidelity, marks)
         if choice is not None:
@@ -138,7 +138,11 @@ def _attended(
     if not held:
         return None
     exact = floor.exact_token_bytes if floor is not None else token_bytes
-    quantized_now = quantizer.attended_quantized_tokens(span) if quantizer is not None else 0
+    quantized_now = (
+        quantizer.attended_quantized_tokens(span)
+        if quantizer is not None and span.tier is Tier.ATTENDED_QUANTIZED
+        else 0
+    )
     attended_q = fidelity[Rung.ATTENDED_Q]
     share = quantized_now / held
     now_bytes = (held - quantized_now) * exact + (

@@ -1,9 +1,11 @@
 """The KV store: one session's KV across tiers, moved a whole span at a time.
 
-The physical cache holds what the model attends to (tier `device`); archived
+The physical cache holds what the model attends to (tier `device`, or
+`attended_quantized` for a span some of whose tokens it holds quantized); archived
 spans live as blocks beside it (`quantized` on the model's device, `host` on the
 CPU); dropped spans hold nothing but their token ids. Every move keeps the
-byte accounting exact: `bytes_by_tier()` sums the tensors actually held.
+byte accounting exact: `bytes_by_tier()` sums the tensors actually held. Each verb
+returns the tier a span is on afterwards; the caller (the lifecycle's mover) writes it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
 from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, TierBytes
+from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
 from agentkv.store.quantized import QuantizedBlock
 from agentkv.store.tokens import keep_slots, read_tokens
 
@@ -100,7 +102,7 @@ class KVStore:
 
     def span_bytes(self, span: Span) -> int:
         """Bytes held for a span in its tier."""
-        if span.tier is Tier.DEVICE:
+        if span.tier.attended:
             slots = int((self.physical.slot_span == span.span_id).sum())
             return slots * self.physical.bytes_per_token()
         block = self.blocks.get(span.span_id)
@@ -135,8 +137,8 @@ class KVStore:
 
     # -- moves -----------------------------------------------------------------------------
 
-    def quantize_attended(self, span: Span) -> int:
-        """Hold a device span's tokens quantized, still attended (the first demotion). Returns bytes freed.
+    def quantize_attended(self, span: Span) -> MoveResult:
+        """Hold an attended span's tokens quantized, still attended (the first demotion); freed bytes, tier.
 
         The attention sinks (the first `attended_sink_tokens` positions) and the residual
         window (the last `attended_residual_tokens` positions held) stay in full precision,
@@ -145,8 +147,10 @@ class KVStore:
         """
         return self.quantize_attended_until([span], None)
 
-    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
-        """Quantize `spans` in attention, in order, until `free_bytes` are freed (None: all); bytes freed.
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
+        """Quantize `spans` in attention, in order, until `free_bytes` are freed (None: all).
+
+        Returns the bytes freed and, for each span quantized, its tier (ATTENDED_QUANTIZED).
 
         The spans one-by-one demotion would quantize, quantized in one pass over the layers:
         each span's saving is known before it is quantized (`quantized_bytes`: the exact
@@ -155,7 +159,7 @@ class KVStore:
         exactly as if they had been quantized one after another.
         """
         if self.attended_bits is None:
-            return 0
+            return MoveResult()
         physical = self.physical
         # Removals not compacted yet are counted pro rata in `nbytes`; compacting settles
         # them, and what that frees counts toward `free_bytes` as it would one span at a time.
@@ -163,6 +167,7 @@ class KVStore:
         physical.compact_pending()
         settled = estimated - physical.nbytes()
         chosen: list[torch.Tensor] = []
+        taken: list[Span] = []
         planned = 0  # bytes the chosen spans free, known before quantizing them
         for span in spans:
             if free_bytes is not None and planned + settled >= free_bytes:
@@ -174,15 +179,18 @@ class KVStore:
             physical.ensure_quantizable()
             layers = physical.cache.managed_layers
             chosen.append(slots)
+            taken.append(span)
             for layer in layers:
                 if isinstance(layer, QuantizedAttendedLayer):
                     exact, quantized = quantized_bytes(layer, int(slots.numel()))
                     planned += exact - quantized
         if not chosen:
-            return 0
+            return MoveResult()
         before = physical.nbytes()
         physical.quantize_slots(chosen)
-        return before - physical.nbytes()
+        return MoveResult(
+            tiers={s.span_id: self.attended_tier(s) for s in taken}, freed=before - physical.nbytes()
+        )
 
     def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
         """Hold the keys of `spans` at 4 bits, not 8, in order, until `free_bytes` are freed; bytes freed.
@@ -208,7 +216,7 @@ class KVStore:
         for span in spans:
             if planned >= free_bytes:
                 break
-            if span.tier is not Tier.DEVICE:
+            if not span.tier.attended:
                 continue
             slots = physical.slots_of(span.span_id)
             fine = slots[layers[0].is_fine(slots)] if slots.numel() else slots
@@ -247,7 +255,7 @@ class KVStore:
     def _attended_candidates(self, span: Span) -> torch.Tensor:
         """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
         physical = self.physical
-        if span.tier is not Tier.DEVICE:
+        if not span.tier.attended:
             return torch.empty(0, dtype=torch.long)
         slots = physical.slots_of(span.span_id)
         if not slots.numel():
@@ -296,6 +304,12 @@ class KVStore:
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
         return int(physical.quantized_mask(slots).sum())
 
+    def attended_tier(self, span: Span) -> Tier:
+        """The tier of an attended span, from its slots: quantized in attention when any of them is."""
+        physical = self.physical
+        quantized = bool(physical.quantized_mask(physical.slots_of(span.span_id)).any())
+        return Tier.ATTENDED_QUANTIZED if quantized else Tier.DEVICE
+
     def quantized_offsets(self, span: Span) -> list[int]:
         """Offsets of the span's tokens held quantized in attention, sorted."""
         physical = self.physical
@@ -316,39 +330,40 @@ class KVStore:
             return read_tokens(physical, slots, keys=False, queries=False)
         return read_tokens(physical, slots, keys=keys, queries=queries)
 
-    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
-        """Keep only the attended slots `keep`; tokens dropped by span id (token-mode eviction)."""
-        return keep_slots(self.physical, spans, keep)
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> MoveResult:
+        """Keep only the attended slots `keep`; tokens dropped and tiers, by span id (token-mode eviction)."""
+        dropped = keep_slots(self.physical, spans, keep)
+        tiers = {s.span_id: self.attended_tier(s) for s in spans if s.span_id in dropped}
+        return MoveResult(tiers=tiers, dropped=dropped)
 
-    def recompute_lazily(self, span: Span) -> bool:
+    def recompute_lazily(self, span: Span) -> Tier | None:
         """A dropped span becomes attended with every token pending: the next prefill computes it."""
         if span.tier is not Tier.DROPPED:
-            return False
+            return None
         span.n_computed = 0
-        self.adopt_recomputed(span)
-        return True
+        return self.adopt_recomputed(span)
 
-    def compress(self, span: Span, keep_offsets: list[int]) -> int:
-        """Keep only some of a device span's tokens (commit-time compression). Returns tokens dropped."""
-        self._require(span, Tier.DEVICE, "compress")
+    def compress(self, span: Span, keep_offsets: list[int]) -> MoveResult:
+        """Keep only some of an attended span's tokens (commit-time compression); tokens dropped, its tier."""
+        self._require_attended(span, "compress")
         keep = set(keep_offsets)
         slots = self.physical.slots_of(span.span_id)
         offsets = self.physical.slot_offset[slots]
         drop_mask = torch.tensor([int(o) not in keep for o in offsets.tolist()], dtype=torch.bool)
         dropped = self.physical.remove(slots[drop_mask])
         span.kept = sorted(int(o) for o in offsets[~drop_mask].tolist())
-        return dropped
+        tiers = {span.span_id: self.attended_tier(span)}
+        return MoveResult(tiers=tiers, dropped={span.span_id: dropped} if dropped else {})
 
-    def archive(self, span: Span, tier: str) -> None:
-        """Move a device span out of the attended cache into `host`, `int8`, `int4` or `drop`."""
+    def archive(self, span: Span, tier: str) -> Tier:
+        """Move an attended span out of the attended cache into `host`, `int8`, `int4` or `drop`; its tier."""
         if tier not in ARCHIVE_TIERS:
             msg = f"archive tier: unknown {tier!r}; allowed: {', '.join(ARCHIVE_TIERS)}"
             raise ValueError(msg)
-        self._require(span, Tier.DEVICE, "archive")
+        self._require_attended(span, "archive")
         slots = self.physical.slots_of(span.span_id)
         if tier == "drop":
-            self.drop(span)
-            return
+            return self.drop(span)
         block = self.physical.extract(slots)
         stored: HostBlock | QuantizedBlock
         if tier == "host":
@@ -365,7 +380,7 @@ class KVStore:
         # Only remove from the attended cache once the archived copy exists (a failed move keeps the span).
         self.physical.remove(slots)
         self.blocks[span.span_id] = stored
-        span.tier = new_tier
+        return new_tier
 
     def _host_copy(self, block: KVBlock) -> HostBlock:
         """The host tier's copy of an extracted block: quantized when `host_bits` asks and it is smaller.
@@ -388,43 +403,44 @@ class KVStore:
         check_host_limit(self.host_bytes(), adding, self.host_limit_bytes)
         return stored or HostBlock.offload(block, fresh=True)  # `extract` made new tensors
 
-    def drop(self, span: Span) -> None:
-        """Release a span's KV wherever it is; its token ids stay, so it can be recomputed."""
-        if span.tier is Tier.DEVICE:
+    def drop(self, span: Span) -> Tier:
+        """Release a span's KV wherever it is (DROPPED); its token ids stay, so it can be recomputed."""
+        if span.tier.attended:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
-        span.tier = Tier.DROPPED
         span.kept = None
+        return Tier.DROPPED
 
-    def recompute_pending(self, span: Span) -> None:
+    def recompute_pending(self, span: Span) -> Tier:
         """Drop an attended, uncompressed span's KV, its tokens left pending: the next forward recomputes it.
 
-        The span stays attended (`Tier.DEVICE`); the session's next prefill encodes its
-        tokens at their logical positions together with whatever else is pending (a new
-        user turn), so recomputing it costs no forward of its own.
+        The span stays attended, at full precision (DEVICE, returned); the session's next
+        prefill encodes its tokens at their logical positions together with whatever else
+        is pending (a new user turn), so recomputing it costs no forward of its own.
         """
-        self._require(span, Tier.DEVICE, "recompute")
+        self._require_attended(span, "recompute")
         if span.kept is not None:
             msg = f"cannot recompute span {span.span_id} lazily: it was compressed at commit"
             raise ValueError(msg)
         self.physical.remove(self.physical.slots_of(span.span_id))
         span.n_computed = 0
+        return Tier.DEVICE
 
-    def restore(self, span: Span) -> None:
-        """Bring an archived span back into the attended cache (appended at the physical end)."""
-        self.restore_many([span])
+    def restore(self, span: Span) -> Tier:
+        """Bring an archived span back into the attended cache (appended at the physical end); its tier."""
+        return self.restore_many([span]).tiers.get(span.span_id, span.tier)
 
-    def restore_many(self, spans: Sequence[Span]) -> None:
+    def restore_many(self, spans: Sequence[Span]) -> MoveResult:
         """Bring archived spans back with one append per layer (recall restores several at once).
 
         Each append copies the whole attended cache (`torch.cat`), so restoring k spans
         one by one would copy it k times. All or nothing: when the append fails, every
-        span stays archived with its block.
+        span stays archived with its block. Restored spans are held at full precision (DEVICE).
         """
         items: list[tuple[int, KVBlock, torch.Tensor]] = []
         restoring: list[Span] = []
         for span in spans:
-            if span.tier is Tier.DEVICE:
+            if span.tier.attended:
                 continue
             stored = self.blocks.get(span.span_id)
             if stored is None:
@@ -440,23 +456,31 @@ class KVStore:
         self.physical.append_blocks(items)
         for span in restoring:
             del self.blocks[span.span_id]
-            span.tier = Tier.DEVICE
+        return MoveResult(tiers={s.span_id: Tier.DEVICE for s in restoring})
 
-    def adopt_recomputed(self, span: Span) -> None:
-        """The span's KV was recomputed into the attended cache: hold it as a device span, uncompressed."""
-        span.tier = Tier.DEVICE
+    def cut(self, span: Span, keep_tokens: int) -> Tier:
+        """Keep only an attended span's first `keep_tokens` slots (a history rewrite); its tier."""
+        physical = self.physical
+        slots = physical.slots_of(span.span_id)
+        physical.remove(slots[physical.slot_offset[slots] >= keep_tokens])
+        return self.attended_tier(span)
+
+    def adopt_recomputed(self, span: Span) -> Tier:
+        """The span's KV was recomputed into the attended cache: at full precision (DEVICE), uncompressed."""
         span.kept = None
+        return Tier.DEVICE
 
     def forget(self, span: Span) -> None:
         """Remove a span entirely (history rewrite): its slots and any archived block."""
-        if span.tier is Tier.DEVICE:
+        if span.tier.attended:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
 
-    def _require(self, span: Span, tier: Tier, action: str) -> None:
-        if span.tier is not tier:
+    def _require_attended(self, span: Span, action: str) -> None:
+        if not span.tier.attended:
             msg = (
-                f"cannot {action} span {span.span_id}: it is on tier {span.tier.value}, expected {tier.value}"
+                f"cannot {action} span {span.span_id}: it is on tier {span.tier.value}, expected "
+                f"{Tier.DEVICE.value} or {Tier.ATTENDED_QUANTIZED.value}"
             )
             raise ValueError(msg)
 
@@ -488,7 +512,7 @@ class KVStore:
         for span in spans:
             held = sorted(offsets.get(span.span_id, []))
             block = self.blocks.get(span.span_id)
-            if span.tier is Tier.DEVICE:
+            if span.tier.attended:
                 if held != span.kept_offsets:
                     problems.append(
                         f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} "
@@ -496,6 +520,9 @@ class KVStore:
                     )
                 if block is not None:
                     problems.append(f"device span {span.span_id} also has an archived block")
+                slots_say = self.attended_tier(span)
+                if slots_say is not span.tier:
+                    problems.append(f"span {span.span_id} is on tier {span.tier}, its slots say {slots_say}")
             else:
                 if held:
                     problems.append(
@@ -503,9 +530,7 @@ class KVStore:
                     )
                 if span.tier is Tier.DROPPED and block is not None:
                     problems.append(f"dropped span {span.span_id} still has a block")
-                if span.tier in (Tier.HOST, Tier.QUANTIZED) and (
-                    block is None or sorted(block.offsets) != span.kept_offsets
-                ):
+                if span.tier.archived and (block is None or sorted(block.offsets) != span.kept_offsets):
                     problems.append(f"archived span {span.span_id} block does not match its kept tokens")
         for block_span in self.blocks:
             if block_span not in by_id:

@@ -16,8 +16,12 @@ Two implementations:
 
 The verbs take `Span`s (token ids, logical positions, kept offsets: everything an
 engine needs to address the KV by token sequence) and return plain Python values;
-tensors stay inside the implementations. A store sets `span.tier` (and
-`span.kept`) when it moves KV; it never changes `span.state` (the mover does).
+tensors stay inside the implementations. A store sets `span.kept` (and
+`span.n_computed`) when it moves KV; it never writes `span.tier` or `span.state`:
+each verb that moves KV returns the tier the span is on afterwards (a `Tier`, or a
+`MoveResult` for several spans) and the mover writes it, so a span's state and tier
+change in one place. A caller that uses a store without a mover (a test) writes the
+returned tier itself.
 
 Errors: a verb that cannot do its work raises; the mover records a fault and
 keeps the span where it was (a failed offload must never lose a span).
@@ -27,13 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
-    from agentkv.spans import Span, SpanState
+    from agentkv.spans import Span, SpanState, Tier
 
 ARCHIVE_TIERS: tuple[str, ...] = ("host", "int8", "int4", "drop")
 """Where `archive` may put a span (`agentkv.archive_tier` in YAML)."""
@@ -48,6 +52,18 @@ class TierBytes:
     host: int
     shared: int = 0
     """Part of `device` that is a prefix shared with a parent session (not owned)."""
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """What a store verb did to several spans (or to what one span holds): the mover writes the tiers."""
+
+    tiers: dict[int, Tier] = field(default_factory=dict)
+    """Span id -> the tier it is on now, for every span the verb changed."""
+    freed: int = 0
+    """Device bytes freed."""
+    dropped: dict[int, int] = field(default_factory=dict)
+    """Span id -> tokens whose KV the verb removed (compression)."""
 
 
 @dataclass(frozen=True)
@@ -110,33 +126,37 @@ class AttendedTokens:
 class KVStoreProtocol(Protocol):
     """What the lifecycle asks of "where KV lives" (one store per session)."""
 
-    def archive(self, span: Span, tier: str) -> None:
-        """Move an attended span out of attention into `tier` (one of `ARCHIVE_TIERS`).
+    def archive(self, span: Span, tier: str) -> Tier:
+        """Move an attended span out of attention into `tier` (one of `ARCHIVE_TIERS`); the span's tier now.
 
-        `drop` releases the KV (`span.tier` becomes DROPPED); the others keep it
-        recallable (`span.tier` becomes HOST or QUANTIZED). Raises when the span is
-        not attended or the tier is full; the span then stays where it was.
+        `drop` releases the KV (DROPPED); the others keep it recallable (HOST or
+        QUANTIZED). Raises when the span is not attended or the tier is full; the span
+        then stays where it was.
         """
         ...
 
-    def restore_many(self, spans: Sequence[Span]) -> None:
-        """Bring archived spans back into attention, all or nothing (`span.tier` becomes DEVICE)."""
+    def restore_many(self, spans: Sequence[Span]) -> MoveResult:
+        """Bring archived spans back into attention, all or nothing; the tiers of those restored."""
         ...
 
-    def drop(self, span: Span) -> None:
-        """Release a span's KV wherever it is; its token ids stay, so it can be recomputed."""
+    def drop(self, span: Span) -> Tier:
+        """Release a span's KV wherever it is (DROPPED); its token ids stay, so it can be recomputed."""
         ...
 
     def forget(self, span: Span) -> None:
         """Remove a span entirely (a history rewrite or a pruned branch's tail)."""
         ...
 
-    def compress(self, span: Span, keep_offsets: list[int]) -> int:
-        """Keep only `keep_offsets` of an attended span (commit-time compression); returns tokens dropped."""
+    def compress(self, span: Span, keep_offsets: list[int]) -> MoveResult:
+        """Keep only `keep_offsets` of an attended span (commit-time compression); dropped tokens, tier."""
         ...
 
-    def adopt_recomputed(self, span: Span) -> None:
-        """The span's KV was recomputed from its token ids and is attended again (`span.tier` DEVICE)."""
+    def cut(self, span: Span, keep_tokens: int) -> Tier:
+        """Keep only an attended span's first `keep_tokens` (a rewritten message's start); its tier."""
+        ...
+
+    def adopt_recomputed(self, span: Span) -> Tier:
+        """The span's KV was recomputed from its token ids and is attended again; its tier (DEVICE)."""
         ...
 
     def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
@@ -177,19 +197,19 @@ class KVStoreProtocol(Protocol):
         """
         ...
 
-    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
-        """Keep only the attended slots `keep` (`AttendedTokens.slots` values); tokens dropped by span id.
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> MoveResult:
+        """Keep only the attended slots `keep` (`AttendedTokens.slots` values); dropped tokens and tiers.
 
         Token-mode eviction (the generic baselines). Each span's `kept` lists what it
         holds afterwards. Raises `NotImplementedError` where `attended_size` is None.
         """
         ...
 
-    def recompute_lazily(self, span: Span) -> bool:
+    def recompute_lazily(self, span: Span) -> Tier | None:
         """Make a dropped span attended with every token pending, so the next prefill recomputes it.
 
-        Sets `span.n_computed` to 0 and `span.tier` to DEVICE. False (nothing changed):
-        the store cannot (its prefill does not compute pending spans).
+        Sets `span.n_computed` to 0 and returns the span's tier (DEVICE). None (nothing
+        changed): the store cannot (its prefill does not compute pending spans).
         """
         ...
 
@@ -212,32 +232,47 @@ class WholeSpanStore:
         del span, keys, queries
         return None
 
-    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:
+    def keep_attended(self, spans: Sequence[Span], keep: torch.Tensor) -> MoveResult:
         """Not supported (`attended_size` is None)."""
         del spans, keep
         msg = f"{type(self).__name__} keeps whole spans: token-mode eviction does not apply"
         raise NotImplementedError(msg)
 
-    def recompute_lazily(self, span: Span) -> bool:
-        """Not supported: False."""
+    def cut(self, span: Span, keep_tokens: int) -> Tier:
+        """Not supported: whole spans only (a rewritten message is re-sent whole)."""
+        del span, keep_tokens
+        msg = f"{type(self).__name__} keeps whole spans: a span cannot be cut"
+        raise NotImplementedError(msg)
+
+    def recompute_lazily(self, span: Span) -> Tier | None:
+        """Not supported: None."""
         del span
-        return False
+        return None
 
 
 @runtime_checkable
 class AttendedQuantizer(Protocol):
     """A store with an attended quantized tier: a span can be held quantized and still be attended."""
 
-    def quantize_attended(self, span: Span) -> int:
-        """Hold a device span quantized in attention (sinks and residual window excepted); bytes freed."""
+    def quantize_attended(self, span: Span) -> MoveResult:
+        """Hold an attended span quantized in attention (sinks and residual window excepted).
+
+        Bytes freed, and ATTENDED_QUANTIZED for the span when any of its tokens is now held quantized.
+        """
         ...
 
-    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
-        """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass); bytes freed."""
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
+        """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass).
+
+        Bytes freed, and ATTENDED_QUANTIZED for every span it quantized.
+        """
         ...
 
     def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
-        """Hold the spans' keys at 4 bits instead of 8 (8-bit key tiers), in order, until `free_bytes`."""
+        """Hold the spans' keys at 4 bits instead of 8 (8-bit key tiers), in order, until `free_bytes`.
+
+        Bytes freed. Only spans already held quantized have 8-bit keys; they stay ATTENDED_QUANTIZED.
+        """
         ...
 
     def fine_key_bytes(self) -> int:
@@ -260,6 +295,9 @@ class AttendedQuantizer(Protocol):
         """Offsets of the span's tokens held quantized in attention, sorted."""
         ...
 
-    def recompute_pending(self, span: Span) -> None:
-        """Drop an attended, uncompressed span's KV, its tokens pending: the next forward recomputes them."""
+    def recompute_pending(self, span: Span) -> Tier:
+        """Drop an attended, uncompressed span's KV, its tokens pending: the next forward recomputes them.
+
+        The span's tier now (DEVICE: it is attended, and recomputed at full precision).
+        """
         ...

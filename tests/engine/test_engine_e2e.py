@@ -28,6 +28,13 @@ from agentkv.spans import Span, SpanKind, SpanState, Tier
 EngineStack = Any  # tests/engine/conftest.py: the running stack's URLs and facts
 
 
+def restore(store: EngineStore, spans: list[Span]) -> None:
+    """Restore archived spans and write the tiers the store returns, as the lifecycle's mover does."""
+    result = store.restore_many(spans)
+    for span in spans:
+        span.tier = result.tiers[span.span_id]
+
+
 def spans_of(tokenizer, texts: list[tuple[SpanKind, str]]) -> list[Span]:  # noqa: ANN001 - HF tokenizer
     spans, start = [], 0
     for i, (kind, text) in enumerate(texts):
@@ -115,7 +122,7 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     spans[0].state = spans[1].state = SpanState.COMMITTED
     committed = len(spans[0].token_ids) + len(spans[1].token_ids)
     # Release the tool call: it leaves the prompt, and the old tail after it is deleted.
-    store.drop(spans[2])
+    spans[2].tier = store.drop(spans[2])
     prompt, _ = call()
     assert prompt == spans[0].token_ids + spans[1].token_ids + spans[3].token_ids
     assert coordinator.pins(salt) == committed // stack.chunk_size
@@ -133,13 +140,13 @@ def test_lifecycle_moves_drive_pins_deletes_and_prefetch_hits(engine_stack: Engi
     whole = len(with_result) // stack.chunk_size
     assert wait_for(lambda: coordinator.lookup(with_result, salt).held_chunks("l2") == whole)
     spans[3].state = SpanState.ARCHIVED
-    store.archive(spans[3], "host")
+    spans[3].tier = store.archive(spans[3], "host")
     assert spans[3].tier is Tier.HOST
     call()
     assert tail_of(with_result)
     assert wait_for(lambda: all(tiers == ("l2",) for tiers in tail_of(with_result))), tail_of(with_result)
     spans[3].state = SpanState.COMMITTED
-    store.restore_many([spans[3]])
+    restore(store, [spans[3]])
     stack.reset_prefix_cache()  # vLLM's own cache forgets: what hits now comes from LMCache
     prompt, (done, delta) = call()
     assert prompt == with_result
@@ -223,7 +230,7 @@ def test_coordinator_4xx_and_timeouts_are_clear_and_the_agent_keeps_answering(
         lambda: spans,
         bytes_per_token=stack.bytes_per_token,
     )
-    store.restore_many(spans)
+    restore(store, spans)
     store.sync(store.prompt())
     assert store.stats.hint_failures == 1 and "HTTP 404" in store.stats.last_failure
 

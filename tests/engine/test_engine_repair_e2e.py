@@ -30,7 +30,7 @@ from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.store import EngineStore, EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.spans import SpanKind, SpanState, Tier
-from tests.engine.test_engine_e2e import SYSTEM, TOOL_CALL, TOOL_RESULT, USER, spans_of, wait_for
+from tests.engine.test_engine_e2e import SYSTEM, TOOL_CALL, TOOL_RESULT, USER, restore, spans_of, wait_for
 
 EngineStack = Any  # tests/engine/conftest.py: the running stack's URLs and facts
 
@@ -244,8 +244,8 @@ def test_release_and_archive_in_one_step_keep_the_archive_on_l2_for_a_recall(
     full, _ = call()
     assert wait_for(stored(coordinator, full, salt, stack.chunk_size))
     spans[2].state = SpanState.ARCHIVED
-    store.archive(spans[2], "host")
-    store.drop(spans[3])
+    spans[2].tier = store.archive(spans[2], "host")
+    spans[3].tier = store.drop(spans[3])
     call()
     size = stack.chunk_size
     kept = spans[3].start // size  # whole chunks before the one holding the first released token
@@ -264,7 +264,7 @@ def test_release_and_archive_in_one_step_keep_the_archive_on_l2_for_a_recall(
 
     # The recall loads the archived span from LMCache (vLLM's own cache emptied first).
     spans[2].state = SpanState.COMMITTED
-    store.restore_many([spans[2]])
+    restore(store, [spans[2]])
     stack.reset_prefix_cache()
     prompt, delta = call()
     assert prompt[: kept * size] == full[: kept * size]

@@ -260,3 +260,51 @@ def test_tests_reach_in_only_from_the_allow_list(pattern: re.Pattern[str], allow
     assert not set(allowed) - found, (
         f"allow-list entries that no longer reach in: {sorted(set(allowed) - found)}"
     )
+
+
+MOVER = ROOT / "agentkv" / "lifecycle" / "mover.py"
+MOVER_FIELDS = frozenset({"tier", "state"})
+"""A span's fields that only the mover writes: where its KV is, and its lifecycle state."""
+
+
+def _field_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """`(line, field)` of every assignment to an attribute in `MOVER_FIELDS`, and every `setattr` of one."""
+    writes: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in MOVER_FIELDS
+        ):
+            writes.append((node.lineno, str(node.args[1].value)))
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Attribute) and target.attr in MOVER_FIELDS:
+                writes.append((target.lineno, target.attr))
+    return writes
+
+
+def test_the_field_writes_finder_sees_assignments_tuples_and_setattr() -> None:
+    tree = ast.parse("span.tier = t\na, b.state = x\nsetattr(span, 'tier', t)\nspan.kept = None\n")
+    assert sorted(_field_writes(tree)) == [(1, "tier"), (2, "state"), (3, "tier")]
+
+
+def test_only_the_mover_writes_a_span_s_tier_and_state() -> None:
+    """`span.tier` and `span.state` change in one place: store verbs return the tier, the mover writes it."""
+    offenders = []
+    for path in [*ROOT.joinpath("agentkv").rglob("*.py"), *ROOT.joinpath("integrations").rglob("*.py")]:
+        if path == MOVER:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        offenders += [f"{path.relative_to(ROOT)}:{line}: .{field} =" for line, field in _field_writes(tree)]
+    assert not offenders, "span fields written outside the mover:\n" + "\n".join(offenders)

@@ -22,6 +22,7 @@ from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, 
 from agentkv.store.block import tensor_bytes
 from agentkv.store.cache import SharedPrefixLayer
 from agentkv.store.kivi import MAX_KEY_BLOCKS, key_blocks, value_group
+from tests.unit.store_moves import quantize
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -209,8 +210,9 @@ def test_quantized_in_attention_logits_close_to_full_precision(
     session = _backend(tiny_model, tiny_tokenizer, {"policy": "full", "quantization": settings}).session("q")
     session.extend(MESSAGES)
     for span in session.spans:
-        session.store.quantize_attended(span)
+        quantize(session.store, [span])
     session.check()
+    assert any(s.tier is Tier.ATTENDED_QUANTIZED for s in session.spans)  # `check` compared them to slots
     held = session.store.physical.length
     # All but the 4 sink positions and the 16-token residual window are quantized.
     assert session.store.attended_quantized_tokens() == held - 4 - 16
@@ -219,6 +221,46 @@ def test_quantized_in_attention_logits_close_to_full_precision(
     scale = float(full.abs().max())
     assert 0 < err <= tolerance * scale, f"{quantization}: max |Δlogit| {err:.4f} vs max |logit| {scale:.4f}"
     assert int(quant.argmax()) == int(full.argmax())
+
+
+@pytest.mark.parametrize(
+    ("content", "tier"),
+    [
+        (MESSAGES[1]["content"] + "Also the gate code is 12.", Tier.ATTENDED_QUANTIZED),
+        ("A different question.", Tier.DEVICE),  # only its exact leading tokens stay
+    ],
+)
+def test_a_rewritten_message_keeps_its_start_on_the_tier_its_slots_are_on(
+    tiny_model: Any, tiny_tokenizer: Any, content: str, tier: Tier
+) -> None:
+    settings = {
+        "attended_bits": 4,
+        "group_size": 16,
+        "attended_residual_tokens": 16,
+        "attended_sink_tokens": 64,
+    }
+    session = _backend(tiny_model, tiny_tokenizer, {"policy": "full", "quantization": settings}).session("r")
+    session.extend(MESSAGES)
+    quantize(session.store, list(session.spans))
+    span = session.spans[1]
+    assert span.tier is Tier.ATTENDED_QUANTIZED and span.start + 1 < 64 < span.end
+    session.extend([MESSAGES[0], {"role": "user", "content": content}])
+    session.check()  # the tier agrees with the slots the rewrite kept
+    assert session.spans[1] is span and session.stats().reused_tokens > 0  # the message kept its start
+    assert span.state is SpanState.ACTIVE and span.tier is tier
+
+
+def test_a_rewritten_question_keeps_its_start_and_is_active_again(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    """The new message's turn first ends the one before (committing it); the rewritten question is new."""
+    session = _backend(tiny_model, tiny_tokenizer, {"policy": "lifecycle"}).session("q")
+    session.extend(MESSAGES)
+    question = session.spans[-1]
+    assert question.state is SpanState.ACTIVE
+    session.extend([*MESSAGES[:-1], {"role": "user", "content": "What is the secret code again?"}])
+    assert session.spans[-1] is question and question.state is SpanState.ACTIVE and not question.frozen
+    session.check()
 
 
 def _budget_session(
@@ -251,7 +293,10 @@ def test_budget_quantizes_in_attention_before_archiving(tiny_model: Any, tiny_to
     session.check()
     stats = session.stats()
     assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing left attention
-    assert all(s.tier is Tier.DEVICE for s in session.spans)
+    assert all(s.tier.attended for s in session.spans)
+    assert stats.tokens_by_tier["attended_quantized"] > 0
+    assert sum(stats.tokens_by_tier.values()) == stats.logical_tokens
+    assert any(s.tier is Tier.ATTENDED_QUANTIZED for s in session.spans)
     assert session.store.attended_quantized_tokens() > 0
     walked = sum(tensor_bytes(t) for t in session.store.physical.tensors())
     assert stats.device_bytes == walked < stats.attended_tokens * backend.runner.bytes_per_token
@@ -276,8 +321,8 @@ def test_budget_archives_only_once_everything_demotable_is_quantized(
     assert archived, "a 40-token budget must archive something"
     # Every committed span still attended is quantized as far as the sinks and window allow.
     for span in session.spans:
-        if span.tier is Tier.DEVICE and span.state is SpanState.COMMITTED and not span.pinned:
-            assert store.quantize_attended(span) == 0, span
+        if span.tier.attended and span.state is SpanState.COMMITTED and not span.pinned:
+            assert quantize(store, [span]) == 0, span
     stats = session.stats()
     walked = sum(tensor_bytes(t) for t in store.physical.tensors())
     assert stats.device_bytes == walked
@@ -371,8 +416,9 @@ def test_spans_quantized_in_one_pass_equal_the_one_by_one_demotion(
     for span in spans_b:
         if freed_b >= need:
             break
-        freed_b += one_by_one.store.quantize_attended(span)
-    freed_a = one_pass.store.quantize_attended_until(spans_a, need)
+        freed_b += quantize(one_by_one.store, [span])
+    freed_a = quantize(one_pass.store, spans_a, need)
+    assert [s.tier for s in spans_a] == [s.tier for s in spans_b]
     assert freed_a == freed_b > need  # the savings were planned exactly
     assert 0 < one_pass.store.attended_quantized_tokens() < one_pass.store.physical.length
     for a, b in zip(

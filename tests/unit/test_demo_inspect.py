@@ -222,7 +222,10 @@ def test_budget_warnings_become_one_summary_line(caplog):
 
 
 def _snapshot(spans: int = 3) -> dict:
-    kinds = [("system", None, "committed", "device"), ("user", "msg-7a1f3c2e-44", "archived", "host")]
+    kinds = [
+        ("system", None, "committed", "attended_quantized"),
+        ("user", "msg-7a1f3c2e-44", "archived", "host"),
+    ]
     kinds.append(("tool_result", "call_abcdef123456", "evicted", "dropped"))
     rows = [
         {
@@ -279,6 +282,7 @@ def test_span_table_keeps_every_fixed_column_whole_at_80_columns() -> None:
     assert len(rows) == 3  # one line per span: nothing wrapped
     for value in ("tool_result", "committed", "archived", "evicted", "dropped", "241.1 KiB", "120.6 KiB"):
         assert value in text
+    assert "attended-q" in text  # the attended quantized tier, by its short name
     assert all(len(line) <= 80 for line in lines)
 
 

@@ -18,7 +18,15 @@ import pytest
 from agentkv.engines.http import EngineUnavailableError
 from agentkv.engines.reconcile import surplus_sequences
 from agentkv.spans import SpanState, Tier
-from tests.unit.test_engine_store import CHUNK, SimLMCache, make_backend, make_spans, make_store, turn
+from tests.unit.test_engine_store import (
+    CHUNK,
+    SimLMCache,
+    make_backend,
+    make_spans,
+    make_store,
+    restore,
+    turn,
+)
 
 
 @pytest.fixture
@@ -123,8 +131,8 @@ def test_release_and_archive_in_one_step_keep_the_archived_chunks_on_l2(sim: Sim
     spans = make_spans(8, 8, 8, 8)
     store = make_store(sim, spans)
     old = turn(store, sim)
-    store.archive(spans[1], "host")  # older span archived ...
-    store.drop(spans[2])  # ... and a later one released, in the same step
+    spans[1].tier = store.archive(spans[1], "host")  # older span archived ...
+    spans[2].tier = store.drop(spans[2])  # ... and a later one released, in the same step
     turn(store, sim)
     held = sim.held(old, "salt")
     assert held[:2] == [{"l1", "l2"}] * 2  # the prompt's prefix
@@ -132,7 +140,7 @@ def test_release_and_archive_in_one_step_keep_the_archived_chunks_on_l2(sim: Sim
     assert set(sim.keys(old[:16], "salt")) <= set(sim.pins)  # ... under an archive pin
     assert held[4:] == [set()] * 4  # from the released span on: gone from every tier
     assert store.host_bytes() == 8 * 10 == store.span_bytes(spans[1])
-    store.restore_many([spans[1]])
+    restore(store, [spans[1]])
     turn(store, sim)
     assert sim.prefetched == [old[:16] + spans[3].token_ids]
 
@@ -141,8 +149,8 @@ def test_an_archived_span_after_the_released_one_is_not_counted_as_kept(sim: Sim
     spans = make_spans(8, 8, 8, 8)
     store = make_store(sim, spans)
     old = turn(store, sim)
-    store.drop(spans[1])
-    store.archive(spans[2], "host")  # its old chunks come after the released span: garbage
+    spans[1].tier = store.drop(spans[1])
+    spans[2].tier = store.archive(spans[2], "host")  # its old chunks come after the released span: garbage
     turn(store, sim)
     assert sim.held(old, "salt")[2:] == [set()] * 6
     assert spans[2].tier is Tier.HOST and store.host_bytes() == 0 == store.span_bytes(spans[2])
@@ -178,7 +186,7 @@ def test_a_delete_skipped_in_an_outage_is_sent_at_the_next_sync(sim: SimLMCache)
     spans = make_spans(8, 8, 8)
     store = make_store(sim, spans)
     old = [*turn(store, sim, generated=[7, 7, 7, 7]), 7, 7, 7, 7]
-    store.drop(spans[1])
+    spans[1].tier = store.drop(spans[1])
     sim.transport.down = True
     store.sync(store.prompt())  # the stale tail is not deleted: the coordinator does not answer
     sim.transport.down = False
@@ -194,10 +202,10 @@ def test_close_removes_every_sequence_the_session_wrote(sim: SimLMCache) -> None
     spans = make_spans(8, 8, 8)
     store = make_store(sim, spans)
     first = turn(store, sim)
-    store.archive(spans[1], "host")  # the first sequence stays on L2 for a recall
+    spans[1].tier = store.archive(spans[1], "host")  # the first sequence stays on L2 for a recall
     turn(store, sim)
     sim.transport.down = True
-    store.drop(spans[2])
+    spans[2].tier = store.drop(spans[2])
     store.sync(store.prompt())  # this delete is skipped
     sim.transport.down = False
     store.completed(store.prompt())
@@ -256,10 +264,10 @@ def test_a_recall_and_a_release_in_one_step_delete_the_whole_old_tail(sim: SimLM
     spans = make_spans(8, 8, 8, 8)
     store = make_store(sim, spans)
     turn(store, sim)
-    store.archive(spans[1], "host")
+    spans[1].tier = store.archive(spans[1], "host")
     old = turn(store, sim)  # spans 0, 2, 3
-    store.restore_many([spans[1]])  # the prompt changes at span 1's place ...
-    store.drop(spans[3])  # ... and span 3 is released: nothing of the old tail is kept
+    restore(store, [spans[1]])  # the prompt changes at span 1's place ...
+    spans[3].tier = store.drop(spans[3])  # ... and span 3 is released: nothing of the old tail is kept
     turn(store, sim)
     assert sim.held(old, "salt")[2:] == [set()] * 4
 
@@ -269,10 +277,10 @@ def test_an_archive_pin_shared_by_two_spans_is_given_back_once(sim: SimLMCache) 
     store = make_store(sim, spans)
     spans[0].state = SpanState.COMMITTED
     turn(store, sim)  # commit pin on span 0's chunks
-    store.archive(spans[1], "host")
-    store.archive(spans[2], "host")  # one step: one archive pin serves both
+    spans[1].tier = store.archive(spans[1], "host")
+    spans[2].tier = store.archive(spans[2], "host")  # one step: one archive pin serves both
     turn(store, sim)
-    store.restore_many([spans[1], spans[2]])
+    restore(store, [spans[1], spans[2]])
     turn(store, sim)
     commit_keys = sim.keys(spans[0].token_ids, "salt")
     assert [sim.pins.get(k) for k in commit_keys] == [1, 1]  # the commit pin's reference survives

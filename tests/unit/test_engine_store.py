@@ -147,6 +147,13 @@ def sim() -> SimLMCache:
     return SimLMCache()
 
 
+def restore(store: EngineStore, spans: list[Span]) -> None:
+    """Restore archived spans and write the tiers the store returns, as the lifecycle's mover does."""
+    result = store.restore_many(spans)
+    for span in spans:
+        span.tier = result.tiers[span.span_id]
+
+
 def make_store(sim: SimLMCache, spans: list[Span], **kw: Any) -> EngineStore:
     coordinator = CoordinatorClient(COORD, "m", transport=sim.transport)
     target = EngineTarget(
@@ -187,7 +194,7 @@ def test_release_leaves_the_span_out_and_deletes_only_the_stale_tail(sim: SimLMC
     spans = make_spans(8, 8, 8)
     store = make_store(sim, spans)
     first = turn(store, sim, generated=[7, 7, 7, 7])
-    store.drop(spans[1])  # release/evict the middle span
+    spans[1].tier = store.drop(spans[1])  # release/evict the middle span
     prompt = store.prompt()
     assert prompt == spans[0].token_ids + spans[2].token_ids
     turn(store, sim)
@@ -202,12 +209,12 @@ def test_archive_deletes_l1_keeps_l2_pinned_and_recall_prefetches_it_back(sim: S
     spans = make_spans(8, 8, 8)
     store = make_store(sim, spans)
     full = turn(store, sim)
-    store.archive(spans[1], "host")
+    spans[1].tier = store.archive(spans[1], "host")
     assert spans[1].tier is Tier.HOST
     turn(store, sim)
     assert sim.held(full, "salt")[2:] == [{"l2"}] * 4  # L1 copy gone, L2 kept
     assert set(sim.keys(full, "salt")) <= set(sim.pins)  # and protected from L2 eviction
-    store.restore_many([spans[1]])
+    restore(store, [spans[1]])
     turn(store, sim)
     assert sim.prefetched == [full]  # prefetched before the call that needs it
     assert sim.held(full, "salt") == [{"l1", "l2"}] * 6
@@ -225,7 +232,7 @@ def test_pins_stay_within_the_salts_l2_quota_across_commit_and_archive_pins(sim:
     assert store.pin_budget() == 10
     assert [len(b["token_ids"]) for b in sim.transport.sent("POST", "/cache/pins")] == [8]
     # An archive pin shares the budget: its first chunks are the commit pin's, nothing beyond fits.
-    store.archive(spans[2], "host")
+    spans[2].tier = store.archive(spans[2], "host")
     turn(store, sim)
     assert set(sim.pins) == set(sim.keys(spans[0].token_ids, "salt"))
     assert store.stats.hint_failures == 0
@@ -297,7 +304,7 @@ def test_close_gives_back_every_pin(sim: SimLMCache) -> None:
     store = make_store(sim, spans)
     turn(store, sim)
     spans[0].state = SpanState.COMMITTED
-    store.archive(spans[2], "host")
+    spans[2].tier = store.archive(spans[2], "host")
     turn(store, sim)
     store.select()
     assert sim.pins
@@ -312,7 +319,7 @@ def test_engine_down_makes_hints_logged_noops(sim: SimLMCache, caplog: pytest.Lo
     turn(store, sim)
     sim.transport.down = True
     spans[0].state = SpanState.COMMITTED
-    store.drop(spans[1])
+    spans[1].tier = store.drop(spans[1])
     store.sync(store.prompt())  # no exception: hints never break the agent
     assert store.stats.hint_failures >= 1
     assert "connection refused" in store.stats.last_failure
@@ -334,12 +341,12 @@ def test_coordinator_4xx_is_a_clear_error_for_direct_calls_and_a_noop_as_a_hint(
 def test_bytes_by_tier_counts_the_prompt_and_what_l2_keeps_of_the_archive(sim: SimLMCache) -> None:
     spans = make_spans(8, 8, 8)
     store = make_store(sim, spans)
-    store.archive(spans[0], "host")  # never sent: the engine holds nothing of it
+    spans[0].tier = store.archive(spans[0], "host")  # never sent: the engine holds nothing of it
     assert store.bytes_by_tier().host == 0
-    store.restore_many([spans[0]])
+    restore(store, [spans[0]])
     turn(store, sim)
-    store.archive(spans[1], "host")
-    store.drop(spans[2])
+    spans[1].tier = store.archive(spans[1], "host")
+    spans[2].tier = store.drop(spans[2])
     tiers = store.bytes_by_tier()
     assert (tiers.device, tiers.host, tiers.quantized) == (80, 80, 0)
     assert store.span_bytes(spans[2]) == 0

@@ -15,6 +15,7 @@ from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
 from agentkv.events import ToolCallCompleted
 from agentkv.spans import Span, SpanKind
 from tests.unit.held_kv import span_keys
+from tests.unit.store_moves import quantize
 
 FILLER = "build log line ok compiled module linked fine "
 TOOL_TEXT = FILLER * 10 + "error code KX7-4471 in step nine " + FILLER * 10
@@ -56,8 +57,8 @@ def quantized_then_asked(
     session.apply(ToolCallCompleted(tool_call_id="call_1"))
     tool = tool_span(session)
     if not session.store.attended_quantized_tokens(tool):  # what budget pressure does to it
-        session.store.quantize_attended(tool)
-    assert session.store.attended_quantized_tokens(tool) > 0
+        quantize(session.store, [tool])
+    assert session.store.attended_quantized_tokens(tool) > 0 and tool.tier is Tier.ATTENDED_QUANTIZED
     if on_ask is not None:
         on_ask(session)
     session.extend(asked())
@@ -128,7 +129,7 @@ def test_the_upgrade_quantizes_lower_priority_spans_and_archives_none(tiny_model
     assert stats.attended_quantized_tokens > 0, "other spans went to int4 to make the room"
     # Only the released tool call left the device (the grace queue goes first); nothing was archived.
     kept = [s for s in session.spans if s.state in (SpanState.COMMITTED, SpanState.ACTIVE)]
-    assert all(s.tier is Tier.DEVICE for s in kept)
+    assert all(s.tier.attended for s in kept)
     assert not [s for s in session.spans if s.state is SpanState.ARCHIVED]
 
 
@@ -140,7 +141,7 @@ def test_without_room_at_full_precision_the_span_stays_quantized(tiny_model, tin
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
     # The tool result is not recomputed (a shorter relevant span may use the little room there is).
     assert session.stats().exact_recalled_tokens < tool.length
-    assert tool.tier is not Tier.DEVICE or session.store.attended_quantized_tokens(tool) > 0
+    assert tool.tier is not Tier.DEVICE  # still quantized in attention (or archived)
     assert session.stats().budget_satisfied
 
 
@@ -153,7 +154,7 @@ def test_a_span_compressed_at_commit_is_recomputed_holding_the_same_tokens(tiny_
     kept = tool.kept
     assert kept is not None and len(kept) < tool.length, "compressed at commit"
     session.extend(history())
-    session.store.quantize_attended(tool)
+    quantize(session.store, [tool])
     assert session.store.attended_quantized_tokens(tool) > 0
     session.extend(asked())
     session.check()
@@ -197,7 +198,7 @@ def test_a_span_too_long_for_the_room_gets_the_quoted_page_recomputed(tiny_model
     at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens // 4 * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
-    assert tool.tier is Tier.DEVICE and tool.kept is None
+    assert tool.tier is Tier.ATTENDED_QUANTIZED and tool.kept is None  # some of it is still held at int4
     quantized = set(session.store.quantized_offsets(tool))
     code = page_of_code(session, tool)
     assert not quantized & set(code), "the page holding the asked-for code is in full precision"
@@ -218,12 +219,13 @@ def test_a_recomputed_page_over_an_exact_context_holds_the_full_caches_kv(tiny_m
     session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("t")
     session.extend(history())
     tool = tool_span(session)
-    session.store.quantize_attended(tool)
+    quantize(session.store, [tool])
     page = session.store.quantized_offsets(tool)[:24]
     assert page and page == list(range(page[0], page[0] + 24))
     before = session.stats().attended_tokens
-    session.manager.port.recompute_offsets([(tool, page)])
+    assert session.manager.mover.recompute_offsets([(tool, page)], reason="test")
     session.check()
+    assert tool.tier is Tier.ATTENDED_QUANTIZED  # the rest of the span is still held at int4
     assert session.stats().attended_tokens == before, "the page replaced its old copies"
     assert not set(page) & set(session.store.quantized_offsets(tool))
     got, want = span_keys(session, tool, page), span_keys(free, tool_span(free), page)
@@ -250,11 +252,11 @@ def test_a_failed_page_recompute_is_a_recorded_fault_and_the_span_stays_quantize
         tiny_model,
         tiny_tokenizer,
         budget_tokens=budget_tokens,
-        on_ask=lambda s: monkeypatch.setattr(s.manager.port, "recompute_offsets", broken),
+        on_ask=lambda s: monkeypatch.setattr(s.manager.mover, "recompute_tokens", broken),
     )
     assert session.stats().faults >= 1
     assert set(page_of_code(session, tool)) <= set(session.store.quantized_offsets(tool))
-    assert tool.tier is Tier.DEVICE and tool.state is SpanState.COMMITTED
+    assert tool.tier is Tier.ATTENDED_QUANTIZED and tool.state is SpanState.COMMITTED
 
 
 def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_whole(
@@ -285,7 +287,7 @@ def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_w
     note = next(s for s in session.spans if note_text in tiny_tokenizer.decode(s.token_ids))
     for span in (tool, note):
         if not session.store.attended_quantized_tokens(span):
-            session.store.quantize_attended(span)
+            quantize(session.store, [span])
         assert session.store.attended_quantized_tokens(span) > 0
     assert note.length + 4 < 2 * AgentKVConfig().recall.page_tokens < tool.length
     session.extend([*before, {"role": "user", "content": QUESTION}])
@@ -313,7 +315,7 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
     budget_tokens = int(at_floor / (low * bpt)) - 2  # no room left at the floor
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
-    assert tool.tier is Tier.DEVICE
+    assert tool.tier.attended
     quantized = set(session.store.quantized_offsets(tool))
     assert not quantized & set(page_of_code(session, tool)), "the page holding the asked-for code is exact"
     gone = [s for s in session.spans if s.state is SpanState.ARCHIVED]  # the default archive: the host

@@ -155,7 +155,7 @@ def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, si
     # the failing tier, and what left the device was dropped by a plan (recomputable from its
     # token ids, still recallable), never half-archived.
     assert stats.host_bytes == stats.quantized_bytes == 0
-    left = [s for s in session.spans if s.tier is not Tier.DEVICE]
+    left = [s for s in session.spans if not s.tier.attended]
     assert all(s.state is SpanState.EVICTED and s.span_id in session.recallable for s in left)
     if site == "host_limit":
         assert all("HostMemoryError" in r["error"] for r in records)
@@ -404,7 +404,7 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
     assert not any(s.state is SpanState.EVICTED for s in session.spans)
     session.manager.after_operation()  # what a public operation does after moving spans
     system = next(s for s in session.spans if s.kind is SpanKind.SYSTEM)
-    assert system.pinned and system.tier is Tier.DEVICE
+    assert system.pinned and system.tier.attended
     session.check()
 
 

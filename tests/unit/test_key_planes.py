@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
-from agentkv.spans import SpanState, Tier
+from agentkv.spans import SpanState
 from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.block import tensor_bytes
 from agentkv.store.key_planes import coarse_stats, split_planes
 from agentkv.store.kivi import unpack_codes
+from tests.unit.store_moves import quantize
 
 GROUP = 16
 
@@ -156,7 +157,7 @@ def test_budget_drops_fine_planes_before_archiving_and_keeps_them_when_there_is_
     _walk(history, tight)
     stats, store = tight.stats(), tight.store
     assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing archived
-    assert all(s.tier is Tier.DEVICE for s in tight.spans)
+    assert all(s.tier.attended for s in tight.spans)
     assert 0 <= store.fine_key_tokens() < store.attended_quantized_tokens()
     assert stats.device_bytes == sum(tensor_bytes(t) for t in store.physical.tensors())
     # Tighter still: spans are archived only once no quantized key is left at 8 bits.
@@ -181,7 +182,7 @@ def test_8_bit_keys_give_logits_closer_to_full_precision_than_4_bit_keys(
         session.extend(history)
         assert torch.equal(session.continuation_logits(prompt)[-1], full)  # nothing quantized: exact
         for span in session.spans:
-            session.store.quantize_attended(span)
+            quantize(session.store, [span])
         session.check()
         errors[key_bits] = float((session.continuation_logits(prompt)[-1] - full).abs().max())
     assert 0 < errors[8] < errors[4]
@@ -195,7 +196,7 @@ def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_t
     for session in (together, alone):
         session.extend(history)
         for span in session.spans:
-            session.store.quantize_attended(span)
+            quantize(session.store, [span])
     spans = [s for s in alone.spans if alone.store.fine_key_tokens(s)]
     assert len(spans) >= 3
     # Ask for one byte more than the first span's fine planes: exactly the first two spans go.
@@ -231,7 +232,7 @@ def test_exact_recall_plans_its_room_as_if_every_fine_plane_were_dropped(
     for session in (held, dropped):
         session.extend(history)
         for span in session.spans:
-            session.store.quantize_attended(span)
+            quantize(session.store, [span])
     dropped.store.coarsen_attended_until(list(dropped.spans), 1 << 40)
     assert held.store.fine_key_bytes() > 0 == dropped.store.fine_key_bytes()
     held_usage, dropped_usage = (s.stats().budget_used_bytes for s in (held, dropped))
@@ -239,9 +240,7 @@ def test_exact_recall_plans_its_room_as_if_every_fine_plane_were_dropped(
 
     def floor_usage(session: Any) -> int:
         store = session.store
-        quantized = {
-            s.span_id: store.attended_quantized_tokens(s) for s in session.spans if s.tier is Tier.DEVICE
-        }
+        quantized = {s.span_id: store.attended_quantized_tokens(s) for s in session.spans if s.tier.attended}
         return session.manager.placer.floor_usage(quantized, store.attended_floor())
 
     assert floor_usage(held) == floor_usage(dropped)

@@ -11,6 +11,7 @@ import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.spans import SpanState, Tier
+from tests.unit.store_moves import archive, restore
 
 TOL = 1e-4
 HISTORY = [
@@ -59,7 +60,7 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
     session.extend(HISTORY)
     spans = [session.spans[i] for i in (1, 3, 5)]
     for span in spans:
-        session.store.archive(span, "host")
+        archive(session.store, span, "host")
     appends: list[int] = []
     physical = session.store.physical
     original = physical.append_blocks
@@ -69,7 +70,7 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
         original(items)
 
     monkeypatch.setattr(physical, "append_blocks", counted)
-    session.store.restore_many(spans)
+    restore(session.store, spans)
     assert appends == [3]
     assert all(s.tier is Tier.DEVICE for s in spans)
     assert session.stats().host_bytes == 0
@@ -80,8 +81,8 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
 def test_byte_accounting_equals_tensors(backend):
     session = backend.session("t")
     session.extend(HISTORY)
-    session.store.archive(session.spans[1], "host")
-    session.store.archive(session.spans[3], "int4")
+    archive(session.store, session.spans[1], "host")
+    archive(session.store, session.spans[3], "int4")
     tiers = session.store.bytes_by_tier()
     layers = session.store.physical.cache.managed_layers
     held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in layers)

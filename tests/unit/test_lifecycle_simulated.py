@@ -20,7 +20,7 @@ from agentkv.chat import ChatMessage
 from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
-from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, TierBytes, WholeSpanStore
+from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, MoveResult, TierBytes, WholeSpanStore
 
 BYTES_PER_TOKEN = 10
 
@@ -37,7 +37,7 @@ class FakeStore(WholeSpanStore):
         self.states: list[tuple[int, SpanState, SpanState]] = []
         self.fail_archive = False
 
-    def archive(self, span: Span, tier: str) -> None:
+    def archive(self, span: Span, tier: str) -> Tier:
         if tier not in ARCHIVE_TIERS:
             raise ValueError(tier)
         if self.fail_archive:
@@ -45,35 +45,34 @@ class FakeStore(WholeSpanStore):
             raise RuntimeError(msg)
         self.calls.append(("archive", span.span_id))
         if tier == "drop":
-            self.drop(span)
-            return
+            return self.drop(span)
         self.archived[span.span_id] = tier
-        span.tier = Tier.HOST if tier == "host" else Tier.QUANTIZED
+        return Tier.HOST if tier == "host" else Tier.QUANTIZED
 
-    def restore_many(self, spans: Sequence[Span]) -> None:
+    def restore_many(self, spans: Sequence[Span]) -> MoveResult:
         for span in spans:
             self.calls.append(("restore", span.span_id))
             self.archived.pop(span.span_id, None)
-            span.tier = Tier.DEVICE
+        return MoveResult(tiers={s.span_id: Tier.DEVICE for s in spans})
 
-    def drop(self, span: Span) -> None:
+    def drop(self, span: Span) -> Tier:
         self.calls.append(("drop", span.span_id))
         self.archived.pop(span.span_id, None)
-        span.tier = Tier.DROPPED
         span.kept = None
+        return Tier.DROPPED
 
     def forget(self, span: Span) -> None:
         self.archived.pop(span.span_id, None)
 
-    def compress(self, span: Span, keep_offsets: list[int]) -> int:
+    def compress(self, span: Span, keep_offsets: list[int]) -> MoveResult:
         dropped = span.held_tokens - len(keep_offsets)
         span.kept = sorted(keep_offsets)
-        return dropped
+        return MoveResult(tiers={span.span_id: span.tier}, dropped={span.span_id: dropped})
 
-    def adopt_recomputed(self, span: Span) -> None:
+    def adopt_recomputed(self, span: Span) -> Tier:
         self.calls.append(("recompute", span.span_id))
-        span.tier = Tier.DEVICE
         span.kept = None
+        return Tier.DEVICE
 
     def note_state(self, span: Span, before: SpanState, after: SpanState) -> None:
         self.states.append((span.span_id, before, after))
@@ -116,7 +115,8 @@ class FakePort:
         per_tier = {tier: 0 for tier in Tier}
         for span in self.table.spans:
             per_tier[span.tier] += span.held_tokens * BYTES_PER_TOKEN
-        return TierBytes(per_tier[Tier.DEVICE], per_tier[Tier.QUANTIZED], per_tier[Tier.HOST])
+        device = per_tier[Tier.DEVICE] + per_tier[Tier.ATTENDED_QUANTIZED]
+        return TierBytes(device, per_tier[Tier.QUANTIZED], per_tier[Tier.HOST])
 
     @property
     def bytes_per_token(self) -> int:
@@ -322,18 +322,21 @@ class FakeQuantizingStore(FakeStore):
         self.quantized: dict[int, int] = {}
         """span id → tokens held quantized in attention."""
 
-    def quantize_attended(self, span: Span) -> int:
+    def quantize_attended(self, span: Span) -> MoveResult:
         return self.quantize_attended_until([span], None)
 
-    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> int:
+    def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
         freed = 0
+        tiers: dict[int, Tier] = {}
         for span in spans:
             if free_bytes is not None and freed >= free_bytes:
                 break
             more = self.quantizable_tokens(span)
-            self.quantized[span.span_id] = self.quantized.get(span.span_id, 0) + more
+            if more:
+                self.quantized[span.span_id] = self.quantized.get(span.span_id, 0) + more
+                tiers[span.span_id] = Tier.ATTENDED_QUANTIZED
             freed += more * (BYTES_PER_TOKEN - QUANTIZED_TOKEN_BYTES)
-        return freed
+        return MoveResult(tiers=tiers, freed=freed)
 
     def coarsen_attended_until(self, spans: Sequence[Span], free_bytes: int) -> int:
         return 0
@@ -349,26 +352,35 @@ class FakeQuantizingStore(FakeStore):
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         if span is None:
             return sum(self.quantized.values())
-        return self.quantized.get(span.span_id, 0) if span.tier is Tier.DEVICE else 0
+        return self.quantized.get(span.span_id, 0) if span.tier.attended else 0
 
     def quantizable_tokens(self, span: Span) -> int:
-        if span.tier is not Tier.DEVICE:
+        if not span.tier.attended:
             return 0
         return span.held_tokens - self.quantized.get(span.span_id, 0)
 
     def quantized_offsets(self, span: Span) -> list[int]:
         return span.kept_offsets[: self.attended_quantized_tokens(span)]
 
-    def recompute_pending(self, span: Span) -> None:
+    def recompute_pending(self, span: Span) -> Tier:
         self.quantized.pop(span.span_id, None)
+        return Tier.DEVICE
 
-    def drop(self, span: Span) -> None:
+    def drop(self, span: Span) -> Tier:
         self.quantized.pop(span.span_id, None)
-        super().drop(span)
+        return super().drop(span)
 
-    def archive(self, span: Span, tier: str) -> None:
+    def archive(self, span: Span, tier: str) -> Tier:
         self.quantized.pop(span.span_id, None)
-        super().archive(span, tier)
+        return super().archive(span, tier)
+
+    def check(self, spans: Sequence[Span]) -> list[str]:
+        problems = super().check(spans)
+        for span in spans:
+            quantized = self.attended_quantized_tokens(span) > 0
+            if quantized != (span.tier is Tier.ATTENDED_QUANTIZED):
+                problems.append(f"span {span.span_id} tier {span.tier.value} but {quantized=}")
+        return problems
 
 
 def quantizing(**config: Any) -> tuple[FakePort, LifecycleManager]:
@@ -380,7 +392,7 @@ def quantizing(**config: Any) -> tuple[FakePort, LifecycleManager]:
     def bytes_by_tier() -> TierBytes:
         device = host = quantized = 0
         for span in port.table.spans:
-            if span.tier is Tier.DEVICE:
+            if span.tier.attended:
                 q = store.quantized.get(span.span_id, 0)
                 device += (span.held_tokens - q) * BYTES_PER_TOKEN + q * QUANTIZED_TOKEN_BYTES
             elif span.tier is Tier.HOST:
@@ -427,7 +439,7 @@ def test_the_planner_meets_the_limit_and_never_demotes_pinned_or_active_spans(
     assert limit is not None and usage <= manager.budget.limits.high_bytes(limit)
     assert manager.budget_satisfied
     for span in (spans[0], pinned, active):
-        assert span.tier is Tier.DEVICE and span.state not in (SpanState.ARCHIVED, SpanState.EVICTED)
+        assert span.tier.attended and span.state not in (SpanState.ARCHIVED, SpanState.EVICTED)
     assert active.state is SpanState.ACTIVE
     manager.check()
 
@@ -438,8 +450,12 @@ def test_every_span_is_held_at_int4_before_any_leaves_attention() -> None:
     manager.after_operation()
     store = port.store
     assert isinstance(store, FakeQuantizingStore)
-    assert all(s.tier is Tier.DEVICE for s in spans), "int4 in attention fits all of it"
+    assert all(s.tier.attended for s in spans), "int4 in attention fits all of it"
     assert store.attended_quantized_tokens() > 0 and manager.budget_satisfied
+    # The tier says which spans are held quantized in attention: the store agrees span by span.
+    assert any(s.tier is Tier.ATTENDED_QUANTIZED for s in spans)
+    for span in spans:
+        assert (span.tier is Tier.ATTENDED_QUANTIZED) == (store.attended_quantized_tokens(span) > 0)
 
 
 def test_a_pinned_prompt_larger_than_the_budget_is_held_at_int4_never_dropped() -> None:
@@ -450,7 +466,7 @@ def test_a_pinned_prompt_larger_than_the_budget_is_held_at_int4_never_dropped() 
     manager.after_operation()
     store = port.store
     assert isinstance(store, FakeQuantizingStore)
-    assert prompt.tier is Tier.DEVICE and prompt.state is SpanState.COMMITTED
+    assert prompt.tier is Tier.ATTENDED_QUANTIZED and prompt.state is SpanState.COMMITTED
     assert store.attended_quantized_tokens(prompt) == prompt.length  # the cheaper rung, still attended
 
 
@@ -458,7 +474,7 @@ def value_lost(port: FakePort, store: FakeQuantizingStore) -> float:
     """What the held set lost: a span's score times the share of it not held at full precision."""
     lost = 0.0
     for span in port.table.spans:
-        if span.tier is not Tier.DEVICE:
+        if not span.tier.attended:
             lost += span.score
         else:
             lost += 0.25 * span.score * store.attended_quantized_tokens(span) / max(1, span.held_tokens)
@@ -475,7 +491,7 @@ def test_more_budget_never_loses_more_value(seed: int) -> None:
         manager.after_operation()
         store = port.store
         assert isinstance(store, FakeQuantizingStore)
-        attended = sum(s.held_tokens for s in port.table.spans if s.tier is Tier.DEVICE)
+        attended = sum(s.held_tokens for s in port.table.spans if s.tier.attended)
         results.append((attended, value_lost(port, store)))
     for (fewer, lost_small), (more, lost_large) in zip(results, results[1:], strict=False):
         assert more >= fewer and lost_large <= lost_small + 1e-9, results

@@ -20,6 +20,7 @@ import torch
 from agentkv import AgentKVConfig, ToolCallCompleted, TransformersBackend, TurnEnded
 from agentkv.backend.session import Session
 from agentkv.store.prefix_cache import LFUStrategy, PrefixCache
+from tests.unit.store_moves import archive, drop, quantize, restore
 
 TOL = 1e-4
 PROBE = [5, 6, 7]
@@ -271,13 +272,13 @@ def test_demoting_a_shared_span_copies_it_first(tiny_model, tiny_tokenizer):
     before = a.continuation_logits(PROBE)
     entry = backend.prefix_cache.entries()[0]  # type: ignore[union-attr]
     assert entry.references() == 2
-    b.store.archive(system, "host")  # b moves the shared span out of attention
+    archive(b.store, system, "host")  # b moves the shared span out of attention
     assert (a.continuation_logits(PROBE) - before).abs().max().item() == 0.0
-    b.store.restore(system)
-    assert b.store.quantize_attended(system) > 0  # b holds it at int4: its own copy
+    restore(b.store, [system])
+    assert quantize(b.store, [system]) > 0  # b holds it at int4: its own copy
     assert (a.continuation_logits(PROBE) - before).abs().max().item() == 0.0
     assert entry.references() == 1 and b.stats().shared_device_bytes == 0
-    b.store.drop(system)
+    drop(b.store, system)
     assert (a.continuation_logits(PROBE) - before).abs().max().item() == 0.0
 
 

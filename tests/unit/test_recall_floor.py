@@ -16,6 +16,7 @@ import torch
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
 from agentkv.events import ToolCallCompleted
 from agentkv.spans import Span, SpanKind
+from tests.unit.store_moves import quantize
 
 FILLER = "build log line ok compiled module linked fine "
 TOOL_TEXT = FILLER * 12 + "error code KX7-4471 in step nine " + FILLER * 12
@@ -51,7 +52,7 @@ def archived_then_asked(model: Any, tokenizer: Any, **config: Any) -> tuple[Any,
     session.extend(history())
     session.apply(ToolCallCompleted(tool_call_id="call_1"))
     tool = tool_span(session)
-    if tool.tier is Tier.DEVICE:  # what budget pressure does to it
+    if tool.tier.attended:  # what budget pressure does to it
         assert session.manager.move(tool, SpanState.ARCHIVED, reason="test") is not None
         session.manager.recallable.add(tool.span_id)
     assert tool.tier is Tier.DROPPED
@@ -70,7 +71,8 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
     assert floor.exact_tokens == 4 + 64  # the default sinks and residual window
     before = store.bytes_by_tier().device
     tool = tool_span(session)
-    freed = store.quantize_attended(tool)
+    freed = quantize(store, [tool])
+    assert tool.tier is Tier.ATTENDED_QUANTIZED
     n = store.attended_quantized_tokens(tool)
     assert n > 64
     # The span costs at least its tokens at the floor and at most that plus one key group's statistics.
@@ -86,7 +88,7 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
 
 def test_recall_brings_back_a_span_that_fits_once_quantized(tiny_model, tiny_tokenizer):
     session, tool, limit = archived_then_asked(tiny_model, tiny_tokenizer)
-    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE, "recalled (recomputed)"
+    assert tool.state is SpanState.COMMITTED and tool.tier.attended, "recalled (recomputed)"
     stats = session.stats()
     assert stats.budget_satisfied and stats.device_bytes <= limit
     assert stats.attended_quantized_tokens > 0  # it fits because lower-priority spans went to int4

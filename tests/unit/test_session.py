@@ -9,6 +9,7 @@ import torch
 
 from agentkv import AgentKVConfig, Custom, TransformersBackend, UnknownSessionError
 from agentkv.spans import SpanState, Tier
+from tests.unit.store_moves import archive, restore
 
 TOL = 1e-4
 
@@ -115,12 +116,12 @@ def test_offload_and_restore_any_span_is_exact(backend, tiny_model, span_index):
     session.extend(HISTORY)
     span = session.spans[span_index]
     device_before = session.stats().device_bytes
-    session.store.archive(span, "host")
+    archive(session.store, span, "host")
     assert span.tier is Tier.HOST
     stats = session.stats()
     assert stats.host_bytes == span.length * session.runner.bytes_per_token
     assert stats.device_bytes == device_before - stats.host_bytes
-    session.store.restore(span)
+    restore(session.store, [span])
     assert span.tier is Tier.DEVICE
     assert session.stats().host_bytes == 0
     assert_matches_full(session, tiny_model, [21, 22])
@@ -133,9 +134,9 @@ def test_int8_restore_is_close(backend, tiny_model):
     probe = [21, 22, 23]
     exact = session.continuation_logits(probe)
     span = session.spans[5]
-    session.store.archive(span, "int8")
+    archive(session.store, span, "int8")
     assert session.stats().quantized_bytes > 0
-    session.store.restore(span)
+    restore(session.store, [span])
     approx = session.continuation_logits(probe)
     # int8 KIVI on a random tiny model: logits move by well under 1% of their spread.
     spread = exact.abs().max().item()
