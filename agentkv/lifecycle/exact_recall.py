@@ -21,11 +21,18 @@ replaces the quantized KV of its tokens.
 
 The room is the low watermark minus what the device would hold with every other
 attended token at the floor of the demotion order (`AttendedFloor`; the placement
-service's `Placer.floor_usage`). The budget
-check after the prefill quantizes committed spans before recalled ones, so an
-upgrade that fits only quantizes lower-priority spans: it never makes the budget
-archive anything. A recomputed span attends its context as the cache holds it now
-(partly quantized): exact up to that context, as any rehydration.
+service's `Placer.floor_usage`). The budget check after the prefill quantizes
+committed spans before recalled ones, so an upgrade that fits only quantizes
+lower-priority spans. When the room at the floor cannot hold even the question's
+best match (its relevant pages, or the whole span when it is short), room is made
+for that one unit: the placement service plans in the `needed_last` order, so the
+spans the question does not need give up attention first (least value first; they
+stay recallable from their token ids). A tight budget thereby holds the answer's
+source exact and drops what the question does not read, where holding everything
+at int4 left no room to recompute anything (issue 27: at 12.5% of the cache, the
+blind set's answers read one token off at int4 came back). A recomputed span
+attends its context as the cache holds it now (partly quantized): exact up to that
+context, as any rehydration.
 """
 
 from __future__ import annotations
