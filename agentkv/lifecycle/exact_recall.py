@@ -29,8 +29,7 @@ for that one unit: the placement service plans in the `needed_last` order, so th
 spans the question does not need give up attention first (least value first; they
 stay recallable from their token ids). A tight budget thereby holds the answer's
 source exact and drops what the question does not read, where holding everything
-at int4 left no room to recompute anything (issue 27: at 12.5% of the cache, the
-blind set's answers read one token off at int4 came back). A recomputed span
+at int4 would leave no room to recompute anything. A recomputed span
 attends its context as the cache holds it now (partly quantized): exact up to that
 context, as any rehydration.
 """
