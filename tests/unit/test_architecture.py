@@ -308,3 +308,24 @@ def test_only_the_mover_writes_a_span_s_tier_and_state() -> None:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         offenders += [f"{path.relative_to(ROOT)}:{line}: .{field} =" for line, field in _field_writes(tree)]
     assert not offenders, "span fields written outside the mover:\n" + "\n".join(offenders)
+
+
+STORE_MOVE_VERBS = (
+    "archive|restore_many|drop|compress|cut|adopt_recomputed|keep_attended|recompute_lazily"
+    "|quantize_attended|quantize_attended_until|coarsen_attended_until|recompute_pending"
+)
+STORE_MOVE_CALL = re.compile(rf"\bstore\.({STORE_MOVE_VERBS})\(")
+MOVER_HELPERS = {MOVER, ROOT / "agentkv" / "lifecycle" / "rehydration.py"}
+"""The mover and the rehydration helpers only it imports."""
+
+
+def test_only_the_mover_calls_the_store_s_move_verbs() -> None:
+    """Every move of KV between rungs goes through the mover (stores implement the verbs, never call them)."""
+    offenders = []
+    for path in [*ROOT.joinpath("agentkv").rglob("*.py"), *ROOT.joinpath("integrations").rglob("*.py")]:
+        if path in MOVER_HELPERS or ROOT.joinpath("agentkv", "store") in path.parents:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if STORE_MOVE_CALL.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "store move verbs called outside the mover:\n" + "\n".join(offenders)
