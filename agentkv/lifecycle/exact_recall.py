@@ -24,7 +24,8 @@ attended token at the floor of the demotion order (`AttendedFloor`; the placemen
 service's `Placer.floor_usage`). The budget check after the prefill quantizes
 committed spans before recalled ones, so an upgrade that fits only quantizes
 lower-priority spans. When the room at the floor cannot hold even the question's
-best match (its relevant pages, or the whole span when it is short), room is made
+best match (its best page and that page's neighbours, or the whole span when it is
+short), room is made
 for that one unit: the placement service plans in the `needed_last` order, so the
 spans the question does not need give up attention first (least value first; they
 stay recallable from their token ids). A tight budget thereby holds the answer's
@@ -132,10 +133,10 @@ class ExactRecall(PlacementPeer):
 
     @staticmethod
     def _need(span: Span, cut: SpanPages | None, extra_per_token: int) -> int:
-        """Bytes the best match needs at full precision: whole, or its relevant pages and their neighbours."""
+        """Bytes the best match needs at full precision: whole, or its best page and its neighbours."""
         if cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES:
             return span.length * extra_per_token
-        chosen = cut.relevant
+        chosen = cut.relevant[:1]
         return sum(len(cut.pages[i]) for i in chosen + cut.context(chosen)) * extra_per_token
 
     def _make_room(
