@@ -321,4 +321,6 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     gone = [s for s in session.spans if s.state is SpanState.ARCHIVED]  # the default archive: the host
     assert gone, "a committed span the question does not need left attention to make the room"
     assert all(s.span_id in session.recallable for s in gone), "what left can come back"
+    waiting = [s for s in session.spans if s.state is SpanState.EVICTABLE and s.tier.attended]
+    assert not waiting, "released scaffolding leaves before any committed span"
     assert session.stats().budget_satisfied
