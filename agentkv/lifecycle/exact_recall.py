@@ -94,7 +94,7 @@ class ExactRecall(PlacementPeer):
         if best is not None:
             need = self._need(best, cut_of(best), extra_per_token)
             if need > room:
-                quantized, room = self._make_room(need, room, limit, floor)
+                room = self._make_room(need, room, limit, floor)
         whole: list[Span] = []
         parts: list[tuple[Span, SpanPages, list[int]]] = []
         for span in spans:
@@ -139,26 +139,22 @@ class ExactRecall(PlacementPeer):
         chosen = cut.relevant[:1]
         return sum(len(cut.pages[i]) for i in chosen + cut.context(chosen)) * extra_per_token
 
-    def _make_room(
-        self, need: int, room: int, limit: int, floor: AttendedFloor
-    ) -> tuple[dict[int, int], int]:
+    def _make_room(self, need: int, room: int, limit: int, floor: AttendedFloor) -> int:
         """Free `need - room` bytes for the best match: the spans the question does not need go first.
 
         The placement service plans the moves in the `needed_last` order: every span the
         current question does not need gives up its steps (int4, then leaving attention,
         least value first) before a needed one does. What leaves stays recallable from its
-        token ids. Returns the slots held quantized and the room, measured again.
+        token ids. Returns the room, measured again.
         """
         placer = self.placer
-        quantized = placer.quantized_now()
         for _ in range(MAKE_ROOM_PLANS):
             before = placer.usage_bytes()
             placer.demote_to(before - (need - room), limit, order=NEEDED_LAST)
-            quantized = placer.quantized_now()
-            room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
+            room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
             if room >= need or placer.usage_bytes() >= before:
                 break
-        return quantized, room
+        return room
 
     @staticmethod
     def _fit(cut: SpanPages, indices: list[int], room: int, extra_per_token: int) -> tuple[list[int], int]:
