@@ -137,7 +137,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 """The built-in event classes (`Custom` events carry their own names)."""
 
 EVENT_TARGETS: dict[str, tuple[str, ...]] = {
-    "turn_ended": ("user", "answer", "reasoning", "tool_calls", "tool_results", "prompt"),
+    "turn_ended": ("user", "answer", "decision", "reasoning", "tool_calls", "tool_results", "prompt"),
     "tool_call_completed": ("result", "call"),
     "tool_call_failed": ("result", "call"),
     "user_confirmed": ("target",),

@@ -42,6 +42,8 @@ class EventDispatcher:
         """Keys of the events applied (a duplicate is a no-op)."""
         self.branches_seen: set[str] = set()
         """Branches known to this session (their prune/select events apply even with no span left)."""
+        self.decided_turns: set[int] = set()
+        """Turns in which a branch run in its own session was selected: their answer is its conclusion."""
 
     def apply(self, event: Event) -> ApplyResult:
         """Resolve an event's targets with the rules and move them (idempotent)."""
@@ -107,6 +109,9 @@ class EventDispatcher:
             self._settle_branch_sessions(event)
         if not any(targets.values()):
             if isinstance(event, (BranchPruned, BranchSelected)) and event.branch in self.branches_seen:
+                if isinstance(event, BranchSelected):
+                    # The branch ran in a session of its own: this turn's answer is its conclusion.
+                    self.decided_turns.add(table.turn)
                 table.counters.events_applied += 1
                 return ApplyResult(event.name, applied=True, reason="branch sessions settled")
             return self._noop(
@@ -161,7 +166,8 @@ class EventDispatcher:
         turn = self.table.turn if event.turn is None else event.turn
         if not self.table.in_turn(turn):
             return self._noop(event, f"turn {turn} has no spans", implicit)
-        result = self._apply_targets(event, turn_targets(self.table, turn), internal=implicit)
+        targets = turn_targets(self.table, turn, decided=turn in self.decided_turns)
+        result = self._apply_targets(event, targets, internal=implicit)
         if implicit and result.applied:
             self.applied.add(("turn_ended", turn))
         return result

@@ -48,6 +48,9 @@ DEFAULT_RULES: dict[str, dict[str, str]] = {
     "turn_ended": {
         "user": "commit",
         "answer": "commit",
+        # The conclusion of a selected tree-of-thought branch is the agent's decision: kept like a
+        # confirmation (the branch's own sessions are closed, so this answer is all that is left of it).
+        "decision": "pin",
         "reasoning": "release",
         "tool_calls": "release",
         "tool_results": "commit",

@@ -126,13 +126,19 @@ def find_targets(event: Event, table: SpanTable, calls: ToolCallRegistry) -> Tar
     return {}
 
 
-def turn_targets(table: SpanTable, turn: int) -> Targets:
-    """What a `TurnEnded` names in `turn`: only spans still ACTIVE (earlier events decided the rest)."""
+def turn_targets(table: SpanTable, turn: int, *, decided: bool = False) -> Targets:
+    """What a `TurnEnded` names in `turn`: only spans still ACTIVE (earlier events decided the rest).
+
+    `decided`: the session selected a branch in this turn (`BranchSelected` for a branch
+    that ran in a session of its own), so the turn's answer is the selected branch's
+    conclusion, the agent's decision: it is named `decision` instead of `answer`.
+    """
     spans = table.in_turn(turn)
     answers = [s for s in spans if s.kind is SpanKind.ASSISTANT]
     targets = {
         "user": [s for s in spans if s.kind in (SpanKind.USER, SpanKind.SYSTEM)],
-        "answer": answers[-1:],
+        "answer": [] if decided else answers[-1:],
+        "decision": answers[-1:] if decided else [],
         "reasoning": [s for s in spans if s.kind is SpanKind.REASONING] + answers[:-1],
         "tool_calls": [s for s in spans if s.kind is SpanKind.TOOL_CALL],
         "tool_results": [s for s in spans if s.kind is SpanKind.TOOL_RESULT],
