@@ -28,7 +28,6 @@ from agentkv.config_sections import (
     ALLOWED_POLICIES,
     CUSTOM_EVENT_PREFIX,
     CUSTOM_EVENT_TARGETS,
-    DEVICE_RE,
     BudgetConfig,
     CallbacksConfig,
     CommitConfig,
@@ -38,6 +37,7 @@ from agentkv.config_sections import (
     QuantizationConfig,
     RecallConfig,
     Section,
+    TorchDevice,
     policy_as_mapping,
     trigger_problem,
     watermark_problem,
@@ -51,7 +51,6 @@ from agentkv.config_text import (
     line_near,
     load_yaml,
     parse_bytes,
-    show_value,
     truncate,
     unknown_value,
 )
@@ -79,7 +78,7 @@ class AgentKVConfig(Section):
 
     model: str | None = Field(default=None, min_length=1)
     """null = the default model; or an HF id, a directory or a .gguf path."""
-    device: str | None = None
+    device: TorchDevice | None = None
     """Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     """Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."""
@@ -107,13 +106,6 @@ class AgentKVConfig(Section):
     """The forgetting side thread (SideQuest-style), off by default."""
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     """Sessions that start alike share their leading system messages' KV (on by default)."""
-
-    @field_validator("device")
-    @classmethod
-    def _device_shape(cls, value: str | None) -> str | None:
-        if value is not None and not DEVICE_RE.match(value):
-            raise ValueError(f"not a torch device: {show_value(value)}; e.g. cpu, cuda, cuda:1, mps")
-        return value
 
     @field_validator("rules")
     @classmethod

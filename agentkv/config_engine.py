@@ -6,15 +6,18 @@ one reader's sitting; `agentkv.config` composes it into `AgentKVConfig`.
 
 from __future__ import annotations
 
-import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from agentkv.config_sections import Section
+from agentkv.config_sections import Section, shaped
 from agentkv.config_text import show_value
 
-_URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_Url = Annotated[
+    str, shaped(r"^https?://[^\s/]+(/\S*)?$", "expected an http:// or https:// URL, got {value}")
+]
+"""An http:// or https:// URL with a host."""
+
 SALT_POLICIES: tuple[str, ...] = ("conversation", "shared")
 """`engine.salt`: one `cache_salt` per conversation (branches share it), or none (all share prefixes)."""
 
@@ -27,13 +30,13 @@ class EngineConfig(Section):
     recalls prefetch (see docs/scale-out.md).
     """
 
-    vllm_url: str
+    vllm_url: _Url
     """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
     served_model: str = Field(default="agentkv-default", min_length=1)
     """The model name vLLM serves (--served-model-name)."""
     model_path: str | None = Field(default=None, min_length=1)
     """The model as LMCache knows it (vLLM's --model path); null = the default model's."""
-    coordinator_url: str | None = None
+    coordinator_url: _Url | None = None
     """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints."""
     salt: Literal["conversation", "shared"] = Field(
         default="conversation", json_schema_extra={"enum": list(SALT_POLICIES)}
@@ -64,13 +67,6 @@ class EngineConfig(Section):
     """Seconds a resident may spend between the calls of a turn (tool calls) before losing it."""
     admission_park_ttl_s: float = Field(default=10.0, gt=0, strict=True)
     """Seconds a resident that ended its turn may idle before others may take its place."""
-
-    @field_validator("vllm_url", "coordinator_url")
-    @classmethod
-    def _url_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _URL_RE.match(value):
-            raise ValueError(f"expected an http:// or https:// URL, got {show_value(value)}")
-        return value
 
     @field_validator("salt_prefix")
     @classmethod

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -46,6 +47,24 @@ _ByteCount = Annotated[
     BeforeValidator(_bytes_or_none, json_schema_input_type=Annotated[int, Field(gt=0)] | str | None),
 ]
 _Fraction = Annotated[float, Field(gt=0, le=1, strict=True)]
+
+
+def shaped(pattern: str, problem: str) -> AfterValidator:
+    """A string check: the value must match `pattern`, else `problem` ({value}: the value shown)."""
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not regex.match(value):
+            raise ValueError(problem.format(value=show_value(value)))
+        return value
+
+    return AfterValidator(check)
+
+
+TorchDevice = Annotated[
+    str, shaped(r"^[a-z][a-z_]*(:\d+)?$", "not a torch device: {value}; e.g. cpu, cuda, cuda:1, mps")
+]
+"""A torch device name: `cpu`, `cuda`, `cuda:1`, `mps`."""
 
 # ---------------------------------------------------------------------------- models
 
@@ -367,9 +386,6 @@ def trigger_problem(
         msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
         return (("every_turns",), msg)
     return None
-
-
-DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
 
 
 # ---------------------------------------------------------------------------- policy shorthands
