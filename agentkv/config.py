@@ -28,7 +28,6 @@ from agentkv.config_sections import (
     ALLOWED_POLICIES,
     CUSTOM_EVENT_PREFIX,
     CUSTOM_EVENT_TARGETS,
-    DEVICE_RE,
     BudgetConfig,
     CallbacksConfig,
     CommitConfig,
@@ -38,6 +37,7 @@ from agentkv.config_sections import (
     QuantizationConfig,
     RecallConfig,
     Section,
+    TorchDevice,
     policy_as_mapping,
     trigger_problem,
     watermark_problem,
@@ -51,7 +51,6 @@ from agentkv.config_text import (
     line_near,
     load_yaml,
     parse_bytes,
-    show_value,
     truncate,
     unknown_value,
 )
@@ -77,72 +76,36 @@ __all__ = [
 class AgentKVConfig(Section):
     """Everything agentkv reads from the `agentkv:` section of a graph YAML."""
 
-    model: str | None = Field(
-        default=None,
-        min_length=1,
-        description="null = the default model; or an HF id, a directory or a .gguf path.",
-    )
+    model: str | None = Field(default=None, min_length=1)
     """null = the default model; or an HF id, a directory or a .gguf path."""
-    device: str | None = Field(
-        default=None,
-        description="Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto.",
-    )
+    device: TorchDevice | None = None
     """Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto."""
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
-        default=None, description="Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."
-    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     """Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."""
-    budget: BudgetConfig = Field(default_factory=BudgetConfig, description="KV limits per tier.")
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
     """KV limits per tier."""
-    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Token scoring policy.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
     """Token scoring policy."""
-    archive_tier: Literal["host", "int8", "int4", "drop"] = Field(
-        default="host", description="Where archived spans go: CPU, quantized on device, or dropped."
-    )
+    archive_tier: Literal["host", "int8", "int4", "drop"] = "host"
     """Where archived spans go: CPU, quantized on device, or dropped."""
-    quantization: QuantizationConfig = Field(
-        default_factory=QuantizationConfig, description="Settings of the int8/int4 tiers."
-    )
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     """Settings of the int8/int4 tiers."""
-    commit: CommitConfig = Field(default_factory=CommitConfig, description="Compression at commit.")
+    commit: CommitConfig = Field(default_factory=CommitConfig)
     """Compression at commit."""
-    recall: RecallConfig = Field(default_factory=RecallConfig, description="Recall of archived spans.")
+    recall: RecallConfig = Field(default_factory=RecallConfig)
     """Recall of archived spans."""
-    rules: dict[str, dict[str, str]] = Field(
-        default_factory=dict,
-        description="Event -> {target: action} overrides of the default rules.",
-    )
+    rules: dict[str, dict[str, str]] = Field(default_factory=dict)
     """Event -> {target: action} overrides of the default rules."""
-    sessions: SessionsConfig = Field(
-        default_factory=SessionsConfig,
-        description="How many sessions hold KV, and for how long when idle (backend-wide).",
-    )
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     """How many sessions hold KV, and for how long when idle (backend-wide)."""
-    callbacks: CallbacksConfig = Field(
-        default_factory=CallbacksConfig, description="LangChain callback handler settings."
-    )
+    callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig)
     """LangChain callback handler settings."""
-    engine: EngineConfig | None = Field(
-        default=None, description="A served engine (vLLM + LMCache); null = the local Transformers model."
-    )
+    engine: EngineConfig | None = None
     """A served engine (vLLM + LMCache); null = the local Transformers model."""
-    forget: ForgetConfig = Field(
-        default_factory=ForgetConfig,
-        description="The forgetting side thread (SideQuest-style), off by default.",
-    )
+    forget: ForgetConfig = Field(default_factory=ForgetConfig)
     """The forgetting side thread (SideQuest-style), off by default."""
-    prefix_cache: PrefixCacheConfig = Field(
-        default_factory=PrefixCacheConfig,
-        description="Sessions that start alike share their leading system messages' KV (on by default).",
-    )
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     """Sessions that start alike share their leading system messages' KV (on by default)."""
-
-    @field_validator("device")
-    @classmethod
-    def _device_shape(cls, value: str | None) -> str | None:
-        if value is not None and not DEVICE_RE.match(value):
-            raise ValueError(f"not a torch device: {show_value(value)}; e.g. cpu, cuda, cuda:1, mps")
-        return value
 
     @field_validator("rules")
     @classmethod

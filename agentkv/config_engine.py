@@ -6,15 +6,18 @@ one reader's sitting; `agentkv.config` composes it into `AgentKVConfig`.
 
 from __future__ import annotations
 
-import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from agentkv.config_sections import Section
+from agentkv.config_sections import Section, shaped
 from agentkv.config_text import show_value
 
-_URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_Url = Annotated[
+    str, shaped(r"^https?://[^\s/]+(/\S*)?$", "expected an http:// or https:// URL, got {value}")
+]
+"""An http:// or https:// URL with a host."""
+
 SALT_POLICIES: tuple[str, ...] = ("conversation", "shared")
 """`engine.salt`: one `cache_salt` per conversation (branches share it), or none (all share prefixes)."""
 
@@ -27,119 +30,43 @@ class EngineConfig(Section):
     recalls prefetch (see docs/scale-out.md).
     """
 
-    vllm_url: str = Field(description="Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000.")
+    vllm_url: _Url
     """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
-    served_model: str = Field(
-        default="agentkv-default",
-        min_length=1,
-        description="The model name vLLM serves (--served-model-name).",
-    )
+    served_model: str = Field(default="agentkv-default", min_length=1)
     """The model name vLLM serves (--served-model-name)."""
-    model_path: str | None = Field(
-        default=None,
-        min_length=1,
-        description="The model as LMCache knows it (vLLM's --model path); null = the default model's.",
-    )
+    model_path: str | None = Field(default=None, min_length=1)
     """The model as LMCache knows it (vLLM's --model path); null = the default model's."""
-    coordinator_url: str | None = Field(
-        default=None,
-        description="LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints.",
-    )
+    coordinator_url: _Url | None = None
     """LMCache coordinator, e.g. http://127.0.0.1:9300; null = vLLM alone, no hints."""
     salt: Literal["conversation", "shared"] = Field(
-        default="conversation",
-        description="cache_salt per conversation (branches share it), or shared = no salt.",
-        json_schema_extra={"enum": list(SALT_POLICIES)},
+        default="conversation", json_schema_extra={"enum": list(SALT_POLICIES)}
     )
     """cache_salt per conversation (branches share it), or shared = no salt."""
-    salt_prefix: str = Field(
-        default="",
-        max_length=64,
-        description=(
-            "Prefix of every cache_salt (a tenant namespace); with salt: shared, the one salt they all use."
-        ),
-    )
+    salt_prefix: str = Field(default="", max_length=64)
     """Prefix of every cache_salt (a tenant namespace); with salt: shared, the one salt they all use."""
-    chunk_size: int = Field(
-        default=256,
-        gt=0,
-        strict=True,
-        description="LMCache's --chunk-size (pins and deletes cover whole chunks).",
-    )
+    chunk_size: int = Field(default=256, gt=0, strict=True)
     """LMCache's --chunk-size (pins and deletes cover whole chunks)."""
-    hint_timeout_s: float = Field(
-        default=10.0, gt=0, strict=True, description="Seconds per coordinator call (a late hint is dropped)."
-    )
+    hint_timeout_s: float = Field(default=10.0, gt=0, strict=True)
     """Seconds per coordinator call (a late hint is dropped)."""
-    request_timeout_s: float = Field(
-        default=300.0, gt=0, strict=True, description="Seconds per completion request."
-    )
+    request_timeout_s: float = Field(default=300.0, gt=0, strict=True)
     """Seconds per completion request."""
-    prefetch_wait_s: float = Field(
-        default=5.0, ge=0, strict=True, description="Seconds a recall waits for its prefetch before the call."
-    )
+    prefetch_wait_s: float = Field(default=5.0, ge=0, strict=True)
     """Seconds a recall waits for its prefetch before the call."""
 
-    pin_budget_tokens: int | None = Field(
-        default=None,
-        ge=0,
-        strict=True,
-        description="Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any.",
-    )
+    pin_budget_tokens: int | None = Field(default=None, ge=0, strict=True)
     """Most tokens a conversation pins on LMCache (whole chunks); null = its L2 quota, if any."""
-    fleet_pin_budget_tokens: int | None = Field(
-        default=None,
-        ge=0,
-        strict=True,
-        description=(
-            "L2 tokens a backend's conversations pin together: whole histories, first come first; null = off."
-        ),
-    )
+    fleet_pin_budget_tokens: int | None = Field(default=None, ge=0, strict=True)
     """L2 tokens a backend's conversations pin together: whole histories, first come first; null = off."""
-    admission_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        strict=True,
-        description=(
-            "Working-set tokens the resident conversations hold together; the others wait (FIFO); null = off."
-        ),
-    )
+    admission_tokens: int | None = Field(default=None, gt=0, strict=True)
     """Working-set tokens the resident conversations hold together; the others wait (FIFO); null = off."""
-    admission_quantum_turns: int = Field(
-        default=4,
-        gt=0,
-        strict=True,
-        description="Turns a resident conversation keeps its residency while others wait (then it yields).",
-    )
+    admission_quantum_turns: int = Field(default=4, gt=0, strict=True)
     """Turns a resident conversation keeps its residency while others wait (then it yields)."""
-    admission_wait_s: float = Field(
-        default=300.0,
-        gt=0,
-        strict=True,
-        description="Most seconds a model call waits for residency; then it proceeds unadmitted (logged).",
-    )
+    admission_wait_s: float = Field(default=300.0, gt=0, strict=True)
     """Most seconds a model call waits for residency; then it proceeds unadmitted (logged)."""
-    admission_tool_ttl_s: float = Field(
-        default=60.0,
-        gt=0,
-        strict=True,
-        description="Seconds a resident may spend between the calls of a turn (tool calls) before losing it.",
-    )
+    admission_tool_ttl_s: float = Field(default=60.0, gt=0, strict=True)
     """Seconds a resident may spend between the calls of a turn (tool calls) before losing it."""
-    admission_park_ttl_s: float = Field(
-        default=10.0,
-        gt=0,
-        strict=True,
-        description="Seconds a resident that ended its turn may idle before others may take its place.",
-    )
+    admission_park_ttl_s: float = Field(default=10.0, gt=0, strict=True)
     """Seconds a resident that ended its turn may idle before others may take its place."""
-
-    @field_validator("vllm_url", "coordinator_url")
-    @classmethod
-    def _url_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _URL_RE.match(value):
-            raise ValueError(f"expected an http:// or https:// URL, got {show_value(value)}")
-        return value
 
     @field_validator("salt_prefix")
     @classmethod

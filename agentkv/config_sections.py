@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -47,6 +48,24 @@ _ByteCount = Annotated[
 ]
 _Fraction = Annotated[float, Field(gt=0, le=1, strict=True)]
 
+
+def shaped(pattern: str, problem: str) -> AfterValidator:
+    """A string check: the value must match `pattern`, else `problem` ({value}: the value shown)."""
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not regex.match(value):
+            raise ValueError(problem.format(value=show_value(value)))
+        return value
+
+    return AfterValidator(check)
+
+
+TorchDevice = Annotated[
+    str, shaped(r"^[a-z][a-z_]*(:\d+)?$", "not a torch device: {value}; e.g. cpu, cuda, cuda:1, mps")
+]
+"""A torch device name: `cpu`, `cuda`, `cuda:1`, `mps`."""
+
 # ---------------------------------------------------------------------------- models
 
 
@@ -54,10 +73,12 @@ class Section(BaseModel):
     """Base of every config model: unknown keys are errors, instances never change.
 
     A container key written with nothing under it (`budget:` with every line
-    commented out) is YAML null; it means "the defaults", not an error.
+    commented out) is YAML null; it means "the defaults", not an error. A field's
+    docstring is its description (`use_attribute_docstrings`): the JSON schema and
+    docs/configuration.md read it from there.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
     removed_keys: ClassVar[Mapping[str, str]] = {}
     """Keys that were settings once, each with why it went: the unknown-key error says so."""
 
@@ -85,61 +106,23 @@ class BudgetConfig(Section):
     between the two keeps it from demoting again on every new token.
     """
 
-    device_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        strict=True,
-        description="Per-session device KV budget, in full-precision token equivalents; null = none.",
-    )
+    device_tokens: int | None = Field(default=None, gt=0, strict=True)
     """Per-session device KV budget, in full-precision token equivalents; null = none."""
-    device_bytes: _ByteCount = Field(
-        default=None,
-        gt=0,
-        description="Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none.",
-    )
+    device_bytes: _ByteCount = Field(default=None, gt=0)
     """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
-    host_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        strict=True,
-        description="Per-session archive budget on the host tier, in full-precision token equivalents.",
-    )
+    host_tokens: int | None = Field(default=None, gt=0, strict=True)
     """Per-session archive budget on the host tier, in full-precision token equivalents."""
-    host_bytes: _ByteCount = Field(
-        default=None, gt=0, description="Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."
-    )
+    host_bytes: _ByteCount = Field(default=None, gt=0)
     """Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."""
-    global_device_bytes: _ByteCount = Field(
-        default=None, gt=0, description="Device KV budget across all sessions of a backend, in bytes."
-    )
+    global_device_bytes: _ByteCount = Field(default=None, gt=0)
     """Device KV budget across all sessions of a backend, in bytes."""
-    high_watermark: float = Field(
-        default=1.0,
-        gt=0,
-        le=1,
-        strict=True,
-        description="Fraction of a limit at which demotion starts (0 < x <= 1).",
-    )
+    high_watermark: _Fraction = 1.0
     """Fraction of a limit at which demotion starts (0 < x <= 1)."""
-    low_watermark: float = Field(
-        default=0.8,
-        gt=0,
-        le=1,
-        strict=True,
-        description="Fraction of a limit demotion brings usage back under (0 < x <= high_watermark).",
-    )
+    low_watermark: _Fraction = 0.8
     """Fraction of a limit demotion brings usage back under (0 < x <= high_watermark)."""
-    placement_order: Literal["needed_last", "attended_first"] = Field(
-        default="attended_first",
-        description=(
-            "needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."
-        ),
-    )
+    placement_order: Literal["needed_last", "attended_first"] = "attended_first"
     """needed_last: needed spans stay full until the rest is archived; attended_first: int4 all first."""
-    rung_costs: Literal["calibrated", "fixed"] = Field(
-        default="calibrated",
-        description="calibrated: each rung's loss measured on the loaded model once (cached); fixed: priors.",
-    )
+    rung_costs: Literal["calibrated", "fixed"] = "calibrated"
     """calibrated: each rung's loss measured on the loaded model once (cached); fixed: priors."""
 
     @model_validator(mode="after")
@@ -170,15 +153,9 @@ class PolicyConfig(Section):
     `policy: {name: snapkv, params: {window: 32}}`.
     """
 
-    name: str = Field(
-        default="lifecycle",
-        description="Policy name (case-insensitive; '-' reads as '_').",
-        json_schema_extra={"enum": list(ALLOWED_POLICIES)},
-    )
+    name: str = Field(default="lifecycle", json_schema_extra={"enum": list(ALLOWED_POLICIES)})
     """Policy name (case-insensitive; '-' reads as '_')."""
-    params: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the policy's constructor."
-    )
+    params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the policy's constructor."""
 
     @model_validator(mode="before")
@@ -213,52 +190,19 @@ class QuantizationConfig(Section):
     quantization error hurts most where attention is sharpest.
     """
 
-    group_size: int = Field(
-        default=32,
-        ge=8,
-        le=256,
-        strict=True,
-        description="Elements per quantization group: a power of two from 8 to 256.",
-    )
+    group_size: int = Field(default=32, ge=8, le=256, strict=True)
     """Elements per quantization group: a power of two from 8 to 256."""
-    residual_tokens: int = Field(
-        default=0, ge=0, strict=True, description="Most recent tokens of a span kept in full precision."
-    )
+    residual_tokens: int = Field(default=0, ge=0, strict=True)
     """Most recent tokens of a span kept in full precision."""
-    attended_bits: Literal[4, 2] | None = Field(
-        default=4,
-        description=(
-            "Under pressure, spans are first held at 4 or 2 bits, still attended; null = archive at once."
-        ),
-    )
+    attended_bits: Literal[4, 2] | None = 4
     """Under pressure, spans are first held at 4 or 2 bits, still attended; null = archive at once."""
-    attended_key_bits: Literal[8, 4, 2] | None = Field(
-        default=None,
-        description=(
-            "Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."
-        ),
-    )
+    attended_key_bits: Literal[8, 4, 2] | None = None
     """Key bits (null = attended_bits); 8 = two 4-bit planes, keys at 4 under pressure before archive."""
-    host_bits: Literal[8, 4] | None = Field(
-        default=None,
-        description=(
-            "Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."
-        ),
-    )
+    host_bits: Literal[8, 4] | None = None
     """Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."""
-    attended_residual_tokens: int = Field(
-        default=64,
-        ge=0,
-        strict=True,
-        description="Most recent attended tokens never quantized (KIVI's residual window).",
-    )
+    attended_residual_tokens: int = Field(default=64, ge=0, strict=True)
     """Most recent attended tokens never quantized (KIVI's residual window)."""
-    attended_sink_tokens: int = Field(
-        default=4,
-        ge=0,
-        strict=True,
-        description="First positions never quantized (attention sinks, kept by StreamingLLM and KVQuant).",
-    )
+    attended_sink_tokens: int = Field(default=4, ge=0, strict=True)
     """First positions never quantized (attention sinks, kept by StreamingLLM and KVQuant)."""
 
     @field_validator("group_size")
@@ -278,28 +222,14 @@ class CommitConfig(Section):
     """
 
     keep_ratio: dict[str, _Fraction] = Field(
-        default_factory=dict,
-        description="Per span kind, fraction of tokens kept at commit (0 < r <= 1); unlisted kinds keep all.",
-        json_schema_extra={"propertyNames": {"enum": [kind.value for kind in SpanKind]}},
+        default_factory=dict, json_schema_extra={"propertyNames": {"enum": [kind.value for kind in SpanKind]}}
     )
     """Per span kind, fraction of tokens kept at commit (0 < r <= 1); unlisted kinds keep all."""
-    min_keep_tokens: int = Field(
-        default=8, ge=1, strict=True, description="Never compress a span below this many tokens."
-    )
+    min_keep_tokens: int = Field(default=8, ge=1, strict=True)
     """Never compress a span below this many tokens."""
-    window: int = Field(
-        default=32,
-        ge=1,
-        strict=True,
-        description="Observation window: recent queries whose attention scores a span.",
-    )
+    window: int = Field(default=32, ge=1, strict=True)
     """Observation window: recent queries whose attention scores a span."""
-    observe: Literal["recent", "question"] = Field(
-        default="recent",
-        description=(
-            "At commit, score a tool result by the `recent` queries or the turn's `question` (SnapKV window)."
-        ),
-    )
+    observe: Literal["recent", "question"] = "recent"
     """At commit, score a tool result by the `recent` queries or the turn's `question` (SnapKV window)."""
 
     @field_validator("keep_ratio")
@@ -335,51 +265,19 @@ class RecallConfig(Section):
         ),
     }
 
-    enabled: bool = Field(
-        default=True, strict=True, description="Recall archived spans relevant to each new user turn."
-    )
+    enabled: bool = Field(default=True, strict=True)
     """Recall archived spans relevant to each new user turn."""
-    max_spans: int = Field(
-        default=4, ge=0, strict=True, description="At most this many spans recalled per turn."
-    )
+    max_spans: int = Field(default=4, ge=0, strict=True)
     """At most this many spans recalled per turn."""
-    min_score: float | None = Field(
-        default=None,
-        strict=True,
-        allow_inf_nan=False,
-        description="Relevance a span needs to be recalled; null = the top max_spans regardless.",
-    )
+    min_score: float | None = Field(default=None, strict=True, allow_inf_nan=False)
     """Relevance a span needs to be recalled; null = the top max_spans regardless."""
-    relative_floor: float = Field(
-        default=0.5,
-        ge=0.0,
-        le=1.0,
-        strict=True,
-        allow_inf_nan=False,
-        description=(
-            "Recall spans at least this fraction as relevant as the best; the most relevance that fits."
-        ),
-    )
+    relative_floor: float = Field(default=0.5, ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
     """Recall spans at least this fraction as relevant as the best; the most relevance that fits."""
-    rehydrate_evicted: bool = Field(
-        default=True, strict=True, description="Recompute evicted spans from their tokens when recalled."
-    )
+    rehydrate_evicted: bool = Field(default=True, strict=True)
     """Recompute evicted spans from their tokens when recalled."""
-    recompute_quantized: bool = Field(
-        default=True,
-        strict=True,
-        description=(
-            "Recompute the relevant spans the budget holds quantized at full precision, when the room allows."
-        ),
-    )
+    recompute_quantized: bool = Field(default=True, strict=True)
     """Recompute the relevant spans the budget holds quantized at full precision, when the room allows."""
-    page_tokens: int = Field(
-        default=32,
-        ge=8,
-        le=128,
-        strict=True,
-        description="Tokens per page when exact recall recomputes part of a long quantized span.",
-    )
+    page_tokens: int = Field(default=32, ge=8, le=128, strict=True)
     """Tokens per page when exact recall recomputes part of a long quantized span."""
 
 
@@ -405,40 +303,17 @@ class ForgetConfig(Section):
     results are released at the next turn boundary (rule `custom:forget_tool_output`).
     """
 
-    enabled: bool = Field(
-        default=False, strict=True, description="Run the forgetting side thread (off by default)."
-    )
+    enabled: bool = Field(default=False, strict=True)
     """Run the forgetting side thread (off by default)."""
-    every_turns: int | None = Field(
-        default=1,
-        ge=1,
-        strict=True,
-        description="Run it every this many turns; null = only on the budget's watermark.",
-    )
+    every_turns: int | None = Field(default=1, ge=1, strict=True)
     """Run it every this many turns; null = only on the budget's watermark."""
-    on_high_watermark: bool = Field(
-        default=False,
-        strict=True,
-        description="Also run it at a turn end when the device budget reached its high watermark.",
-    )
+    on_high_watermark: bool = Field(default=False, strict=True)
     """Also run it at a turn end when the device budget reached its high watermark."""
-    prompt: str = Field(
-        default=DEFAULT_FORGET_PROMPT,
-        min_length=1,
-        description="What the side thread asks; must contain {handles} (the candidate listing).",
-    )
+    prompt: str = Field(default=DEFAULT_FORGET_PROMPT, min_length=1)
     """What the side thread asks; must contain {handles} (the candidate listing)."""
-    max_candidates: int = Field(
-        default=8,
-        ge=1,
-        le=64,
-        strict=True,
-        description="At most this many tool results offered (oldest first).",
-    )
+    max_candidates: int = Field(default=8, ge=1, le=64, strict=True)
     """At most this many tool results offered (oldest first)."""
-    preview_chars: int = Field(
-        default=80, ge=0, le=2000, strict=True, description="Characters of each result shown in the listing."
-    )
+    preview_chars: int = Field(default=80, ge=0, le=2000, strict=True)
     """Characters of each result shown in the listing."""
 
     @field_validator("prompt")
@@ -471,39 +346,20 @@ class PrefixCacheConfig(Section):
     pressure (the global device budget or `max_tokens`).
     """
 
-    enabled: bool = Field(
-        default=True, strict=True, description="Share leading system messages' KV across sessions."
-    )
+    enabled: bool = Field(default=True, strict=True)
     """Share leading system messages' KV across sessions."""
-    max_tokens: int | None = Field(
-        default=8192,
-        ge=1,
-        strict=True,
-        description="Tokens all entries may hold; null = only the global device budget bounds them.",
-    )
+    max_tokens: int | None = Field(default=8192, ge=1, strict=True)
     """Tokens all entries may hold; null = only the global device budget bounds them."""
-    block_tokens: int = Field(
-        default=16,
-        ge=1,
-        le=4096,
-        strict=True,
-        description="Tokens per hashed block (a prefix is found by its blocks).",
-    )
+    block_tokens: int = Field(default=16, ge=1, le=4096, strict=True)
     """Tokens per hashed block (a prefix is found by its blocks)."""
-    eviction: Literal["lru", "lfu"] = Field(
-        default="lru", description="Which unreferenced entry goes first: least recently or least often used."
-    )
+    eviction: Literal["lru", "lfu"] = "lru"
     """Which unreferenced entry goes first: least recently or least often used."""
 
 
 class CallbacksConfig(Section):
     """Behaviour of the LangChain callback handler that turns runs into events."""
 
-    raise_error: bool = Field(
-        default=False,
-        strict=True,
-        description="Let handler errors stop the run; false logs them (hints never break a run).",
-    )
+    raise_error: bool = Field(default=False, strict=True)
     """Let handler errors stop the run; false logs them (hints never break a run)."""
 
 
@@ -530,9 +386,6 @@ def trigger_problem(
         msg = "an enabled side thread needs a trigger: set every_turns or on_high_watermark: true"
         return (("every_turns",), msg)
     return None
-
-
-DEVICE_RE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")
 
 
 # ---------------------------------------------------------------------------- policy shorthands

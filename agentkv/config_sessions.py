@@ -22,22 +22,9 @@ class SessionsConfig(Section):
     session busy in a call, and a thread with open branches, are never ended.
     """
 
-    max_live: int | None = Field(
-        default=None,
-        ge=1,
-        strict=True,
-        description=(
-            "Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."
-        ),
-    )
+    max_live: int | None = Field(default=None, ge=1, strict=True)
     """Most sessions holding KV at once; beyond it the least recently used is closed; null = no limit."""
-    idle_seconds: float | None = Field(
-        default=None,
-        gt=0,
-        strict=True,
-        allow_inf_nan=False,
-        description="A session unused this many seconds is closed (history re-encoded on its next call).",
-    )
+    idle_seconds: float | None = Field(default=None, gt=0, strict=True, allow_inf_nan=False)
     """A session unused this many seconds is closed (history re-encoded on its next call)."""
 
     @property

@@ -43,7 +43,7 @@ import torch
 from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.forget_traces import forget_traces, needed_handles
-from agentkv.bench.memory import ask, replay
+from agentkv.bench.memory import Peaks, ask, replay
 from agentkv.bench.workloads import Workload
 from agentkv.config import AgentKVConfig
 from agentkv.forget import ForgetRequested
@@ -124,21 +124,12 @@ def run_one(
     session = backend.session(f"{trace.name}:{method}:{budget}")
     labels = needed_handles(trace)
     bpt = backend.runner.bytes_per_token
-    steps: list[tuple[str, int]] = []
-    peak_host = 0
-    peak_total = 0
-
-    def sample(step: str) -> None:
-        nonlocal peak_host, peak_total
-        stats = session.stats()
-        steps.append((step, stats.attended_tokens))
-        peak_host = max(peak_host, stats.host_bytes)
-        peak_total = max(peak_total, stats.device_bytes + stats.host_bytes + stats.quantized_bytes)
+    peaks = Peaks()
 
     def on_step(step: str) -> None:
         if method == "oracle":
             _oracle_request(session, labels, session.turn)
-        sample(step)
+        peaks.sample(session, step)
 
     history = replay(session, trace, events=True, on_step=on_step)
     session.forget.enabled = False  # questions are probes of the finished conversation
@@ -150,9 +141,10 @@ def run_one(
         answers[question.id] = result.answer
         correct[question.id] = result.exact_match
         attended = result.attended_tokens
-        sample(f"q:{question.id}")
+        peaks.sample(session, f"q:{question.id}")
     stats = session.stats()
     forget = session.forget.stats
+    steps = [(sample.step, sample.attended_tokens) for sample in peaks.samples]
     applied = _released_handles(session)
     run = ForgetRun(
         trace=trace.name,
@@ -167,8 +159,8 @@ def run_one(
         mean_device_tokens=sum(t for _, t in steps) / max(1, len(steps)),
         final_device_tokens=stats.attended_tokens,
         peak_device_bytes=stats.peak_device_bytes,
-        peak_host_bytes=peak_host,
-        peak_total_bytes=max(peak_total, stats.peak_device_bytes),
+        peak_host_bytes=peaks.host,
+        peak_total_bytes=max(peaks.total, stats.peak_device_bytes),
         prefill_tokens=stats.prefill_tokens,
         rehydrated_tokens=stats.rehydrated_tokens,
         side_runs=forget.runs,

@@ -287,7 +287,7 @@ def ask(session: Session, history: list[dict[str, Any]], question: Question) -> 
     session.
     """
     session.extend([*history, {"role": "user", "content": question.question, "id": f"q-{question.id}"}])
-    at_answer = _sample(session, f"q:{question.id}")
+    at_answer = sample_step(session, f"q:{question.id}")
     fmt = session.format
     prompt = fmt.generation_prompt_ids(session.messages) + fmt.encode(question.prefix)
     target = fmt.encode(answer_text(question.prefix, question.gold))
@@ -302,7 +302,8 @@ def ask(session: Session, history: list[dict[str, Any]], question: Question) -> 
 # -- one run ------------------------------------------------------------------------------------
 
 
-def _sample(session: Session, step: str) -> StepSample:
+def sample_step(session: Session, step: str) -> StepSample:
+    """The session's bytes per tier and attended tokens now, named `step`."""
     stats = session.stats()
     return StepSample(
         step,
@@ -315,16 +316,21 @@ def _sample(session: Session, step: str) -> StepSample:
 
 
 @dataclass
-class _Peaks:
+class Peaks:
+    """The largest host, quantized and total bytes over a run's samples, and the samples plotted."""
+
     host: int = 0
     quantized: int = 0
     total: int = 0
+    """Largest device + quantized + host bytes at one sample."""
     samples: list[StepSample] = field(default_factory=list)
 
     def sample(self, session: Session, step: str) -> None:
-        self.add(_sample(session, step))
+        """Sample the session now (`sample_step`) and add it."""
+        self.add(sample_step(session, step))
 
     def add(self, sample: StepSample, *, plot: bool = True) -> None:
+        """Raise the peaks to `sample`'s figures; keep it among the plotted samples unless `plot` is False."""
         self.host = max(self.host, sample.host_bytes)
         self.quantized = max(self.quantized, sample.quantized_bytes)
         self.total = max(self.total, sample.device_bytes + sample.quantized_bytes + sample.host_bytes)
@@ -352,7 +358,7 @@ def run_one(
     started = time.perf_counter()
     session_id = f"{workload.name}:{method.name}:{budget}"
     session = backend.session(session_id)
-    peaks = _Peaks()
+    peaks = Peaks()
     history = replay(
         session, workload, events=method.events, on_step=lambda step: peaks.sample(session, step)
     )
@@ -365,7 +371,7 @@ def run_one(
         attended_at_last = result.attended_tokens
         at_answer.append(result.at_answer)
         peaks.add(result.at_answer)  # the plotted step: the cache the answer is generated from
-        peaks.add(_sample(session, f"q:{question.id}:after"), plot=False)  # the answer's own KV
+        peaks.add(sample_step(session, f"q:{question.id}:after"), plot=False)  # the answer's own KV
         first_logprobs[question.id] = result.first_logprobs
         kl = 0.0 if reference is None else kl_divergence(reference[question.id], result.first_logprobs)
         rows.append(

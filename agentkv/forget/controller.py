@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentkv.chat import ChatMessage
-from agentkv.config import AgentKVConfig, ForgetConfig
+from agentkv.backend.public import AgentSession
+from agentkv.config import ForgetConfig
 from agentkv.config_sections import FORGET_PROMPT_FIELD
 from agentkv.events import Event, TurnEnded
 from agentkv.forget.protocol import (
@@ -100,56 +100,15 @@ class ForgetStats:
 # ---------------------------------------------------------------------------- the controller
 
 
-class ForgetSession(Protocol):
-    """What the controller uses of its session (`agentkv.backend.session.Session`): its public face only.
+class ForgetSession(AgentSession, Protocol):
+    """What the controller uses of its session: the public session protocol, and the backend that opened it.
 
     A protocol rather than an import: the session owns a controller, so the controller must
-    not import the session's module.
+    not import the session's module (`agentkv.backend.session`).
     """
 
-    session_id: str
-    config: AgentKVConfig
     backend: Any
-
-    @property
-    def spans(self) -> list[Span]:
-        """The span table, in logical order."""
-        ...
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        """The conversation's messages, one per message span."""
-        ...
-
-    @property
-    def turn(self) -> int:
-        """The current turn (1 = the first user message)."""
-        ...
-
-    @property
-    def manager(self) -> Any:
-        """The lifecycle manager (recallable spans, the budget keeper's figures)."""
-        ...
-
-    def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event."""
-        ...
-
-    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> ForgetSession:
-        """A branch session sharing this session's KV prefix."""
-        ...
-
-    def extend(self, messages: Sequence[Any]) -> Any:
-        """Encode what the cache does not hold yet."""
-        ...
-
-    def stream(self, max_new_tokens: int = 256, *, prefix: str = "") -> Iterator[str]:
-        """Decode an answer piece by piece."""
-        ...
-
-    def stats(self) -> Any:
-        """The session's counters."""
-        ...
+    """The backend that opened the session (the side thread's fork is closed through it)."""
 
 
 class ForgetController:

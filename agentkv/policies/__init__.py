@@ -7,7 +7,12 @@ from agentkv.policies.attention import (
     needs_accumulated_attention,
 )
 from agentkv.policies.base import Policy, SpanView, check_count, lift, recent_mask, require_attention
-from agentkv.policies.composed import ProtectRecentPolicy, ProtectSinksPolicy, WeightedSumPolicy
+from agentkv.policies.composed import (
+    ProtectPolicy,
+    ProtectRecentPolicy,
+    ProtectSinksPolicy,
+    WeightedSumPolicy,
+)
 from agentkv.policies.factory import POLICIES, POLICY_NAMES, make_policy, policy_params
 from agentkv.policies.h2o import H2OPolicy
 from agentkv.policies.intent import IntentPolicy, span_relevance
@@ -28,6 +33,7 @@ __all__ = [
     "KeyNormPolicy",
     "KindPriorPolicy",
     "Policy",
+    "ProtectPolicy",
     "ProtectRecentPolicy",
     "ProtectSinksPolicy",
     "SlidingWindowPolicy",

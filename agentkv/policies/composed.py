@@ -10,8 +10,10 @@ so the session collects what any part reads.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -64,41 +66,59 @@ class WeightedSumPolicy(Policy):
 
 
 @dataclass
-class ProtectRecentPolicy(Policy):
-    """`inner`'s scores, with the last `recent_tokens` of the conversation ranked above everything."""
+class ProtectPolicy(Policy):
+    """`inner`'s scores, with the tokens `protected_mask` marks ranked above everything.
+
+    The base of the "never drop these" wrappers: a subclass names its count field in
+    `count_field` and fills in `protected_mask`; the check, the lift and the signals
+    `inner` reads are shared.
+    """
 
     inner: Policy
     """The policy that ranks the remaining tokens."""
-    recent_tokens: int = 32
-    """Tokens within this many logical positions of the end are always ranked first."""
+
+    count_field: ClassVar[str]
+    """The name of the field that says how many tokens are protected (a count >= 0)."""
 
     def __post_init__(self) -> None:
-        _check_policy("ProtectRecentPolicy", self.inner)
-        check_count("ProtectRecentPolicy", "recent_tokens", self.recent_tokens)
+        owner = type(self).__name__
+        _check_policy(owner, self.inner)
+        check_count(owner, self.count_field, getattr(self, self.count_field))
         _read_what_parts_read(self, [self.inner])
 
+    @abstractmethod
+    def protected_mask(self, view: SpanView) -> torch.Tensor:
+        """`[n]` bool: the tokens ranked first."""
+
     def score(self, view: SpanView) -> torch.Tensor:
-        """`[n]` inner scores, recent tokens lifted."""
-        return lift(self.inner.score(view).float().cpu(), recent_mask(view, self.recent_tokens))
+        """`[n]` inner scores, the protected tokens lifted above all others."""
+        return lift(self.inner.score(view).float().cpu(), self.protected_mask(view))
 
 
 @dataclass
-class ProtectSinksPolicy(Policy):
+class ProtectRecentPolicy(ProtectPolicy):
+    """`inner`'s scores, with the last `recent_tokens` of the conversation ranked above everything."""
+
+    recent_tokens: int = 32
+    """Tokens within this many logical positions of the end are always ranked first."""
+    count_field: ClassVar[str] = "recent_tokens"
+
+    def protected_mask(self, view: SpanView) -> torch.Tensor:
+        """`[n]` bool: the tokens within `recent_tokens` of the end."""
+        return recent_mask(view, self.recent_tokens)
+
+
+@dataclass
+class ProtectSinksPolicy(ProtectPolicy):
     """`inner`'s scores, with the first `sink_tokens` logical positions ranked first (StreamingLLM sinks)."""
 
-    inner: Policy
-    """The policy that ranks the remaining tokens."""
     sink_tokens: int = 4
     """Logical positions 0 .. sink_tokens-1 are always ranked first."""
+    count_field: ClassVar[str] = "sink_tokens"
 
-    def __post_init__(self) -> None:
-        _check_policy("ProtectSinksPolicy", self.inner)
-        check_count("ProtectSinksPolicy", "sink_tokens", self.sink_tokens)
-        _read_what_parts_read(self, [self.inner])
-
-    def score(self, view: SpanView) -> torch.Tensor:
-        """`[n]` inner scores, sinks lifted."""
-        return lift(self.inner.score(view).float().cpu(), view.positions.cpu() < self.sink_tokens)
+    def protected_mask(self, view: SpanView) -> torch.Tensor:
+        """`[n]` bool: the logical positions below `sink_tokens`."""
+        return view.positions.cpu() < self.sink_tokens
 
 
 def _zscore(scores: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ keys keep the RoPE rotation of their logical positions).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,11 @@ import torch
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes held by a tensor's elements (what accounting reports per tier)."""
     return tensor.numel() * tensor.element_size()
+
+
+def kv_bytes(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+    """Bytes of per-layer key and value tensors (one of each per layer)."""
+    return sum(tensor_bytes(k) + tensor_bytes(v) for k, v in zip(keys, values, strict=True))
 
 
 @dataclass
@@ -37,7 +43,7 @@ class KVBlock:
     @property
     def nbytes(self) -> int:
         """Exact bytes of every tensor held."""
-        return sum(tensor_bytes(k) + tensor_bytes(v) for k, v in zip(self.keys, self.values, strict=True))
+        return kv_bytes(self.keys, self.values)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> KVBlock:
         """Copy to another device (a no-op view when already there)."""

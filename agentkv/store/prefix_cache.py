@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from agentkv.store.block import tensor_bytes
+from agentkv.store.block import kv_bytes
 
 __all__ = [
     "EVICTION_STRATEGIES",
@@ -87,7 +87,7 @@ class PrefixEntry:
     @property
     def nbytes(self) -> int:
         """Bytes of its keys and values (all layers)."""
-        return sum(tensor_bytes(k) + tensor_bytes(v) for k, v in zip(self.keys, self.values, strict=True))
+        return kv_bytes(self.keys, self.values)
 
     def references(self) -> int:
         """Holders that attend it now (its reference count)."""
