@@ -54,6 +54,9 @@ def main() -> None:
         return float(-logprobs[ids[0]]) if ids else 0.0
 
     ranks: dict[str, list[int]] = defaultdict(list)
+    unscored: dict[str, int] = defaultdict(int)
+    """Questions whose fact's message shares no word with them (score 0: recall cannot find it)."""
+    absent = 0
     for name in args.workloads.split(","):
         data = json.loads((Path(WORKLOAD_DIR) / f"{name}.json").read_text())
         docs = messages(data)
@@ -68,6 +71,9 @@ def main() -> None:
                 if question["gold"] in text and turn == question["turn"]
             }
             gold = gold or {i for i, (_, text) in enumerate(docs) if question["gold"] in text}
+            if not gold:  # the fact is in no message the session holds (a branch's own reasoning)
+                absent += 1
+                continue
             ranked = rank_for_recall(
                 question["question"],
                 spans,
@@ -76,11 +82,19 @@ def main() -> None:
                 information=None if args.no_background else information,
             )
             order = [span.span_id for span, _ in ranked]
+            scores = {span.span_id: score for span, score in ranked}
             ranks[question["source"]].append(1 + min(order.index(g) for g in gold))
+            unscored[question["source"]] += all(scores[g] <= 0 for g in gold)
     everything = [r for values in ranks.values() for r in values]
+    unscored["all"] = sum(unscored.values())
     for source, values in [*sorted(ranks.items()), ("all", everything)]:
         mrr = sum(1 / r for r in values) / len(values)
-        print(f"{source:<10} {len(values):>4} questions  MRR {mrr:.2f}  top-3 {sum(r <= 3 for r in values)}")
+        print(
+            f"{source:<10} {len(values):>4} questions  MRR {mrr:.2f}  top-3 {sum(r <= 3 for r in values)}"
+            f"  score 0 {unscored[source]}"
+        )
+    if absent:
+        print(f"({absent} questions whose fact is in no message of the conversation left out)")
 
 
 if __name__ == "__main__":
