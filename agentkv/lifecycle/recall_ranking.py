@@ -19,11 +19,7 @@ different ids depending on what precedes it (`" price"` after a space, `"price"`
 after a quote or an underscore), so the text is split into words and casefolded
 ("unit price" finds `"unit_price": "189.99"`). A code or a number (any word with a
 digit) counts whole and by its parts: `PS-3318-774` is found by the whole code and
-by `3318`, and only the whole tells `4471` from `4417`. A word of letters counts
-by its stem (the Snowball English stemmer, the stemming of classic BM25 systems): a
-question asks about "the statements" or what "we decided" where the message says
-"statement" and "decide". It counts once, as its stem, so words weigh against codes
-as they would unstemmed.
+by `3318`, and only the whole tells `4471` from `4417`.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import snowballstemmer
 import torch
 
 from agentkv.spans import Span
@@ -47,35 +42,15 @@ Information = Callable[[str], float]
 """How much a (casefolded) word tells on its own, before any session statistics (1.0 = no prior)."""
 
 
-STEM_MARK = "~"
-"""Prefix of a stem feature (`~decid`), so a stem never meets a code's part that spells the same."""
-
-_STEMMER = snowballstemmer.stemmer("english")
-
-
-def word_features(text: str) -> dict[str, str]:
-    """The features `text` is matched by, each with the word it came from (for that word's weight).
-
-    Casefolded: a word of letters by its stem (`STEM_MARK` + the Snowball stem); a word
-    with a digit (a code, a number) whole and by its parts; any other word as written.
-    """
-    out: dict[str, str] = {}
+def words(text: str) -> frozenset[str]:
+    """The casefolded words of `text`; a word with a digit (a code, a number) also by its parts."""
+    out: set[str] = set()
     for match in WORD.finditer(text):
         word = match.group().casefold()
-        if word.isalpha():
-            out.setdefault(STEM_MARK + _STEMMER.stemWord(word), word)
-            continue
-        out.setdefault(word, word)
+        out.add(word)
         if any(c.isdigit() for c in word):
-            for part in re.split(r"[-/.:]", word):
-                if part:
-                    out.setdefault(part, part)
-    return out
-
-
-def words(text: str) -> frozenset[str]:
-    """The features of `text` (`word_features`) as a set."""
-    return frozenset(word_features(text))
+            out.update(part for part in re.split(r"[-/.:]", word) if part)
+    return frozenset(out)
 
 
 def _idf(spans: Sequence[frozenset[str]]) -> dict[str, float]:
@@ -148,10 +123,8 @@ def rank_for_recall(
         return memo[slot]
 
     idf = _idf([span_words(s) for s in all_spans])
-    asked_from = word_features(query)
-    asked = frozenset(asked_from)
-    # A stem weighs by the word of the question it came from (its surprisal as written).
-    weight = {w: idf.get(w, 0.0) * prior(asked_from[w]) for w in asked}
+    asked = words(query)
+    weight = {w: idf.get(w, 0.0) * prior(w) for w in asked}
     total = sum(weight.values())
     query_vec = _mean_embedding(embed, query_ids)
     ranked: list[tuple[Span, float]] = []
