@@ -9,7 +9,9 @@ whether the device stayed within the budget after every budget check; overhead p
 over the runs (lifecycle + policy + store seconds over forward seconds).
 
 `--diff A B` lists the questions method A answers right and B wrong (gained) and the
-reverse (lost), per workload and budget.
+reverse (lost), per budget, with the EM difference, its 95% interval from a bootstrap
+over workloads and McNemar's exact p (`agentkv.bench.paired`); B may be a method run at
+one budget only (the full cache), then compared at every budget of A.
 
     .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
 """
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from agentkv.bench.paired import paired_difference
 from agentkv.bench.workloads import load_workloads
 from agentkv.models import converted_model_dir
 from agentkv.store.kivi import token_bytes
@@ -133,20 +136,38 @@ def full_cache_shares(runs: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def diff(rows: list[dict[str, Any]], a: str, b: str) -> str:
-    """Questions `a` answers right and `b` wrong (gained), and the reverse (lost), as markdown lines."""
-    right: dict[tuple[str, str, float, str], bool] = {}
+    """Questions `a` answers right and `b` wrong (gained), the reverse (lost), and what it is worth.
+
+    Per budget of `a`: the questions gained and lost, then the EM difference with its
+    95% workload-bootstrap interval and McNemar's p (`agentkv.bench.paired`). A method
+    run at one budget only (the full cache) is compared at every budget of `a`.
+    """
+    right: dict[str, dict[tuple[str, float, str], bool]] = defaultdict(dict)
+    budgets: dict[str, set[float]] = defaultdict(set)
     for row in rows:
+        budgets[row["method"]].add(float(row["budget"]))
         for q in row["questions_detail"]:
-            right[(row["method"], row["workload"], float(row["budget"]), q["question"])] = bool(
-                q["exact_match"]
-            )
-    gained, lost = [], []
-    for (method, workload, budget, question), ok in sorted(right.items()):
-        other = right.get((b, workload, budget, question))
-        if method != a or other is None or ok == other:
+            key = (row["workload"], float(row["budget"]), q["question"])
+            right[row["method"]][key] = bool(q["exact_match"])
+    only = next(iter(budgets[b])) if len(budgets[b]) == 1 else None
+    lines: list[str] = []
+    for budget in sorted(budgets[a], reverse=True):
+        gained: list[str] = []
+        lost: list[str] = []
+        pairs: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+        for (workload, at, question), ok in sorted(right[a].items()):
+            other = right[b].get((workload, at if only is None else only, question))
+            if at != budget or other is None:
+                continue
+            pairs[workload].append((ok, other))
+            if ok != other:
+                (gained if ok else lost).append(f"{workload}/{question}")
+        if not pairs:
             continue
-        (gained if ok else lost).append(f"{workload}/{question} at {budget:g}")
-    return f"gained ({len(gained)}): {', '.join(gained) or '-'}\nlost ({len(lost)}): {', '.join(lost) or '-'}"
+        lines.append(f"at {budget:g}: {a} against {b}: {paired_difference(pairs).describe()}")
+        lines.append(f"  gained ({len(gained)}): {', '.join(gained) or '-'}")
+        lines.append(f"  lost ({len(lost)}): {', '.join(lost) or '-'}")
+    return "\n".join(lines) or f"no questions asked of both {a!r} and {b!r}"
 
 
 def key_of(question: dict[str, Any], key: str, styles: dict[tuple[str, str], str]) -> str:
