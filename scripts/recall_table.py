@@ -10,7 +10,8 @@ over the runs (lifecycle + policy + store seconds over forward seconds).
 
 `--diff A B` lists the questions method A answers right and B wrong (gained) and the
 reverse (lost), per budget, with the EM difference, its 95% interval from a bootstrap
-over workloads and McNemar's exact p (`agentkv.bench.paired`); B may be a method run at
+over workloads and McNemar's exact p, and the mean difference of the gold answer's
+teacher-forced log-prob with its interval (`agentkv.bench.paired`); B may be a method run at
 one budget only (the full cache), then compared at every budget of A.
 
     .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
@@ -24,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.paired import paired_difference
+from agentkv.bench.paired import paired_difference, paired_mean
 from agentkv.bench.workloads import load_workloads
 from agentkv.models import converted_model_dir
 from agentkv.store.kivi import token_bytes
@@ -143,28 +144,34 @@ def diff(rows: list[dict[str, Any]], a: str, b: str) -> str:
     run at one budget only (the full cache) is compared at every budget of `a`.
     """
     right: dict[str, dict[tuple[str, float, str], bool]] = defaultdict(dict)
+    logprob: dict[str, dict[tuple[str, float, str], float]] = defaultdict(dict)
     budgets: dict[str, set[float]] = defaultdict(set)
     for row in rows:
         budgets[row["method"]].add(float(row["budget"]))
         for q in row["questions_detail"]:
             key = (row["workload"], float(row["budget"]), q["question"])
             right[row["method"]][key] = bool(q["exact_match"])
+            logprob[row["method"]][key] = float(q["logprob"])
     only = next(iter(budgets[b])) if len(budgets[b]) == 1 else None
     lines: list[str] = []
     for budget in sorted(budgets[a], reverse=True):
         gained: list[str] = []
         lost: list[str] = []
         pairs: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+        scores: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for (workload, at, question), ok in sorted(right[a].items()):
-            other = right[b].get((workload, at if only is None else only, question))
+            theirs = (workload, at if only is None else only, question)
+            other = right[b].get(theirs)
             if at != budget or other is None:
                 continue
             pairs[workload].append((ok, other))
+            scores[workload].append((logprob[a][(workload, at, question)], logprob[b][theirs]))
             if ok != other:
                 (gained if ok else lost).append(f"{workload}/{question}")
         if not pairs:
             continue
         lines.append(f"at {budget:g}: {a} against {b}: {paired_difference(pairs).describe()}")
+        lines.append(f"  gold log-prob: {paired_mean(scores).describe()}")
         lines.append(f"  gained ({len(gained)}): {', '.join(gained) or '-'}")
         lines.append(f"  lost ({len(lost)}): {', '.join(lost) or '-'}")
     return "\n".join(lines) or f"no questions asked of both {a!r} and {b!r}"

@@ -7,7 +7,8 @@ the other misses (the discordant pairs), so they are compared pair by pair:
   split of the discordant pairs at least this uneven if neither method were better.
   It treats questions as independent.
 - `paired_difference`: the difference in exact match with a 95% interval from a
-  bootstrap over *workloads*. The questions of one workload share one conversation
+  bootstrap over *workloads* (`paired_mean`: the same for a continuous score, the
+  gold answer's log-prob). The questions of one workload share one conversation
   and one cache, so a change that moves a single plan moves several of its answers
   together; resampling whole workloads keeps that dependence, where resampling
   questions would understate the spread.
@@ -84,9 +85,6 @@ def paired_difference(
     Raises:
         ValueError: no questions, or `level` outside (0, 1).
     """
-    if not 0.0 < level < 1.0:
-        msg = f"level must be in (0, 1), got {level}"
-        raise ValueError(msg)
     groups = [(sum(int(a) - int(b) for a, b in qs), len(qs)) for qs in pairs.values() if qs]
     questions = sum(n for _, n in groups)
     if not questions:
@@ -94,22 +92,77 @@ def paired_difference(
         raise ValueError(msg)
     gained = sum(int(a and not b) for qs in pairs.values() for a, b in qs)
     lost = sum(int(b and not a) for qs in pairs.values() for a, b in qs)
-    rng = random.Random(seed)
-    draws: list[float] = []
-    for _ in range(resamples):
-        picked = [groups[rng.randrange(len(groups))] for _ in groups]
-        net, asked = sum(d for d, _ in picked), sum(n for _, n in picked)
-        draws.append(100.0 * net / asked)
-    draws.sort()
-    tail = (1.0 - level) / 2
-    low = draws[int(math.floor(tail * (resamples - 1)))]
-    high = draws[int(math.ceil((1.0 - tail) * (resamples - 1)))]
+    low, high = workload_interval(groups, level=level, resamples=resamples, seed=seed)
     return PairedDifference(
         questions=questions,
         gained=gained,
         lost=lost,
         points=100.0 * (gained - lost) / questions,
-        low=low,
-        high=high,
+        low=100.0 * low,
+        high=100.0 * high,
         p_value=mcnemar_exact(gained, lost),
     )
+
+
+@dataclass(frozen=True)
+class PairedMean:
+    """The mean per-question difference of a continuous score (A minus B), e.g. the gold log-prob."""
+
+    questions: int
+    mean: float
+    low: float
+    """Lower end of the interval (workload bootstrap)."""
+    high: float
+
+    def describe(self, unit: str = "nats", level: float = 0.95) -> str:
+        """One line: the mean difference and its interval."""
+        return (
+            f"{self.mean:+.3f} {unit} per question ({100 * level:.0f}% interval "
+            f"{self.low:+.3f} to {self.high:+.3f}, workload bootstrap)"
+        )
+
+
+def paired_mean(
+    pairs: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    level: float = 0.95,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> PairedMean:
+    """Mean of `a - b` over questions, grouped by workload, with its workload-bootstrap interval.
+
+    For the teacher-forced log-prob of the gold answer: a continuous score moves with
+    every change to the cache, where exact match flips only when the argmax does, so it
+    tells a lever that helps a little from one that does nothing on fewer questions.
+
+    Raises:
+        ValueError: no questions, or `level` outside (0, 1).
+    """
+    groups = [(sum(a - b for a, b in qs), len(qs)) for qs in pairs.values() if qs]
+    questions = sum(n for _, n in groups)
+    if not questions:
+        msg = "no questions to compare"
+        raise ValueError(msg)
+    low, high = workload_interval(groups, level=level, resamples=resamples, seed=seed)
+    return PairedMean(questions, sum(d for d, _ in groups) / questions, low, high)
+
+
+def workload_interval(
+    groups: Sequence[tuple[float, int]], *, level: float, resamples: int, seed: int
+) -> tuple[float, float]:
+    """Percentile interval of `sum(difference) / sum(questions)` over draws of whole workloads.
+
+    `groups`: per workload, (summed difference, questions). Each draw takes as many
+    workloads as there are, with replacement.
+    """
+    if not 0.0 < level < 1.0:
+        msg = f"level must be in (0, 1), got {level}"
+        raise ValueError(msg)
+    rng = random.Random(seed)
+    draws: list[float] = []
+    for _ in range(resamples):
+        picked = [groups[rng.randrange(len(groups))] for _ in groups]
+        draws.append(sum(d for d, _ in picked) / sum(n for _, n in picked))
+    draws.sort()
+    tail = (1.0 - level) / 2
+    return draws[math.floor(tail * (resamples - 1))], draws[math.ceil((1.0 - tail) * (resamples - 1))]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agentkv.bench.paired import mcnemar_exact, paired_difference
+from agentkv.bench.paired import mcnemar_exact, paired_difference, paired_mean
 
 
 def test_mcnemar_exact_matches_the_binomial_tail() -> None:
@@ -60,3 +60,18 @@ def test_bad_input_is_refused() -> None:
         paired_difference({"w": []})
     with pytest.raises(ValueError, match="level"):
         paired_difference({"w": [(True, False)]}, level=1.5)
+
+
+def test_the_mean_log_prob_difference_and_its_interval() -> None:
+    # A adds 0.5 nats to every question of three workloads and loses 1.5 on one question of a fourth.
+    pairs = {f"w{i}": [(-1.0, -1.5), (-2.0, -2.5)] for i in range(3)}
+    pairs["w3"] = [(-3.0, -1.5), (-1.0, -1.0)]
+    result = paired_mean(pairs)
+    assert result.questions == 8
+    assert result.mean == pytest.approx((6 * 0.5 - 1.5) / 8)
+    assert result.low <= result.mean <= result.high
+    # A quarter of the draws hold w3 twice or more (a net loss); a third hold no w3 at all.
+    assert result.low < 0.0
+    assert result.high == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no questions"):
+        paired_mean({})
