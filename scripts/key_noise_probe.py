@@ -54,9 +54,12 @@ def probe_attention(
     if CORRECT[0] and noise is not None:
         var = torch.zeros(k.shape[0], key.shape[1], k.shape[2], dim)
         var[:, :, : noise.shape[2]] = noise
-        scores = scores - 0.5 * scaling**2 * (
-            query**2 @ var.repeat_interleave(repeat, dim=1).transpose(-1, -2)
-        )
+        bias = 0.5 * scaling**2 * (query**2 @ var.repeat_interleave(repeat, dim=1).transpose(-1, -2))
+        if CORRECT[0] == "mean":  # one shift for every quantized key: the mean of their corrections
+            held = (var.sum(-1) > 0).repeat_interleave(repeat, dim=1)[:, :, None, :]  # [1, H, 1, S]
+            mean = (bias * held).sum(-1, keepdim=True) / held.sum(-1, keepdim=True).clamp(min=1)
+            bias = mean * held
+        scores = scores - bias
     s = k.shape[2]
     scores = scores.masked_fill(torch.arange(s)[None, :] > torch.arange(q)[:, None] + s - q, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
