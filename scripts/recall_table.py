@@ -139,9 +139,10 @@ def full_cache_shares(runs: list[dict[str, Any]]) -> tuple[float, float]:
 def diff(rows: list[dict[str, Any]], a: str, b: str) -> str:
     """Questions `a` answers right and `b` wrong (gained), the reverse (lost), and what it is worth.
 
-    Per budget of `a`: the questions gained and lost, then the EM difference with its
-    95% workload-bootstrap interval and McNemar's p (`agentkv.bench.paired`). A method
-    run at one budget only (the full cache) is compared at every budget of `a`.
+    Per budget of `a`: the EM difference with its 95% workload-bootstrap interval and
+    McNemar's p, the mean gold log-prob difference with its interval
+    (`agentkv.bench.paired`), then the questions gained and lost. A method run at one
+    budget only (the full cache) is compared at every budget of `a`.
     """
     right: dict[str, dict[tuple[str, float, str], bool]] = defaultdict(dict)
     logprob: dict[str, dict[tuple[str, float, str], float]] = defaultdict(dict)

@@ -78,28 +78,24 @@ def paired_difference(
 ) -> PairedDifference:
     """Compare A and B from `(a_right, b_right)` per question, grouped by workload.
 
-    The interval is the percentile interval of the pooled EM difference over
-    `resamples` draws of the workloads with replacement (each draw keeps a
-    workload's questions together). Deterministic for a given `seed`.
+    The EM difference and its interval are `paired_mean`'s over right = 1, wrong = 0
+    (each bootstrap draw keeps a workload's questions together), in points; McNemar's
+    p is over the discordant questions. Deterministic for a given `seed`.
 
     Raises:
         ValueError: no questions, or `level` outside (0, 1).
     """
-    groups = [(sum(int(a) - int(b) for a, b in qs), len(qs)) for qs in pairs.values() if qs]
-    questions = sum(n for _, n in groups)
-    if not questions:
-        msg = "no questions to compare"
-        raise ValueError(msg)
+    scores = {workload: [(float(a), float(b)) for a, b in qs] for workload, qs in pairs.items()}
+    mean = paired_mean(scores, level=level, resamples=resamples, seed=seed)
     gained = sum(int(a and not b) for qs in pairs.values() for a, b in qs)
     lost = sum(int(b and not a) for qs in pairs.values() for a, b in qs)
-    low, high = workload_interval(groups, level=level, resamples=resamples, seed=seed)
     return PairedDifference(
-        questions=questions,
+        questions=mean.questions,
         gained=gained,
         lost=lost,
-        points=100.0 * (gained - lost) / questions,
-        low=100.0 * low,
-        high=100.0 * high,
+        points=100.0 * mean.mean,
+        low=100.0 * mean.low,
+        high=100.0 * mean.high,
         p_value=mcnemar_exact(gained, lost),
     )
 
