@@ -36,17 +36,16 @@ DITHER = 0.1
 def dithered_quantize_along(
     x: torch.Tensor, bits: int, dim: int, *, stat_dtype: torch.dtype = kivi.STAT_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kivi.quantize_along` with `DITHER` steps of seeded Gaussian noise added before rounding."""
-    qmax = (1 << bits) - 1
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    zeros = kivi.round_toward(lo, up=False, dtype=stat_dtype)
-    scales = kivi.round_toward((hi - zeros.float()) / qmax, up=True, dtype=stat_dtype)
-    s, z = scales.float(), zeros.float()
+    """`kivi.quantize_along`'s statistics, its codes rounded after `DITHER` steps of seeded noise."""
+    _, scales, zeros = ROUND_TO_NEAREST(x, bits, dim, stat_dtype=stat_dtype)
+    s, z = scales.float().unsqueeze(dim), zeros.float().unsqueeze(dim)
     noise = DITHER * torch.randn(x.shape, generator=GENERATOR).to(x.device)
-    codes = ((x.float() - z) / torch.where(s > 0, s, 1.0) + noise).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scales.squeeze(dim), zeros.squeeze(dim)
+    codes = ((x.float() - z) / torch.where(s > 0, s, 1.0) + noise).round_().clamp_(0, (1 << bits) - 1)
+    return codes.to(torch.uint8), scales, zeros
 
 
+ROUND_TO_NEAREST = kivi.quantize_along
+"""The tier's own quantizer: its statistics (and its checks) are kept."""
 SEED = int(os.environ.get("AGENTKV_DITHER_SEED", "1"))
 GENERATOR = torch.Generator().manual_seed(SEED)
 

@@ -105,6 +105,20 @@ def render(workload: Any) -> str:
     return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in parts)
 
 
+def question_tokens(
+    tokenizer: Any, text: str, offsets: list[tuple[int, int]], question: Any
+) -> tuple[list[int], list[int], list[int]]:
+    """A question's gold positions in `text` (by token offsets), its prompt ids, and the gold's ids."""
+    start = text.rfind(question.gold)
+    gold = [
+        i for i, (a, b) in enumerate(offsets) if start >= 0 and b > start and a < start + len(question.gold)
+    ]
+    prompt = f"<|im_start|>user\n{question.question}<|im_end|>\n<|im_start|>assistant\n{question.prefix}"
+    q_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    target = tokenizer(" " + question.gold, add_special_tokens=False)["input_ids"]
+    return gold, q_ids, target
+
+
 def main() -> None:
     """Print one JSON line per question, then the means and how often the correction helps."""
     parser = argparse.ArgumentParser(
@@ -145,18 +159,8 @@ def main() -> None:
         exact = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         history = list(range(SINKS, len(ids) - RESIDUAL))
         for question in workload.questions:
-            start = text.rfind(question.gold)
-            gold = [
-                i
-                for i, (a, b) in enumerate(spans)
-                if start >= 0 and b > start and a < start + len(question.gold)
-            ]
+            gold, q_ids, target = question_tokens(tokenizer, text, spans, question)
             window = set(range(gold[0] - GOLD_MARGIN, gold[-1] + GOLD_MARGIN + 1)) if gold else set()
-            prompt = (
-                f"<|im_start|>user\n{question.question}<|im_end|>\n<|im_start|>assistant\n{question.prefix}"
-            )
-            q_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            target = tokenizer(" " + question.gold, add_special_tokens=False)["input_ids"]
             row: dict[str, Any] = {"workload": workload.name, "question": question.id}
             row["full"] = gold_logprob(exact, None, q_ids, target, "")
             for label, held in (("all", history), ("goldx", [p for p in history if p not in window])):

@@ -10,6 +10,9 @@ context (`bg`: the model's next-token distribution after a newline), and at rand
 (the oracle exact recall aims at). Shares from `FRACS` (default `0.05,0.1`).
 
     FRACS=0.05,0.1 OMP_NUM_THREADS=1 .venv/bin/python scripts/salient_probe.py courtlist ferry
+
+The quantizer, the conversation's rendering and the questions' tokens are the key-noise
+probe's (`scripts/key_noise_probe.py`), so the two probes read the same int4 history.
 """
 
 from __future__ import annotations
@@ -21,52 +24,17 @@ import random
 from typing import Any
 
 import torch
+from key_noise_probe import GOLD_MARGIN, RESIDUAL, SINKS, quantized, question_tokens, render
 from transformers import DynamicCache
 
 from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
-from agentkv.store.kivi import key_groups, quantize_along, value_groups
 
-SINKS, RESIDUAL, GROUP, BITS, GOLD_MARGIN = 4, 64, 32, 4, 16
 FRACS = os.environ.get("FRACS", "0.05,0.1").split(",")
 
 
-def quantized(k: torch.Tensor, v: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`k`, `v` `[1, H, S, D]` with `rows` at int4 (KIVI: keys per channel in groups of rows)."""
-    k, v = k.clone(), v.clone()
-    index = torch.tensor(rows, dtype=torch.long)
-    n, heads, dim = len(rows), k.shape[1], k.shape[-1]
-    groups = key_groups(k[:, :, index], GROUP)  # [1, H, n/G, G, D]
-    codes, scales, zeros = quantize_along(groups, BITS, dim=-2)
-    k[:, :, index] = (codes.float() * scales.float().unsqueeze(-2) + zeros.float().unsqueeze(-2)).reshape(
-        1, heads, -1, dim
-    )[:, :, :n]
-    values = v[:, :, index]
-    codes, scales, zeros = quantize_along(value_groups(values, GROUP), BITS, dim=-1)
-    v[:, :, index] = (codes.float() * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(
-        values.shape
-    )
-    return k, v
-
-
-def render(workload: Any) -> str:
-    """The workload's conversation as ChatML text: tool calls as assistant messages, results as `tool`."""
-    parts = [("system", workload.system)]
-    for turn in workload.turns:
-        parts.append(("user", turn.user))
-        for tool in turn.tools:
-            call = json.dumps({"name": tool.name, "arguments": dict(tool.args)})
-            parts += [("assistant", f"<tool_call>{call}</tool_call>"), ("tool", tool.result)]
-        if turn.branches is not None:
-            parts += [("assistant", option.reasoning) for option in turn.branches.options]
-        parts += [("assistant", proposal.text) for proposal in turn.proposals]
-        if turn.assistant:
-            parts.append(("assistant", turn.assistant))
-    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in parts)
-
-
 def main() -> None:
-    """Print one JSON line per question, then the means and how often the correction helps."""
+    """Print one JSON line per question, then each history's mean loss and how often it beats all-int4."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -117,18 +85,8 @@ def main() -> None:
             configs[f"cx{f}"] = top(cx, f)
             configs[f"rnd{f}"] = top(torch.tensor([rng.random() for _ in history]), f)
         for question in workload.questions:
-            start = text.rfind(question.gold)
-            gold = [
-                i
-                for i, (a, b) in enumerate(spans)
-                if start >= 0 and b > start and a < start + len(question.gold)
-            ]
+            gold, q_ids, target = question_tokens(tokenizer, text, spans, question)
             window = set(range(gold[0] - GOLD_MARGIN, gold[-1] + GOLD_MARGIN + 1)) if gold else set()
-            prompt = (
-                f"<|im_start|>user\n{question.question}<|im_end|>\n<|im_start|>assistant\n{question.prefix}"
-            )
-            q_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            target = tokenizer(" " + question.gold, add_special_tokens=False)["input_ids"]
             row: dict[str, Any] = {"workload": workload.name, "question": question.id}
             row["full"] = gold_logprob(exact, q_ids, target)
             row["gold_in_bg"] = {
@@ -137,7 +95,8 @@ def main() -> None:
             cfgs = dict(configs)
             cfgs["goldx"] = [p for p in history if p not in window]
             for label, held in cfgs.items():
-                row[label] = gold_logprob([quantized(k, v, held) for k, v in exact], q_ids, target)
+                kv = [(k, v) for k, v, _ in (quantized(k, v, held) for k, v in exact)]  # noise unused
+                row[label] = gold_logprob(kv, q_ids, target)
             rows.append(row)
             rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
             print(json.dumps(rounded), flush=True)
