@@ -24,7 +24,7 @@ import random
 from typing import Any
 
 import torch
-from key_noise_probe import RESIDUAL, question_tokens, render
+from key_noise_probe import RESIDUAL, grouped_scores, question_tokens, render
 from transformers import AttentionInterface, DynamicCache
 
 from agentkv.bench.workloads import load_workloads
@@ -43,11 +43,8 @@ def probe_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over `[history, new]` with `MASKED` history left out; records `MASS`."""
-    _, heads, q, dim = query.shape
-    repeat = heads // key.shape[1]
-    scaling = kwargs.get("scaling") or dim**-0.5
-    k, v = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    scores = query @ k.transpose(-1, -2) * scaling  # [1, H, q, S]
+    q = query.shape[2]
+    scores, k, v, _ = grouped_scores(query, key, value, kwargs.get("scaling"))  # [1, H, q, S]
     s = k.shape[2]
     blocked = torch.arange(s)[None, :] > torch.arange(q)[:, None] + s - q  # [q, S]
     masked = MASKED[0]

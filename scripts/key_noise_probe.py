@@ -41,15 +41,24 @@ CORRECT = [""]
 """The correction in force: "" none, "key" each key by its variance, "mean" all by their mean."""
 
 
+def grouped_scores(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Scaled scores `[1, H, q, S]`, the keys and values repeated over their query heads, and the scaling."""
+    heads, dim = query.shape[1], query.shape[-1]
+    repeat = heads // key.shape[1]
+    scaling = scaling or dim**-0.5
+    k, v = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    return query @ k.transpose(-1, -2) * scaling, k, v, scaling
+
+
 def probe_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over `[history, new]`, less `v / 2` on each quantized key's logit when asked."""
     _, heads, q, dim = query.shape
     repeat = heads // key.shape[1]
-    scaling = kwargs.get("scaling") or dim**-0.5
-    k, v = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    scores = query @ k.transpose(-1, -2) * scaling  # [1, H, q, S]
+    scores, k, v, scaling = grouped_scores(query, key, value, kwargs.get("scaling"))  # [1, H, q, S]
     noise = NOISE.get(module.layer_idx)
     if CORRECT[0] and noise is not None:
         var = torch.zeros(k.shape[0], key.shape[1], k.shape[2], dim)
