@@ -76,14 +76,14 @@ def probe_attention(
 
 
 def quantized(
-    k: torch.Tensor, v: torch.Tensor, rows: list[int]
+    k: torch.Tensor, v: torch.Tensor, rows: list[int], *, key_bits: int = BITS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`k`, `v` `[1, H, S, D]` with `rows` at int4 (KIVI), and the keys' noise variance."""
+    """`k`, `v` `[1, H, S, D]` with `rows` quantized (KIVI; keys at `key_bits`), and the key noise."""
     k, v, noise = k.clone(), v.clone(), torch.zeros_like(k)
     index = torch.tensor(rows, dtype=torch.long)
     n, heads, dim = len(rows), k.shape[1], k.shape[-1]
     groups = key_groups(k[:, :, index], GROUP)  # [1, H, n/G, G, D]
-    codes, scales, zeros = quantize_along(groups, BITS, dim=-2)
+    codes, scales, zeros = quantize_along(groups, key_bits, dim=-2)
     k[:, :, index] = (codes.float() * scales.float().unsqueeze(-2) + zeros.float().unsqueeze(-2)).reshape(
         1, heads, -1, dim
     )[:, :, :n]
