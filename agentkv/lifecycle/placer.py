@@ -95,16 +95,15 @@ class Placer:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
         What the device counts now (attended KV, quantized archives), less the
-        evictable spans (the budget drops them first), less the fine planes of 8-bit keys
-        (the budget drops them before archiving anything), less what quantizing the exact
+        evictable spans (the budget drops them first), less what quantizing the exact
         tokens would free (the sinks and the residual window stay exact), plus the new
         message's pending tokens at their quantized size. `quantized`: each device span's
-        slots held quantized now.
+        slots held quantized now. The fine planes of 8-bit keys count as held: a key read
+        at 8 bits is about as good as exact, for a thirteenth of the bytes that holding
+        its token exact adds, so exact recall does not take them for room.
         """
         store = self.port.store
         usage = self.usage_bytes()
-        if isinstance(store, AttendedQuantizer):
-            usage -= store.fine_key_bytes()
         exact_held = 0
         pending = 0
         for span in self.table.spans:
