@@ -120,7 +120,9 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(self, target: int, limit: int | None, *, order: str | None = None) -> None:
+    def demote_to(
+        self, target: int, limit: int | None, *, order: str | None = None, coarsen_to: int | None = None
+    ) -> None:
         """Bring device usage to at most `target` bytes with one placement plan (re-planned if short).
 
         Spans recalled for this turn move only while usage is over `limit` itself (its
@@ -132,7 +134,14 @@ class Placer:
         once nothing is left to quantize, keys drop to 4 bits (in the planner's order)
         before any span leaves attention. `order` overrides the session's step order
         (`placement_order`) for this call.
+
+        `coarsen_to` (the budget's limit): fine key planes are dropped only down to it,
+        and once usage is within it nothing else moves. A key at 8 bits reads about as
+        well as an exact one, and dropping a fine plane needs no recompute and no copy of
+        the span, so a hysteresis gap below the limit saves nothing there; each turn that
+        goes over drops the planes it needs, until none are left and spans move by the plan.
         """
+        coarse_target = target if coarsen_to is None else max(target, coarsen_to)
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
         step_order = order or self.placement_order
         for _ in range(REPLANS):
@@ -159,10 +168,14 @@ class Placer:
                 # 8-bit keys drop to 4 bits before any span leaves attention: the rest of the plan first.
                 staying = [s for s in moving if s not in leaving]
                 self._apply(staying, plan.rungs)
-                if staying or self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - target):
+                if staying:
+                    continue
+                if self.usage_bytes() <= coarse_target:
+                    return  # within the limit with the fine planes held
+                if self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - coarse_target):
                     continue
             if not plan.rungs:
-                if self.mover.coarsen(self._attended_in_order(), usage - target):
+                if self.mover.coarsen(self._attended_in_order(), usage - coarse_target):
                     continue
                 return
             self._apply(moving, plan.rungs)
