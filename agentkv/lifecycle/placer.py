@@ -179,6 +179,10 @@ class Placer:
                     continue
                 return
             self._apply(moving, plan.rungs)
+            if leaving and self.mover.can_coarsen():
+                # The plan quantized spans while others left attention: their keys go to 4 bits too.
+                self.mover.coarsen(self._attended_in_order(), self.usage_bytes())
+                coarse_target = target
             if self.usage_bytes() >= usage:
                 return  # nothing moved (every move failed): the plan would repeat itself
 
