@@ -74,7 +74,7 @@ class BudgetKeeper(PlacementPeer):
                 target = limits.low_bytes(limit)
                 if self.whole_spans:
                     with self.port.store.deferred_removal():  # one compaction for all moves
-                        self.placer.demote_to(target, limit)
+                        self.placer.demote_to(target, limit, coarsen_to=limits.high_bytes(limit))
                 else:
                     # Token mode drops tokens, not spans; a span left with none is evicted, whatever
                     # its state (the generic baselines drop active tokens too, by design). Generic

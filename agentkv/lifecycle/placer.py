@@ -95,16 +95,15 @@ class Placer:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
         What the device counts now (attended KV, quantized archives), less the
-        evictable spans (the budget drops them first), less the fine planes of 8-bit keys
-        (the budget drops them before archiving anything), less what quantizing the exact
+        evictable spans (the budget drops them first), less what quantizing the exact
         tokens would free (the sinks and the residual window stay exact), plus the new
         message's pending tokens at their quantized size. `quantized`: each device span's
-        slots held quantized now.
+        slots held quantized now. The fine planes of 8-bit keys count as held: a key read
+        at 8 bits is about as good as exact, for a thirteenth of the bytes that holding
+        its token exact adds, so exact recall does not take them for room.
         """
         store = self.port.store
         usage = self.usage_bytes()
-        if isinstance(store, AttendedQuantizer):
-            usage -= store.fine_key_bytes()
         exact_held = 0
         pending = 0
         for span in self.table.spans:
@@ -121,7 +120,9 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(self, target: int, limit: int | None, *, order: str | None = None) -> None:
+    def demote_to(
+        self, target: int, limit: int | None, *, order: str | None = None, coarsen_to: int | None = None
+    ) -> None:
         """Bring device usage to at most `target` bytes with one placement plan (re-planned if short).
 
         Spans recalled for this turn move only while usage is over `limit` itself (its
@@ -133,7 +134,14 @@ class Placer:
         once nothing is left to quantize, keys drop to 4 bits (in the planner's order)
         before any span leaves attention. `order` overrides the session's step order
         (`placement_order`) for this call.
+
+        `coarsen_to` (the budget's limit): fine key planes are dropped only down to it,
+        and once usage is within it nothing else moves. A key at 8 bits reads about as
+        well as an exact one, and dropping a fine plane needs no recompute and no copy of
+        the span, so a hysteresis gap below the limit saves nothing there; each turn that
+        goes over drops the planes it needs, until none are left and spans move by the plan.
         """
+        coarse_target = target if coarsen_to is None else max(target, coarsen_to)
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
         step_order = order or self.placement_order
         for _ in range(REPLANS):
@@ -160,13 +168,21 @@ class Placer:
                 # 8-bit keys drop to 4 bits before any span leaves attention: the rest of the plan first.
                 staying = [s for s in moving if s not in leaving]
                 self._apply(staying, plan.rungs)
-                if staying or self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - target):
+                if staying:
+                    continue
+                if self.usage_bytes() <= coarse_target:
+                    return  # within the limit with the fine planes held
+                if self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - coarse_target):
                     continue
             if not plan.rungs:
-                if self.mover.coarsen(self._attended_in_order(), usage - target):
+                if self.mover.coarsen(self._attended_in_order(), usage - coarse_target):
                     continue
                 return
             self._apply(moving, plan.rungs)
+            if leaving and self.mover.can_coarsen():
+                # The plan quantized spans while others left attention: their keys go to 4 bits too.
+                self.mover.coarsen(self._attended_in_order(), self.usage_bytes())
+                coarse_target = target
             if self.usage_bytes() >= usage:
                 return  # nothing moved (every move failed): the plan would repeat itself
 

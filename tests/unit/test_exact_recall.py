@@ -324,3 +324,25 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     waiting = [s for s in session.spans if s.state is SpanState.EVICTABLE and s.tier.attended]
     assert not waiting, "released scaffolding leaves before any committed span"
     assert session.stats().budget_satisfied
+
+
+def test_with_8_bit_keys_held_no_room_is_made_for_the_best_match(tiny_model, tiny_tokenizer):
+    """The same budget with keys held at 8 bits: they read about as well as exact, so nothing leaves for it.
+
+    Room for a page at full precision would come from fine key planes (a thirteenth of
+    an exact token's extra bytes each) or from spans leaving attention; exact recall
+    takes neither while fine planes are held.
+    """
+    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
+    budget_tokens = int(at_floor / (low * bpt)) - 2  # no room left at the floor
+    planes = {"quantization": {"attended_key_bits": 8}}
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens, **planes)
+    assert not [s for s in session.spans if s.state is SpanState.ARCHIVED], "no committed span left"
+    assert session.store.fine_key_tokens() > 0
+    assert session.store.attended_quantized_tokens(tool) > 0
+    assert session.stats().budget_satisfied
