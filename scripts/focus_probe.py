@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import random
+from functools import partial
 from typing import Any
 
 import torch
@@ -68,6 +69,22 @@ def pages(ids: list[int], start_id: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
+def gold_read(
+    model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], ids: list[int], target: list[int]
+) -> tuple[float, bool]:
+    """Gold log-prob after `ids` over `kv` (teacher-forced), and whether every gold token is the argmax."""
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k.clone(), v.clone(), layer)
+    MASS.clear()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + target]), past_key_values=cache).logits[0]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    rows = [len(ids) - 1 + i for i in range(len(target))]
+    lp = float(sum(logprobs[r, t] for r, t in zip(rows, target, strict=True)))
+    return lp, all(int(logprobs[r].argmax()) == t for r, t in zip(rows, target, strict=True))
+
+
 def main() -> None:
     """Print one JSON line per question, then each selection's mean loss against the full history."""
     parser = argparse.ArgumentParser(
@@ -79,20 +96,7 @@ def main() -> None:
     AttentionInterface.register("agentkv_focus", probe_attention)
     start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
 
-    def run(
-        kv: list[tuple[torch.Tensor, torch.Tensor]], ids: list[int], target: list[int]
-    ) -> tuple[float, bool]:
-        """The gold's teacher-forced log-prob after `ids`, and whether every gold token is the argmax."""
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k.clone(), v.clone(), layer)
-        MASS.clear()
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + target]), past_key_values=cache).logits[0]
-        logprobs = torch.log_softmax(logits.float(), -1)
-        rows = [len(ids) - 1 + i for i in range(len(target))]
-        lp = float(sum(logprobs[r, t] for r, t in zip(rows, target, strict=True)))
-        return lp, all(int(logprobs[r].argmax()) == t for r, t in zip(rows, target, strict=True))
+    run = partial(gold_read, model)
 
     results: list[dict[str, Any]] = []
     for workload in load_workloads(args.workloads):

@@ -34,12 +34,13 @@ import argparse
 import itertools
 import json
 import os
+from functools import partial
 from typing import Any
 
 import torch
-from focus_probe import MASKED, MASS, pages, probe_attention
+from focus_probe import MASKED, MASS, gold_read, pages, probe_attention
 from key_noise_probe import GOLD_MARGIN, RESIDUAL, SINKS, quantized, question_tokens, render
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 
 from agentkv.bench.workloads import load_workloads
 from agentkv.lifecycle.rungs import ARCHIVE_DEVICE_SHARE
@@ -129,20 +130,7 @@ def main() -> None:
     AttentionInterface.register("agentkv_oracle", probe_attention)
     start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
 
-    def run(
-        kv: list[tuple[torch.Tensor, torch.Tensor]], ids: list[int], target: list[int]
-    ) -> tuple[float, bool]:
-        """The gold's teacher-forced log-prob after `ids`, and whether every gold token is the argmax."""
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k.clone(), v.clone(), layer)
-        MASS.clear()
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + target]), past_key_values=cache).logits[0]
-        logprobs = torch.log_softmax(logits.float(), -1)
-        rows = [len(ids) - 1 + i for i in range(len(target))]
-        lp = float(sum(logprobs[r, t] for r, t in zip(rows, target, strict=True)))
-        return lp, all(int(logprobs[r].argmax()) == t for r, t in zip(rows, target, strict=True))
+    run = partial(gold_read, model)
 
     results: list[dict[str, Any]] = []
     sink = open(args.out, "a") if args.out else None  # noqa: SIM115 - appended to as rows arrive

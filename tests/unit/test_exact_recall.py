@@ -66,6 +66,17 @@ def quantized_then_asked(
     return session, tool
 
 
+def no_room_at_the_floor(model: Any, tokenizer: Any) -> int:
+    """A device budget in tokens that every token at int4 already fills to the low watermark."""
+    free = TransformersBackend(model, tokenizer, AgentKVConfig()).session("free")
+    free.extend(asked())
+    floor = free.store.attended_floor()
+    assert floor is not None
+    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
+    at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
+    return int(at_floor / (low * bpt)) - 2
+
+
 def full_cache_logits(model: Any, tokenizer: Any) -> torch.Tensor:
     free = TransformersBackend(model, tokenizer, AgentKVConfig()).session("free")
     free.extend(asked())
@@ -307,13 +318,7 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     The spans the question does not need give up attention first (they stay recallable
     from their token ids); the budget still holds.
     """
-    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
-    free.extend(asked())
-    floor = free.store.attended_floor()
-    assert floor is not None
-    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
-    at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
-    budget_tokens = int(at_floor / (low * bpt)) - 2  # no room left at the floor
+    budget_tokens = no_room_at_the_floor(tiny_model, tiny_tokenizer)
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
     assert tool.tier.attended
     quantized = set(session.store.quantized_offsets(tool))
@@ -333,13 +338,7 @@ def test_with_8_bit_keys_held_no_room_is_made_for_the_best_match(tiny_model, tin
     an exact token's extra bytes each) or from spans leaving attention; exact recall
     takes neither while fine planes are held.
     """
-    free = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("free")
-    free.extend(asked())
-    floor = free.store.attended_floor()
-    assert floor is not None
-    bpt, low = floor.exact_token_bytes, AgentKVConfig().budget.low_watermark
-    at_floor = floor.span_cost(free.logical_length) + floor.exact_surplus
-    budget_tokens = int(at_floor / (low * bpt)) - 2  # no room left at the floor
+    budget_tokens = no_room_at_the_floor(tiny_model, tiny_tokenizer)
     planes = {"quantization": {"attended_key_bits": 8}}
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens, **planes)
     assert not [s for s in session.spans if s.state is SpanState.ARCHIVED], "no committed span left"
