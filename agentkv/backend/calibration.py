@@ -36,11 +36,12 @@ from transformers import DynamicCache
 from agentkv.config_sections import QuantizationConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.models import cache_root
+from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
 from agentkv.store.kivi import round_trip_keys, round_trip_values
 
 logger = logging.getLogger("agentkv.calibration")
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 """Bumped when the measurement changes, so cached figures of an older method are not reused."""
 
 QUERY_TOKENS = 48
@@ -175,7 +176,7 @@ def measure_rung_costs(
 
     kl = {
         Rung.KEYS8.value: kl_with(transform=at(8, bits)),
-        Rung.ATTENDED_Q.value: kl_with(transform=at(quantization.attended_key_bits or bits, bits)),
+        Rung.ATTENDED_Q.value: kl_with(transform=at(floor_key_bits(quantization), bits)),
         "archive8": kl_with(transform=at(8, 8)),
         "archive4": kl_with(transform=at(4, 4)),
         Rung.DROPPED.value: kl_with(hide=True),
@@ -183,6 +184,17 @@ def measure_rung_costs(
     fidelity = fractions(kl)
     logger.info("calibration: rung costs %s (KL %s)", fidelity, kl)
     return RungCosts(fidelity=fidelity, kl=kl, key=key)
+
+
+def floor_key_bits(quantization: QuantizationConfig) -> int:
+    """The key bits of the attended tier's floor: 8-bit keys drop to 4 under pressure, so 4 for them.
+
+    The attended rung is what the budget may bring a span to (`AttendedFloor`): its bytes
+    are the floor's, so its cost is measured at the floor's precision too.
+    """
+    bits = quantization.attended_bits or 4
+    key_bits = quantization.attended_key_bits or bits
+    return PLANE_BITS if key_bits == PLANE_KEY_BITS else key_bits
 
 
 def fractions(kl: dict[str, float]) -> dict[str, float]:

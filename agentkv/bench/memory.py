@@ -24,8 +24,11 @@ Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in 
 - `agentkv-host8`, `agentkv-archive-host8`: `agentkv` / `agentkv-archive` with the host
   archive held as int8 codes (`quantization.host_bits: 8`).
 - `agentkv-q4`, `agentkv-q2`: `agentkv-nohost` with the attended cache held at
-  int4 / int2 (KIVI, `agentkv.store.attended`): the budget counts the bytes held,
-  so about five (int4) to eight (int2) times more history stays attended.
+  int4 / int2, keys too (KIVI, `agentkv.store.attended`): the budget counts the bytes
+  held, so about five (int4) to eight (int2) times more history stays attended.
+- `agentkv-k8`: `agentkv-nohost` named with its default keys: 8 bits in two planes
+  (`agentkv.store.key_planes`), kept up to the budget's limit; under more pressure keys
+  drop to 4 bits before any span leaves attention.
 
 Budgets are fractions of the `full` cache's size at the final question of each
 workload (`budget.device_tokens`), the same for every budgeted method. A device

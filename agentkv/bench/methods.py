@@ -22,11 +22,12 @@ NOHOST_TIER = "drop"
 SNAP: Mapping[str, Any] = {"commit": {"observe": "question", "keep_ratio": {"tool_result": 0.5}}}
 """Question-observed compression at commit: a tool result keeps half its tokens (chosen a priori)."""
 
-Q4: Mapping[str, Any] = {"quantization": {"attended_bits": 4}}
-"""The attended int4 tier (KIVI groups of 32, 4 sink and 64 recent tokens exact: paper defaults).
+Q4: Mapping[str, Any] = {"quantization": {"attended_bits": 4, "attended_key_bits": 4}}
+"""The attended tier with int4 keys and values (KIVI groups of 32, 4 sink and 64 recent tokens exact).
 
-The default: every `agentkv*` method holds spans at int4 in attention
-before archiving any; `Q4` names it explicitly.
+Every `agentkv*` method holds spans quantized in attention before archiving any; by
+default keys at 8 bits up to the budget's limit (`agentkv-k8` names that), `Q4` holds
+them at int4 from the start (the KIVI paper's setting).
 """
 
 ARCHIVE_ONLY: Mapping[str, Any] = {"quantization": {"attended_bits": None}}
@@ -83,10 +84,10 @@ LIFECYCLE_VARIANTS: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
     # agentkv-nohost with an attended quantized tier (KIVI, agentkv.store.attended): under pressure
     # spans are quantized in attention (int4 / int2 / int4 keys + int2 values) before any is archived.
     ("agentkv-q4", NOHOST_TIER, Q4),
-    ("agentkv-q2", NOHOST_TIER, {"quantization": {"attended_bits": 2}}),
+    ("agentkv-q2", NOHOST_TIER, {"quantization": {"attended_bits": 2, "attended_key_bits": 2}}),
     ("agentkv-k4v2", NOHOST_TIER, {"quantization": {"attended_bits": 2, "attended_key_bits": 4}}),
-    # Keys at 8 bits in two 4-bit planes (agentkv.store.key_planes), values at 4: under more pressure
-    # a span's keys drop to 4 bits before any span is archived.
+    # The default, named: keys at 8 bits in two 4-bit planes (agentkv.store.key_planes), values at 4;
+    # under more pressure a span's keys drop to 4 bits before any span is archived.
     ("agentkv-k8", NOHOST_TIER, {"quantization": {"attended_bits": 4, "attended_key_bits": 8}}),
     # Tool results compressed at commit by their turn's question (SnapKV window).
     ("agentkv-snap", NOHOST_TIER, SNAP),

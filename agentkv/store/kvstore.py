@@ -285,10 +285,12 @@ class KVStore:
         b, h, _, d = held.shape
         bits = self.attended_bits
         key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
-        key_bits = PLANE_BITS if key_bits == PLANE_KEY_BITS else key_bits  # the floor: fine planes dropped
+        planes = key_bits == PLANE_KEY_BITS
+        key_bits = PLANE_BITS if planes else key_bits  # the floor: fine planes dropped
         group = self.group_size
         spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
         token = spec(amortized=True)
+        fine = b * h * d * PLANE_BITS // 8 if planes else 0  # one token's fine key plane, per layer
         # A span's last key group is partial: it holds a whole group's statistics for fewer tokens.
         one_group = spec() - token
         return AttendedFloor(
@@ -296,6 +298,7 @@ class KVStore:
             exact_token_bytes=2 * b * h * d * held.element_size() * len(layers),
             span_bytes=one_group * len(layers),
             exact_tokens=self.attended_sink_tokens + self.attended_residual_tokens,
+            fine_token_bytes=fine * len(layers),
         )
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:

@@ -82,6 +82,8 @@ class AttendedFloor:
     """At most what a span adds beyond its tokens: the statistics of its last, partial key group."""
     exact_tokens: int
     """Tokens never quantized: the attention sinks and the residual window."""
+    fine_token_bytes: int = 0
+    """What a quantized token's 8-bit keys add to `token_bytes` (their fine plane); 0 without them."""
 
     def span_cost(self, tokens: int) -> int:
         """Bytes a span of `tokens` takes at most, held quantized."""
@@ -277,6 +279,10 @@ class AttendedQuantizer(Protocol):
 
     def fine_key_bytes(self) -> int:
         """Bytes of the 8-bit keys' fine planes held (freed by holding every quantized key at 4 bits)."""
+        ...
+
+    def fine_key_tokens(self, span: Span | None = None) -> int:
+        """Slots whose keys are held at 8 bits in attention (of one span, or all); 0 without such a tier."""
         ...
 
     def attended_floor(self) -> AttendedFloor | None:

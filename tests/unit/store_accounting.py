@@ -27,8 +27,8 @@ def held_bytes(session: Any) -> tuple[int, int, int]:
     for layer in session.store.physical.cache.managed_layers:
         for t in (layer.prefix_keys, layer.prefix_values):
             device += _nbytes(t)
-        if isinstance(layer, QuantizedAttendedLayer):  # the exact slots, then codes and statistics
-            held = (layer.key_codes, layer.key_scales, layer.key_zeros, layer.value_codes)
+        if isinstance(layer, QuantizedAttendedLayer):  # exact slots, codes, statistics
+            held = (layer.key_codes, layer.key_fine, layer.key_scales, layer.key_zeros, layer.value_codes)
             device += sum(_nbytes(t) for t in (*held, layer.value_scales, layer.value_zeros))
             if layer.exact_length:
                 device += _nbytes(layer.keys) + _nbytes(layer.values)

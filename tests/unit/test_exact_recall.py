@@ -77,6 +77,10 @@ def no_room_at_the_floor(model: Any, tokenizer: Any) -> int:
     return int(at_floor / (low * bpt)) - 2
 
 
+KEYS_AT_4 = {"quantization": {"attended_key_bits": 4}}
+"""Keys held at 4 bits (the default is 8): every quantized token at the floor, as room is counted."""
+
+
 def full_cache_logits(model: Any, tokenizer: Any) -> torch.Tensor:
     free = TransformersBackend(model, tokenizer, AgentKVConfig()).session("free")
     free.extend(asked())
@@ -133,7 +137,7 @@ def test_the_upgrade_quantizes_lower_priority_spans_and_archives_none(tiny_model
     at_floor = floor.span_cost(total) + floor.exact_surplus + tool_tokens * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
     assert budget_tokens < total
-    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens, **KEYS_AT_4)
     assert session.store.attended_quantized_tokens(tool) == 0, "recomputed at full precision"
     stats = session.stats()
     assert stats.budget_satisfied and stats.device_bytes <= budget_tokens * bpt
@@ -290,7 +294,7 @@ def test_a_long_span_ranked_first_gives_its_pages_so_a_short_relevant_one_fits_w
     # Room at the floor for the whole tool result in full precision and a token or two, not the note too.
     at_floor = floor.span_cost(total) + floor.exact_surplus + (tool_tokens + 2) * (bpt - floor.token_bytes)
     budget_tokens = int(at_floor / (low * bpt)) + 8
-    data = {"budget": {"device_tokens": budget_tokens, "placement_order": "attended_first"}}
+    data = {"budget": {"device_tokens": budget_tokens, "placement_order": "attended_first"}, **KEYS_AT_4}
     session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("t")
     session.extend(before)
     session.apply(ToolCallCompleted(tool_call_id="call_1"))
@@ -319,7 +323,7 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     from their token ids); the budget still holds.
     """
     budget_tokens = no_room_at_the_floor(tiny_model, tiny_tokenizer)
-    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens, **KEYS_AT_4)
     assert tool.tier.attended
     quantized = set(session.store.quantized_offsets(tool))
     assert not quantized & set(page_of_code(session, tool)), "the page holding the asked-for code is exact"
@@ -332,15 +336,14 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
 
 
 def test_with_8_bit_keys_held_no_room_is_made_for_the_best_match(tiny_model, tiny_tokenizer):
-    """The same budget with keys held at 8 bits: they read about as well as exact, so nothing leaves for it.
+    """The same budget with keys at 8 bits (the default): they read about as well as exact, nothing leaves.
 
     Room for a page at full precision would come from fine key planes (a thirteenth of
     an exact token's extra bytes each) or from spans leaving attention; exact recall
     takes neither while fine planes are held.
     """
     budget_tokens = no_room_at_the_floor(tiny_model, tiny_tokenizer)
-    planes = {"quantization": {"attended_key_bits": 8}}
-    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens, **planes)
+    session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
     assert not [s for s in session.spans if s.state is SpanState.ARCHIVED], "no committed span left"
     assert session.store.fine_key_tokens() > 0
     assert session.store.attended_quantized_tokens(tool) > 0

@@ -325,14 +325,17 @@ def test_failed_decode_step_keeps_spans_and_messages_aligned(tiny_model, tiny_to
 
 
 SWEEP = [
-    ("offload", "host"),
-    ("host_limit", "host"),
-    ("restore", "host"),
-    ("policy", "host"),
-    ("forward", "host"),
-    ("forward", "drop"),  # recall recomputes dropped spans: the rehydrate forwards fail
+    ("offload", "host", 8),
+    ("host_limit", "host", 8),
+    ("restore", "host", 4),
+    ("policy", "host", 8),
+    ("forward", "host", 8),
+    ("forward", "drop", 8),  # recall recomputes dropped spans: the rehydrate forwards fail
 ]
-"""Each site with the archive tiers that reach it in this conversation.
+"""Each site with the archive tiers (and key bits) that reach it in this conversation.
+
+With the default 8-bit keys this conversation restores no archived span while the faults
+fire (turns 2-4); the restore site runs with keys at 4 bits, where it does.
 
 The quantize site is not here: with the planner's default rung costs this conversation's
 pressure drops spans instead of archiving them to an int8/int4 device tier (an archive
@@ -341,8 +344,8 @@ quantization runs; `test_failed_archive_keeps_spans_on_the_device` reaches it.
 """
 
 
-@pytest.mark.parametrize(("site", "tier"), SWEEP, ids=[f"{s}-{t}" for s, t in SWEEP])
-def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, site, tier):
+@pytest.mark.parametrize(("site", "tier", "key_bits"), SWEEP, ids=[f"{s}-{t}-k{k}" for s, t, k in SWEEP])
+def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, site, tier, key_bits):
     """Seven agent turns under budget pressure, recall and re-pinned old spans; faults fire on turns
     2-4, then stop."""
     backend = make(
@@ -351,6 +354,7 @@ def test_conversation_survives_faults_at_every_site(tiny_model, tiny_tokenizer, 
         archive_tier=tier,
         budget={"device_tokens": 140, "host_tokens": 120},
         commit={"keep_ratio": {"tool_result": 0.6}, "min_keep_tokens": 4},
+        quantization={"attended_key_bits": key_bits},
     )
     session = backend.session("t")
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]

@@ -75,7 +75,14 @@ def test_attended_token_bytes_is_what_a_long_span_costs_quantized(tiny_model, ti
     assert tool.tier is Tier.ATTENDED_QUANTIZED
     n = store.attended_quantized_tokens(tool)
     assert n > 64
-    # The span costs at least its tokens at the floor and at most that plus one key group's statistics.
+    # Its keys are held at 8 bits (the default) until pressure drops their fine planes.
+    fine = n * floor.fine_token_bytes
+    assert store.fine_key_tokens(tool) == n and fine > 0
+    held = n * floor.exact_token_bytes - freed
+    assert n * floor.token_bytes + fine <= held <= floor.span_cost(n) + fine
+    assert store.coarsen_attended_until([tool], fine) == fine
+    freed += fine
+    # At the floor the span costs at least its tokens and at most that plus one key group's statistics.
     held = n * floor.exact_token_bytes - freed
     assert n * floor.token_bytes <= held <= floor.span_cost(n)
     assert floor.span_cost(n) - n * floor.token_bytes == floor.span_bytes > 0
