@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from agentkv.config_sections import QuantizationConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.models import cache_root
-from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
+from agentkv.store.key_planes import floor_key_bits as planes_floor
 from agentkv.store.kivi import round_trip_keys, round_trip_values
 
 logger = logging.getLogger("agentkv.calibration")
@@ -193,8 +193,7 @@ def floor_key_bits(quantization: QuantizationConfig) -> int:
     are the floor's, so its cost is measured at the floor's precision too.
     """
     bits = quantization.attended_bits or 4
-    key_bits = quantization.attended_key_bits or bits
-    return PLANE_BITS if key_bits == PLANE_KEY_BITS else key_bits
+    return planes_floor(quantization.attended_key_bits or bits)
 
 
 def fractions(kl: dict[str, float]) -> dict[str, float]:

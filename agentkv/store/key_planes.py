@@ -35,6 +35,12 @@ PLANE_KEY_BITS = 8
 PLANE_BITS = 4
 """Bits of each plane."""
 
+
+def floor_key_bits(key_bits: int) -> int:
+    """Key bits at the floor of the attended tier: 8-bit keys drop to their coarse plane under pressure."""
+    return PLANE_BITS if key_bits == PLANE_KEY_BITS else key_bits
+
+
 FINE_MIDPOINT = 7.5
 """Where a coarse code reads within the 16 fine codes it stands for."""
 

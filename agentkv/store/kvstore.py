@@ -22,7 +22,7 @@ from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, 
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.host import HostBlock, check_host_limit
-from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes
+from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
 from agentkv.store.kivi import token_bytes
 from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
 from agentkv.store.quantized import QuantizedBlock
@@ -286,7 +286,7 @@ class KVStore:
         bits = self.attended_bits
         key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
         planes = key_bits == PLANE_KEY_BITS
-        key_bits = PLANE_BITS if planes else key_bits  # the floor: fine planes dropped
+        key_bits = floor_key_bits(key_bits)  # the floor: fine planes dropped
         group = self.group_size
         spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
         token = spec(amortized=True)

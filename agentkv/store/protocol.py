@@ -281,10 +281,6 @@ class AttendedQuantizer(Protocol):
         """Bytes of the 8-bit keys' fine planes held (freed by holding every quantized key at 4 bits)."""
         ...
 
-    def fine_key_tokens(self, span: Span | None = None) -> int:
-        """Slots whose keys are held at 8 bits in attention (of one span, or all); 0 without such a tier."""
-        ...
-
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
         ...

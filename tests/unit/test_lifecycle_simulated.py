@@ -393,9 +393,6 @@ class FakeQuantizingStore(FakeStore):
     def fine_key_bytes(self) -> int:
         return 0
 
-    def fine_key_tokens(self, span: Span | None = None) -> int:
-        return 0
-
     def attended_floor(self) -> Any:
         from agentkv.store.protocol import AttendedFloor
 
