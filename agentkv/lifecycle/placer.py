@@ -85,11 +85,9 @@ class Placer:
         store = self.port.store
         if not isinstance(store, AttendedQuantizer):
             return {}
-        return {
-            s.span_id: store.attended_quantized_tokens(s) if s.tier is Tier.ATTENDED_QUANTIZED else 0
-            for s in self.table.spans
-            if s.tier.attended
-        }
+        attended = [s for s in self.table.spans if s.tier.attended]
+        counts = store.attended_token_counts(attended)
+        return {s.span_id: counts[s.span_id][0] if s.tier is Tier.ATTENDED_QUANTIZED else 0 for s in attended}
 
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.

@@ -79,6 +79,7 @@ def span_options(
     strategy = strategy or GreedyDualValue()
     quantizer = store if isinstance(store, AttendedQuantizer) else None
     floor = quantizer.attended_floor() if quantizer is not None else None
+    counts = quantizer.attended_token_counts([s for s in spans if s.tier.attended]) if quantizer else {}
     out: list[SpanOptions] = []
     for span in spans:
         if span.state is SpanState.EVICTED:
@@ -100,7 +101,8 @@ def span_options(
             continue
         if not span.tier.attended:
             continue
-        choice = _attended(span, quantizer, floor, value, klass, archive_tier, token_bytes, fidelity, marks)
+        held = counts.get(span.span_id, (0, 0))
+        choice = _attended(span, held, floor, value, klass, archive_tier, token_bytes, fidelity, marks)
         if choice is not None:
             out.append(choice)
     return out
@@ -125,7 +127,7 @@ def _droppable(
 
 def _attended(
     span: Span,
-    quantizer: AttendedQuantizer | None,
+    counts: tuple[int, int],
     floor: AttendedFloor | None,
     value: float,
     klass: int,
@@ -138,11 +140,9 @@ def _attended(
     if not held:
         return None
     exact = floor.exact_token_bytes if floor is not None else token_bytes
-    quantized_now = (
-        quantizer.attended_quantized_tokens(span)
-        if quantizer is not None and span.tier is Tier.ATTENDED_QUANTIZED
-        else 0
-    )
+    quantized_now, more = counts  # slots held quantized now; slots the tier would quantize now
+    if span.tier is not Tier.ATTENDED_QUANTIZED:
+        quantized_now = 0
     attended_q = fidelity[Rung.ATTENDED_Q]
     share = quantized_now / held
     now_bytes = (held - quantized_now) * exact + (
@@ -150,13 +150,10 @@ def _attended(
     )
     now = RungOption(Rung.ATTENDED_Q if quantized_now else Rung.FULL, now_bytes, attended_q * share)
     options = [now]
-    if quantizer is not None and floor is not None:
-        more = quantizer.quantizable_tokens(span)
-        if more:
-            saved = more * max(0, exact - floor.token_bytes)
-            options.append(
-                RungOption(Rung.ATTENDED_Q, now_bytes - saved, attended_q * (quantized_now + more) / held)
-            )
+    if floor is not None and more:
+        saved = more * max(0, exact - floor.token_bytes)
+        loss = attended_q * (quantized_now + more) / held
+        options.append(RungOption(Rung.ATTENDED_Q, now_bytes - saved, loss))
     archivable = not span.pinned and span.state is SpanState.COMMITTED
     if archivable:
         archived = int(held * exact * ARCHIVE_DEVICE_SHARE.get(archive_tier, 0.0))

@@ -152,6 +152,10 @@ class PhysicalCache:
 
     # -- queries ------------------------------------------------------------------------------
 
+    def live_mask(self) -> torch.Tensor:
+        """`bool [length]`: the slots held, less those removed inside `deferred_removal` and not compacted."""
+        return torch.ones(self.length, dtype=torch.bool) if self._pending is None else ~self._pending
+
     def slots_of(self, span_id: int, offsets: Iterable[int] | None = None) -> torch.Tensor:
         """Physical slot indices of a span (optionally only some offsets), in offset order."""
         mask = self.slot_span == span_id

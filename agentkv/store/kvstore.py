@@ -252,6 +252,26 @@ class KVStore:
         """The span's slots `quantize_attended` would quantize now (exact, neither sinks nor residual)."""
         return int(self._attended_candidates(span).numel())
 
+    def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
+        """By span id: (slots held quantized in attention, slots `quantize_attended` would quantize now).
+
+        What `attended_quantized_tokens` and `quantizable_tokens` say span by span, from
+        one pass over the slots (the placement planner asks for every span on every plan).
+        """
+        physical = self.physical
+        live = physical.live_mask()
+        quantized = physical.quantized_mask(torch.arange(physical.length)) & live
+        positions = physical.slot_position
+        newest = int(positions.max()) if physical.length else 0
+        sinks, residual = self.attended_sink_tokens, self.attended_residual_tokens
+        window = (positions >= sinks) & (positions <= newest - residual)
+        held = _count_by_span(physical.slot_span[quantized])
+        quantizable = _count_by_span(physical.slot_span[window & live & ~quantized])
+        return {
+            s.span_id: (held.get(s.span_id, 0), quantizable.get(s.span_id, 0) if s.tier.attended else 0)
+            for s in spans
+        }
+
     def _attended_candidates(self, span: Span) -> torch.Tensor:
         """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
         physical = self.physical
@@ -551,3 +571,9 @@ class KVStore:
 def _is_kv(tensor: object) -> bool:
     """A `[B, H, S, D]` key or value tensor (a layer not yet initialized holds none)."""
     return isinstance(tensor, torch.Tensor) and tensor.dim() == 4
+
+
+def _count_by_span(span_ids: torch.Tensor) -> dict[int, int]:
+    """How many of `span_ids` (`long [n]`, one per slot) name each span."""
+    ids, counts = torch.unique(span_ids, return_counts=True)
+    return dict(zip(ids.tolist(), counts.tolist(), strict=True))

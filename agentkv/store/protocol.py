@@ -293,6 +293,10 @@ class AttendedQuantizer(Protocol):
         """The span's slots `quantize_attended` would quantize now (the placement planner's estimate)."""
         ...
 
+    def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
+        """By span id: (`attended_quantized_tokens`, `quantizable_tokens`) of each span, in one pass."""
+        ...
+
     def quantized_offsets(self, span: Span) -> list[int]:
         """Offsets of the span's tokens held quantized in attention, sorted."""
         ...

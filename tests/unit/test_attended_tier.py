@@ -552,3 +552,34 @@ def test_key_blocks_merge_successive_full_groups_and_keep_the_others_apart() -> 
     assert key_blocks(torch.empty(0, dtype=torch.long)) == []
     ragged = torch.cat([torch.full((g + 1,), g) for g in range(MAX_KEY_BLOCKS + 1)])
     assert key_blocks(ragged) is None
+
+
+def test_token_counts_in_one_pass_equal_the_span_by_span_figures(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    # Some spans quantized, some exact, the sinks and the residual window exact; then a removal
+    # left uncompacted inside `deferred_removal`: the planner's one-pass counts must agree throughout.
+    history = list(MESSAGES[:2])
+    for turn in range(4):
+        history = [*history, {"role": "user", "content": f"lorem ipsum dolor {turn} " * 8}]
+    probe = _budget_session(tiny_model, tiny_tokenizer, 10_000)[1]
+    probe.extend(history)
+    budget = int(probe.stats().logical_tokens * 0.6)
+    session = _budget_session(tiny_model, tiny_tokenizer, budget, "attended_first")[1]
+    session.extend(history)
+    store = session.store
+
+    def agree() -> None:
+        spans = list(session.spans)
+        counts = store.attended_token_counts(spans)
+        assert counts == {
+            s.span_id: (store.attended_quantized_tokens(s), store.quantizable_tokens(s)) for s in spans
+        }
+
+    agree()
+    quantized = [s for s in session.spans if store.attended_quantized_tokens(s)]
+    assert quantized and any(store.quantizable_tokens(s) for s in session.spans)
+    with store.deferred_removal():
+        store.drop(quantized[0])
+        agree()
+    agree()

@@ -408,6 +408,9 @@ class FakeQuantizingStore(FakeStore):
             return 0
         return span.held_tokens - self.quantized.get(span.span_id, 0)
 
+    def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
+        return {s.span_id: (self.attended_quantized_tokens(s), self.quantizable_tokens(s)) for s in spans}
+
     def quantized_offsets(self, span: Span) -> list[int]:
         return span.kept_offsets[: self.attended_quantized_tokens(span)]
 
