@@ -169,10 +169,11 @@ class KVStore:
         chosen: list[torch.Tensor] = []
         taken: list[Span] = []
         planned = 0  # bytes the chosen spans free, known before quantizing them
+        quantizable = self._quantization_masks()[1]  # nothing is quantized before the loop ends
         for span in spans:
             if free_bytes is not None and planned + settled >= free_bytes:
                 break
-            slots = self._attended_candidates(span)
+            slots = self._attended_candidates(span, quantizable)
             if not slots.numel():
                 continue
             # The first quantization turns the full-precision layers into attended quantized ones.
@@ -250,13 +251,34 @@ class KVStore:
 
     def quantizable_tokens(self, span: Span) -> int:
         """The span's slots `quantize_attended` would quantize now (exact, neither sinks nor residual)."""
-        return int(self._attended_candidates(span).numel())
+        return int(self._attended_candidates(span, self._quantization_masks()[1]).numel())
 
     def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
         """By span id: (slots held quantized in attention, slots `quantize_attended` would quantize now).
 
         What `attended_quantized_tokens` and `quantizable_tokens` say span by span, from
         one pass over the slots (the placement planner asks for every span on every plan).
+        """
+        quantized, quantizable = self._quantization_masks()
+        slot_span = self.physical.slot_span
+        held, more = _count_by_span(slot_span[quantized]), _count_by_span(slot_span[quantizable])
+        return {
+            s.span_id: (held.get(s.span_id, 0), more.get(s.span_id, 0) if s.tier.attended else 0)
+            for s in spans
+        }
+
+    def _attended_candidates(self, span: Span, quantizable: torch.Tensor) -> torch.Tensor:
+        """The span's slots among `quantizable` (`bool [length]`, `_quantization_masks`), in offset order."""
+        if not span.tier.attended:
+            return torch.empty(0, dtype=torch.long)
+        slots = self.physical.slots_of(span.span_id)
+        return slots[quantizable[slots]]
+
+    def _quantization_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bool [length]` each: the slots held quantized, and those the attended tier may quantize now.
+
+        The second: exact, neither among the sinks nor in the residual window. Slots removed
+        inside `deferred_removal` and not compacted yet are in neither.
         """
         physical = self.physical
         live = physical.live_mask()
@@ -265,27 +287,7 @@ class KVStore:
         newest = int(positions.max()) if physical.length else 0
         sinks, residual = self.attended_sink_tokens, self.attended_residual_tokens
         window = (positions >= sinks) & (positions <= newest - residual)
-        held = _count_by_span(physical.slot_span[quantized])
-        quantizable = _count_by_span(physical.slot_span[window & live & ~quantized])
-        return {
-            s.span_id: (held.get(s.span_id, 0), quantizable.get(s.span_id, 0) if s.tier.attended else 0)
-            for s in spans
-        }
-
-    def _attended_candidates(self, span: Span) -> torch.Tensor:
-        """The span's slots that may be quantized now: exact, and neither sinks nor in the residual window."""
-        physical = self.physical
-        if not span.tier.attended:
-            return torch.empty(0, dtype=torch.long)
-        slots = physical.slots_of(span.span_id)
-        if not slots.numel():
-            return slots
-        positions = physical.slot_position[slots]
-        newest = int(physical.slot_position.max())
-        exact = (positions >= self.attended_sink_tokens) & (
-            positions <= newest - self.attended_residual_tokens
-        )
-        return slots[exact & ~physical.quantized_mask(slots)]
+        return quantized, window & live & ~quantized
 
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized, over all layers (see `AttendedFloor`).
