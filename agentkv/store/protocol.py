@@ -289,12 +289,11 @@ class AttendedQuantizer(Protocol):
         """Slots held quantized in attention (of one span, or all)."""
         ...
 
-    def quantizable_tokens(self, span: Span) -> int:
-        """The span's slots `quantize_attended` would quantize now (the placement planner's estimate)."""
-        ...
-
     def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
-        """By span id: (`attended_quantized_tokens`, `quantizable_tokens`) of each span, in one pass."""
+        """By span id: (slots held quantized in attention, slots `quantize_attended` would quantize now).
+
+        One pass for every span: the placement planner's estimate on every plan.
+        """
         ...
 
     def quantized_offsets(self, span: Span) -> list[int]:
