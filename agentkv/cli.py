@@ -1,4 +1,4 @@
-"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget|threads|tools`, `inspect`.
+"""The `agentkv` command: `demo`, `bench reuse|memory|soak|forget|threads|tools|calls`, `inspect`.
 
 Library code reports progress through callbacks (`agentkv.progress`); this module is
 where it becomes visible: rich progress bars on stderr while the model loads (its
@@ -140,7 +140,7 @@ def _print_kv(title: str, data: dict[str, Any], console: Console) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`agentkv bench reuse|memory|soak|forget|engine|threads|tools`."""
+    """`agentkv bench reuse|memory|soak|forget|engine|threads|tools|calls`."""
     console = Console()
     if not console.is_terminal:  # a pipe or file would get 80 columns and squeeze the wide tables
         console = Console(width=220)
@@ -240,6 +240,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with _progress(args) as bars:
             result = run_tools_bench(model, tokenizer, out_dir=out, progress=bars)
         console.print(tools_table(result))
+    elif args.which == "calls":
+        try:
+            from agentkv_langchain.call_bench import calls_table, run_calls_bench
+        except ImportError as e:
+            msg = f"agentkv bench calls needs LangChain: {AGENTS_EXTRA_HINT} ({e})"
+            raise CommandError(msg) from e
+        calls_budgets = _fractions(args.budgets) if args.budgets else (0.25, 0.125)
+        with _progress(args) as bars:
+            result = run_calls_bench(
+                model,
+                tokenizer,
+                traces=workloads,
+                methods=methods or ("agentkv-nohost",),
+                budgets=calls_budgets,
+                out_dir=out,
+                progress=bars,
+            )
+        console.print(calls_table(result))
     elif args.which == "soak":
         from agentkv.bench.soak import run_soak
 
@@ -462,12 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "which",
-        choices=["reuse", "memory", "soak", "forget", "engine", "threads", "tools"],
+        choices=["reuse", "memory", "soak", "forget", "engine", "threads", "tools", "calls"],
         help=(
             "reuse: session reuse vs re-encoding; memory: fidelity vs device budget; soak: 300+ turns; "
             "threads: N threads sharing one system prompt + tools block (prefix cache on vs off); "
             "forget: the forgetting side thread on tool-heavy traces; "
             "tools: tool calls and structured output with and without the grammar; "
+            "calls: the next tool call under a device budget against the full cache's, on tool-use traces; "
             "engine: tool agents on vLLM + LMCache (start it with scripts/serve.sh)"
         ),
     )
@@ -510,15 +529,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="memory, forget: only the 25%% budget")
     bench.add_argument(
         "--methods",
-        help="memory: comma-separated methods (default: all; `full` always runs as the reference)",
+        help=(
+            "memory, calls: comma-separated methods (memory default: all; calls: agentkv-nohost; "
+            "`full` always runs as the reference)"
+        ),
     )
     bench.add_argument(
         "--workloads",
-        help="memory: comma-separated workload names or JSON paths (default: every shipped one)",
+        help="memory, calls: comma-separated workloads (calls: traces), names or JSON paths (default: all)",
     )
     bench.add_argument(
         "--budgets",
-        help="memory: comma-separated device budgets as fractions of the full cache (0.5,0.25,0.125)",
+        help="memory, calls: budgets as fractions of the full cache (0.5,0.25,0.125; calls: 0.25,0.125)",
     )
     bench.add_argument("--out", default="runs", help="results folder (default runs/)")
     bench.set_defaults(func=cmd_bench)
