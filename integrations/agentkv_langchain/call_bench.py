@@ -4,15 +4,18 @@ An agent's next tool call often copies a value from an earlier tool result (an i
 search, a date from a schedule). This bench replays multi-turn tool-use traces
 (`call_traces/*.json`: a system prompt, the tools, user turns, scripted calls with their
 results, the agent's replies) into a session and, at every call step, asks the model for
-the next call the way an agent does (`ChatAgentKV`, tools bound, `tool_choice="any"`,
-grammar on). Then the trace's own call and result are appended, so every method sees
-the same history at every step. Events are sent when the LangChain handler sends them
+the next call the way an agent does (`ChatAgentKV`, tools bound, grammar on), twice:
+with `tool_choice="any"` and forced to the trace's own tool (only the arguments are the
+model's). Then the trace's own call and result are appended, so every method sees the
+same history at every step. Events are sent when the LangChain handler sends them
 (`ToolCallCompleted` after the model call that read the result, `TurnEnded` after the reply).
 
 Per (method, budget), against the full cache's call at the same step:
 
 - the share of calls with the same tool, and with the same tool and arguments;
-- the share equal to the trace's own call (what the full cache reaches is the ceiling);
+- forced to the trace's tool, the share with the full cache's arguments;
+- the share equal to the trace's own call, and of the trace's argument values the forced
+  call writes at the same place (what the full cache reaches is the ceiling);
 - device, host and total bytes when the call is written, and whether the budget held.
 
 The budget is a share of the tokens the full cache attends at the trace's last call
@@ -64,11 +67,6 @@ class CallTrace:
     messages: tuple[Mapping[str, Any], ...]
     """`{"user": text}`, `{"call": {"name", "args"}, "result": text}` or `{"assistant": text}`, in order."""
 
-    @property
-    def calls(self) -> int:
-        """How many call steps the trace asks the model for."""
-        return sum("call" in m for m in self.messages)
-
 
 @dataclass(frozen=True)
 class CallRow:
@@ -108,17 +106,18 @@ class CallRow:
 
 def canonical(name: str, args: Mapping[str, Any]) -> str:
     """`name` and `args` as one JSON text with sorted keys and integral floats as ints."""
+    return json.dumps({"name": name, "args": plain(args)}, sort_keys=True)
 
-    def norm(value: Any) -> Any:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, Mapping):
-            return {k: norm(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [norm(v) for v in value]
-        return value
 
-    return json.dumps({"name": name, "args": norm(dict(args))}, sort_keys=True)
+def plain(value: Any) -> Any:
+    """`value` with integral floats as ints, at any depth (`2.0` and `2` are the same argument)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
 def flat_args(args: Mapping[str, Any] | list[Any], path: str = "") -> dict[str, Any]:
@@ -130,7 +129,7 @@ def flat_args(args: Mapping[str, Any] | list[Any], path: str = "") -> dict[str, 
         if isinstance(value, Mapping | list):
             out.update(flat_args(value, where))
         else:
-            out[where] = int(value) if isinstance(value, float) and value.is_integer() else value
+            out[where] = plain(value)
     return out
 
 
@@ -178,8 +177,11 @@ def parse_call_trace(data: Any, *, where: str = "trace") -> CallTrace:
         keys = set(message) if isinstance(message, Mapping) else set()
         if keys not in ({"user"}, {"assistant"}, {"call", "result"}):
             raise ValueError(f"{where}: message {i} is not {{user}}, {{assistant}} or {{call, result}}")
-        if "call" in keys and message["call"].get("name") not in tools:
-            raise ValueError(f"{where}: message {i} calls an unknown tool {message['call'].get('name')!r}")
+        call = message["call"] if "call" in keys else None
+        if call is not None and not (isinstance(call, Mapping) and isinstance(call.get("args"), Mapping)):
+            raise ValueError(f"{where}: message {i}'s call is not {{name, args}} with `args` an object")
+        if call is not None and call.get("name") not in tools:
+            raise ValueError(f"{where}: message {i} calls an unknown tool {call.get('name')!r}")
     if not any("call" in m for m in messages):
         raise ValueError(f"{where}: no call to ask the model for")
     return CallTrace(str(data["name"]), str(data["system"]), tuple(data["tools"]), tuple(messages))
@@ -362,7 +364,7 @@ def calls_summary(rows: Sequence[CallRow]) -> list[dict[str, Any]]:
 
 
 def _same_args(a: Mapping[str, Any], b: Mapping[str, Any] | None) -> bool:
-    return b is not None and flat_args(a) == flat_args(b)
+    return b is not None and plain(a) == plain(b)
 
 
 def _share(flags: Sequence[bool]) -> float:

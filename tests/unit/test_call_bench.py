@@ -86,6 +86,7 @@ def row(step: int, method: str, name: str | None, args: dict[str, Any] | None, *
         (lambda d: d["messages"][1]["call"].update(name="nope"), "unknown tool 'nope'"),
         (lambda d: d["messages"].append({"user": "x", "assistant": "y"}), "is not"),
         (lambda d: d.update(messages=[{"user": "hi"}]), "no call"),
+        (lambda d: d["messages"][1].update(call="search_orders"), "is not {name, args}"),
     ],
 )
 def test_a_malformed_trace_is_refused_with_where_it_breaks(change, error):
