@@ -16,6 +16,8 @@ history placed three ways at each budget:
   to exact in the same order while they allow.
 - `att`: the same without the gold window (the question's attention alone).
 - `rec`: the same with pages by recency (a window held at int4, then exact).
+- `orx` (not read unless `ORDERS` names it): the gold's window held exact from the start,
+  with the sinks and the last tokens, then `att`'s order.
 
 What is not held is not attended. The attention sinks, the last 64 tokens and the question
 itself are always exact, and the system message is always held (as a pinned span is; lifted
@@ -48,6 +50,8 @@ from agentkv.models import load_model
 
 BUDGETS = [float(b) for b in os.environ.get("BUDGETS", "0.25,0.125").split(",")]
 LADDERS = os.environ.get("LADDERS", "int4").split(",")
+ORDERS = os.environ.get("ORDERS", "orc,att,rec").split(",")
+"""Which placements to read (`orx`: the gold window exact, then pages by attention at int4)."""
 """`int4`: int4 then exact; `k8`: int4, then 8-bit keys, then exact (labels ending `+k8`)."""
 INT4_SHARE = ARCHIVE_DEVICE_SHARE["int4"]
 """Device bytes of a token at int4 per exact byte (codes plus statistics)."""
@@ -167,14 +171,17 @@ def main() -> None:
                 "orc": [held_system, window, *ranked] if window else [held_system, *ranked],
                 "att": [held_system, *ranked],
                 "rec": [held_system, *recent],
+                "orx": [held_system, *ranked],
             }
+            orders = {label: units for label, units in orders.items() if label in ORDERS}
             row: dict[str, Any] = {"workload": workload.name, "question": question.id, "tokens": len(ids)}
             row["full"], row["full_em"] = run(exact_kv, q_ids, target)
             whole = len(ids) + len(q_ids) + len(target)  # what the full cache holds at the answer
             for budget in BUDGETS:
                 for (label, units_in_order), ladder in itertools.product(orders.items(), LADDERS):
                     room = budget * whole - len(q_ids) - len(target)
-                    exact, eight, int4 = place(units_in_order, fixed, room, k8=ladder == "k8")
+                    held_exact = fixed | window if label == "orx" else fixed
+                    exact, eight, int4 = place(units_in_order, held_exact, room, k8=ladder == "k8")
                     masked = torch.ones(len(ids), dtype=torch.bool)
                     masked[sorted(exact | eight | int4)] = False
                     kv = [held_at(k, v, eight, int4) for k, v in exact_kv]
