@@ -17,8 +17,9 @@ float32 full cache, which is how far calls move on noise no budget causes.
 
 The comparison prints, per method and budget, on the calls replayed: how many have the
 full cache's tool, its tool and arguments, with the tool forced its arguments, and the
-trace's values written (the `agentkv bench calls` columns, as counts), beside the same
-figures for the defaults' budgeted rows at that budget.
+trace's values written (`agentkv_langchain.call_bench.calls_summary`'s shares, as counts),
+and the mean device / host / total MiB at the call, beside the same figures for the
+defaults' budgeted rows on the same calls.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from agentkv.backend.transformers import TransformersBackend
 from agentkv.bench.methods import METHODS
 from agentkv.models import load_model
-from agentkv_langchain.call_bench import CallRow, load_call_traces, replay_calls
+from agentkv_langchain.call_bench import CallRow, calls_summary, load_call_traces, replay_calls
 
 REFERENCE = "agentkv-nohost"
 """The method whose budgeted rows the comparison pairs with."""
@@ -78,34 +79,34 @@ def replay(reference: Sequence[CallRow], traces: list[str], args: argparse.Names
     return rows
 
 
-def counts(rows: Sequence[CallRow], full: dict[tuple[str, int], CallRow]) -> str:
-    """`same tool / same call / forced same arguments / trace's values` against the full cache."""
-    pairs = [(r, full[(r.trace, r.step)]) for r in rows]
-    tool = sum(r.name == f.name for r, f in pairs)
-    same = sum(r.call is not None and r.call == f.call for r, f in pairs)
-    forced = sum(r.forced_args is not None and r.forced_args == f.forced_args for r, f in pairs)
-    values = sum(r.script_values for r in rows)
-    return f"{tool} / {same} / {forced} / {values:.2f} of {len(rows)}"
+def described(line: dict[str, Any]) -> str:
+    """One `calls_summary` line as counts: same tool / same call / forced same arguments / values, and MiB."""
+    n = line["calls"]
+    shares = ("same_tool_as_full", "same_call_as_full", "forced_same_as_full")
+    agreed = " / ".join(str(round(line[key] * n)) for key in shares)
+    memory = f"{line['device_mib']:.1f} / {line['host_mib']:.1f} / {line['total_mib']:.1f} MiB"
+    return f"{agreed} / {line['script_values'] * n:.2f} of {n}; device / host / total {memory}"
 
 
 def compare(reference: Sequence[CallRow], paths: list[str]) -> None:
     """Print each replayed method's counts beside the reference method's on the same calls."""
-    full = {(r.trace, r.step): r for r in reference if r.method == "full"}
+    full = [r for r in reference if r.method == "full"]
     ref = {(r.trace, r.step, r.budget): r for r in reference if r.method == REFERENCE}
     rows: list[CallRow] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             rows += [CallRow(**r) for r in json.load(f)["rows"]]
-    groups: dict[tuple[str, float], list[CallRow]] = {}
-    for row in rows:
-        groups.setdefault((row.method, row.budget), []).append(row)
-    print("same tool / same call / forced: same arguments / trace's values (counts)")
-    for (method, budget), group in sorted(groups.items()):
-        line = f"{method} at {budget:g}: {counts(group, full)}"
-        paired = [ref[key] for r in group if (key := (r.trace, r.step, budget)) in ref]
+    print("same tool / same call / forced: same arguments / trace's values (counts), mean bytes at the call")
+    for line in calls_summary(full + rows):
+        if line["method"] == "full":
+            continue
+        group = [r for r in rows if (r.method, r.budget) == (line["method"], line["budget"])]
+        paired = [ref[key] for r in group if (key := (r.trace, r.step, r.budget)) in ref]
+        text = f"{line['method']} at {line['budget']:g}: {described(line)}"
         if paired and len(paired) == len(group):
-            line += f"   | {REFERENCE} at {budget:g}: {counts(paired, full)}"
-        print(line)
+            base = next(b for b in calls_summary(full + paired) if b["method"] == REFERENCE)
+            text += f"\n    {REFERENCE} on the same calls: {described(base)}"
+        print(text)
 
 
 def main() -> None:

@@ -50,9 +50,9 @@ from agentkv.models import load_model
 
 BUDGETS = [float(b) for b in os.environ.get("BUDGETS", "0.25,0.125").split(",")]
 LADDERS = os.environ.get("LADDERS", "int4").split(",")
+"""`int4`: int4 then exact; `k8`: int4, then 8-bit keys, then exact (labels ending `+k8`)."""
 ORDERS = os.environ.get("ORDERS", "orc,att,rec").split(",")
 """Which placements to read (`orx`: the gold window exact, then pages by attention at int4)."""
-"""`int4`: int4 then exact; `k8`: int4, then 8-bit keys, then exact (labels ending `+k8`)."""
 INT4_SHARE = ARCHIVE_DEVICE_SHARE["int4"]
 """Device bytes of a token at int4 per exact byte (codes plus statistics)."""
 
