@@ -6,6 +6,7 @@ one reader's sitting; `agentkv.config` composes it into `AgentKVConfig`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -13,9 +14,9 @@ from pydantic import Field, field_validator
 from agentkv.config_sections import Section, shaped
 from agentkv.config_text import show_value
 
-_Url = Annotated[
-    str, shaped(r"^https?://[^\s/]+(/\S*)?$", "expected an http:// or https:// URL, got {value}")
-]
+_URL_SHAPE = r"^https?://[^\s/]+(/\S*)?$"
+_URL_PROBLEM = "expected an http:// or https:// URL, got {value}"
+_Url = Annotated[str, shaped(_URL_SHAPE, _URL_PROBLEM)]
 """An http:// or https:// URL with a host."""
 
 SALT_POLICIES: tuple[str, ...] = ("conversation", "shared")
@@ -30,8 +31,8 @@ class EngineConfig(Section):
     recalls prefetch (see docs/scale-out.md).
     """
 
-    vllm_url: _Url
-    """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000."""
+    vllm_url: str | list[str]
+    """Base URL of vLLM's OpenAI server, e.g. http://127.0.0.1:8000; a list = a fleet sharing one LMCache."""
     served_model: str = Field(default="agentkv-default", min_length=1)
     """The model name vLLM serves (--served-model-name)."""
     model_path: str | None = Field(default=None, min_length=1)
@@ -67,6 +68,25 @@ class EngineConfig(Section):
     """Seconds a resident may spend between the calls of a turn (tool calls) before losing it."""
     admission_park_ttl_s: float = Field(default=10.0, gt=0, strict=True)
     """Seconds a resident that ended its turn may idle before others may take its place."""
+    down_after_failures: int = Field(default=2, gt=0, strict=True)
+    """Timed-out requests in a row that mark a fleet engine down (a refused connection: at once)."""
+    health_interval_s: float = Field(default=5.0, gt=0, strict=True)
+    """Seconds between health checks of the fleet's engines (a down engine that answers is used again)."""
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _some_url(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or len(set(value)) < len(value)):
+            raise ValueError(f"expected one URL or a list of distinct URLs, got {show_value(value)}")
+        for url in [value] if isinstance(value, str) else value:
+            if not re.match(_URL_SHAPE, url):
+                raise ValueError(_URL_PROBLEM.format(value=show_value(url)))
+        return value
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The fleet's vLLM servers, in the order given (one for a single `vllm_url`)."""
+        return (self.vllm_url,) if isinstance(self.vllm_url, str) else tuple(self.vllm_url)
 
     @field_validator("salt_prefix")
     @classmethod

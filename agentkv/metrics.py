@@ -29,6 +29,7 @@ class Counters:
     transitions: int = 0
     faults: int = 0
     budget_unmet: int = 0
+    engine_moves: int = 0
     peak_device_bytes: int = 0
     lifecycle_seconds: float = 0.0
     policy_seconds: float = 0.0
@@ -123,6 +124,12 @@ class SessionStats:
     """Failures inside offload / restore / quantization / policy that were survived."""
     budget_unmet: int = 0
     """Times the budget could not be met without demoting pinned or active spans."""
+    engine_moves: int = 0
+    """Times a served conversation moved to another engine of its fleet (its engine was down)."""
+    engine: str | None = None
+    """The served engine the last call went to (its URL); None on a local model."""
+    route: str = ""
+    """Why the last call went there (`agentkv.engines.fleet.Route`: reason and loads); "" on a local model."""
     budget_satisfied: bool = True
     budget_device_bytes: int | None = None
     """The device limit the last budget check applied, in bytes (None = no limit)."""

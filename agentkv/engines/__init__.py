@@ -2,11 +2,13 @@
 
 `EngineBackend` is the counterpart of `TransformersBackend`: the same sessions, events,
 rules and budgets, with "where KV lives" carried out by the engine (`EngineStore`);
-`AdmissionGate` decides which conversations may call while the cache cannot hold them all.
+`AdmissionGate` decides which conversations may call while the cache cannot hold them all;
+`EngineFleet` routes the calls over several vLLM servers sharing one LMCache.
 """
 
 from agentkv.engines.admission import Admission, AdmissionGate, AdmissionStats
 from agentkv.engines.backend import EngineBackend, kv_bytes_per_token
+from agentkv.engines.fleet import EngineFleet, EngineLoad, FleetStats, Route
 from agentkv.engines.http import (
     EngineError,
     EngineRequestError,
@@ -27,6 +29,8 @@ __all__ = [
     "CoordinatorClient",
     "EngineBackend",
     "EngineError",
+    "EngineFleet",
+    "EngineLoad",
     "EngineMetrics",
     "EngineRequestError",
     "EngineSession",
@@ -34,7 +38,9 @@ __all__ = [
     "EngineTarget",
     "EngineUnavailableError",
     "FakeTransport",
+    "FleetStats",
     "Lookup",
+    "Route",
     "UrllibTransport",
     "VLLMClient",
     "kv_bytes_per_token",

@@ -226,6 +226,12 @@ class AdmissionGate:
         with self._cond:
             return list(self._line)
 
+    def working_set(self, owner: str) -> int | None:
+        """`owner`'s working set as the gate last heard it (resident or in line); None = unknown here."""
+        with self._cond:
+            resident = self._residents.get(owner)
+            return resident.tokens if resident is not None else self._line.get(owner)
+
     def resident_tokens(self) -> int:
         """The residents' working sets together (may exceed the capacity by growth, or alone)."""
         with self._cond:

@@ -9,8 +9,11 @@ With `engine.admission_tokens`, an `AdmissionGate` lets only as many conversatio
 as whose working sets fit the engine's cache (the others wait their turn), and the pin
 planner serves the residents first.
 
-Routing is sticky: every session of this backend lands on one LMCache instance (the
-first the coordinator lists), because deletes and prefetches act on one instance.
+With several vLLM URLs (`engine.vllm_url: [...]`) the backend drives a fleet that shares
+one LMCache (server, coordinator, L2): `EngineFleet` routes each call (sticky threads,
+least-loaded new ones, failover when an engine stops answering). Hints go to one LMCache
+instance (the first the coordinator lists), because deletes and prefetches act on one
+instance: the one every engine of the fleet connects to.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.config_engine import EngineConfig
 from agentkv.engines.admission import AdmissionGate
+from agentkv.engines.fleet import EngineFleet, EngineLoad, Route
 from agentkv.engines.http import EngineError, Transport
 from agentkv.engines.lmcache import CoordinatorClient
 from agentkv.engines.planner import EnginePinPlanner
@@ -54,6 +59,7 @@ class EngineBackend(SessionRegistry[EngineSession]):
         config: agentkv settings; `config.engine` names the engine (required).
         bytes_per_token: engine KV bytes per token (`kv_bytes_per_token(model_dir)`).
         transport: how requests are sent (a `FakeTransport` in tests); None = urllib.
+        vllm_urls: the fleet's vLLM servers, in place of `config.engine.vllm_url` (None = the config's).
     """
 
     def __init__(
@@ -65,11 +71,15 @@ class EngineBackend(SessionRegistry[EngineSession]):
         model_path: str | None = None,
         max_positions: int | None = None,
         transport: Transport | None = None,
+        vllm_urls: Sequence[str] | None = None,
     ) -> None:
         if config.engine is None:
             msg = "EngineBackend: expected a config with an `engine:` block (vllm_url, ...), got none"
             raise ValueError(msg)
         engine: EngineConfig = config.engine
+        if vllm_urls is not None:
+            engine = EngineConfig.model_validate({**engine.model_dump(), "vllm_url": list(vllm_urls)})
+            config = config.model_copy(update={"engine": engine})
         super().__init__()
         self.config = config
         self.engine = engine
@@ -79,9 +89,17 @@ class EngineBackend(SessionRegistry[EngineSession]):
         self.max_positions = max_positions
         """Positions the served model supports (None = not declared)."""
         self.model_path = engine.model_path or model_path or engine.served_model
-        self.vllm = VLLMClient(
-            engine.vllm_url, engine.served_model, timeout=engine.request_timeout_s, transport=transport
+        self.fleet = EngineFleet(
+            [
+                VLLMClient(url, engine.served_model, timeout=engine.request_timeout_s, transport=transport)
+                for url in engine.urls
+            ],
+            down_after_failures=engine.down_after_failures,
+            health_interval_s=engine.health_interval_s,
         )
+        """The vLLM servers and where each call goes (one engine = a fleet of one)."""
+        self.vllm = self.fleet.engines[0].client
+        """The first engine's client (the only one with a single `vllm_url`)."""
         self.coordinator = (
             None
             if engine.coordinator_url is None
@@ -110,6 +128,7 @@ class EngineBackend(SessionRegistry[EngineSession]):
         """Load control by working set (`engine.admission_tokens`): who may call now; None = everyone."""
         self._target: EngineTarget | None = None
         self._target_lock = threading.Lock()
+        self._warned: set[str] = set()
 
     @classmethod
     def from_config(cls, config: AgentKVConfig) -> EngineBackend:
@@ -134,10 +153,14 @@ class EngineBackend(SessionRegistry[EngineSession]):
 
     # -- the engine ----------------------------------------------------------------------------
 
-    def salt_for(self, session_id: str) -> str:
-        """The `cache_salt` of a conversation (`engine.salt`), behind `engine.salt_prefix`."""
+    def salt_for(self, session_id: str, *, share: bool = True) -> str:
+        """The `cache_salt` of a conversation (`engine.salt`), behind `engine.salt_prefix`.
+
+        `share=False` (the session's `prefix_cache.enabled: false`) gives it its own salt
+        even under `salt: shared`: it shares no prefix with other conversations.
+        """
         prefix = self.engine.salt_prefix
-        return prefix if self.engine.salt == "shared" else f"{prefix}{session_id}"
+        return prefix if self.engine.salt == "shared" and share else f"{prefix}{session_id}"
 
     def target(self) -> EngineTarget | None:
         """The LMCache instance this backend's sessions use (sticky); None without a coordinator.
@@ -169,6 +192,29 @@ class EngineBackend(SessionRegistry[EngineSession]):
                 )
             return self._target
 
+    def route(self, session: Any, exclude: Sequence[int] = ()) -> Route:
+        """Where `session`'s next call goes (`EngineFleet.route` over the loads the lifecycle knows)."""
+        parent = session.parent
+        near = parent.engine_index if parent is not None and session.engine_index is None else None
+        return self.fleet.route(session.engine_index, self.engine_loads(), exclude=exclude, near=near)
+
+    def engine_loads(self) -> list[EngineLoad]:
+        """Each engine's load: calls in flight, working-set tokens and live conversations placed there.
+
+        A conversation's working set is the admission gate's figure when the gate holds it,
+        else the sequence of its last call.
+        """
+        tokens = [0] * len(self.fleet)
+        placed = [0] * len(self.fleet)
+        for session in self.sessions():
+            index = session.engine_index
+            if session.closed or index is None:
+                continue
+            held = None if self.gate is None else self.gate.working_set(session.conversation_id)
+            tokens[index] += len(session.engine_sequence) if held is None else held
+            placed[index] += 1
+        return [EngineLoad(self.fleet.in_flight(i), tokens[i], placed[i]) for i in range(len(self.fleet))]
+
     # -- session table ---------------------------------------------------------------------------
 
     def _new_session(
@@ -179,7 +225,38 @@ class EngineBackend(SessionRegistry[EngineSession]):
         branch: str | None,
         config: AgentKVConfig | None,
     ) -> EngineSession:
+        if config is not None:
+            self._warn_backend_wide(session_id, config)
         return EngineSession(self, session_id, parent=parent, branch=branch, config=config)
+
+    def _warn_backend_wide(self, session_id: str, config: AgentKVConfig) -> None:
+        """A session's config cannot change what only the backend decides: say so once per key.
+
+        `prefix_cache.enabled: false` is applied (`salt_for`: the conversation shares no
+        prefix); the other `prefix_cache` fields size the local backend's cache, which an
+        engine does not have (vLLM's own prefix cache shares prefixes): warned, like
+        `sessions` and `engine`, which are the backend's.
+        """
+        mine, theirs = self.config.prefix_cache, config.prefix_cache
+        ignored = [
+            f"agentkv.{key}"
+            for key in ("engine", "sessions")
+            if getattr(config, key) != getattr(self.config, key)
+        ]
+        ignored += [
+            f"agentkv.prefix_cache.{name}"
+            for name in type(mine).model_fields
+            if name != "enabled" and getattr(mine, name) != getattr(theirs, name)
+        ]
+        fresh = [key for key in ignored if key not in self._warned]
+        if fresh:
+            self._warned.update(fresh)
+            logger.warning(
+                "session %r: %s in its config ignored: backend-wide on an engine backend "
+                "(give them to the EngineBackend's config)",
+                session_id,
+                ", ".join(fresh),
+            )
 
     def sole_holder(self, session: EngineSession) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (never with `engine.salt: shared`).
@@ -187,7 +264,7 @@ class EngineBackend(SessionRegistry[EngineSession]):
         Only then are the salt's pins all its own, so references its books do not list
         (left by a timed-out pin) can be given back without taking another holder's.
         """
-        if self.engine.salt == "shared":
+        if self.engine.salt == "shared" and session.cache_salt == self.engine.salt_prefix:
             return False
         return not any(
             other is not session and not other.closed and other.cache_salt == session.cache_salt

@@ -61,6 +61,8 @@ class HintStats:
     """Deletes skipped by a failed hint and sent again at a later sync."""
     reconciled_unpins: int = 0
     """References a timed-out pin (or unpin) left on the coordinator, found and given back."""
+    moves: int = 0
+    """Times the conversation moved to another engine of the fleet (its next sync prefetched)."""
     log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 

@@ -15,6 +15,7 @@ Errors are split by what the caller should do about them:
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -28,7 +29,18 @@ class EngineError(RuntimeError):
 
 
 class EngineUnavailableError(EngineError):
-    """The server did not answer (refused, timed out, unreachable)."""
+    """The server did not answer (refused, timed out, unreachable).
+
+    Attributes:
+        refused: the connection was refused or dropped (nothing listens, or the server
+            went away mid-request: it is down), as opposed to a timeout (it may only be
+            slow). A fleet marks a refusing engine down at once, a timing-out one after
+            `engine.down_after_failures`.
+    """
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class EngineRequestError(EngineError):
@@ -84,10 +96,12 @@ class UrllibTransport:
                 return Response(int(resp.status), _decode(resp.read()))
         except urllib.error.HTTPError as e:
             return Response(int(e.code), _decode(e.read() or b""))
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             msg = f"{method} {url}: no answer within {timeout:g} s ({reason})"
-            raise EngineUnavailableError(msg) from e
+            raise EngineUnavailableError(
+                msg, refused=isinstance(reason, ConnectionError | http.client.HTTPException)
+            ) from e
 
 
 def checked_endpoint(url: str, what: str, timeout: float) -> str:
@@ -136,7 +150,7 @@ class FakeTransport:
         self.requests.append((method, path, body))
         if self.down:
             msg = f"{method} {url}: no answer within {timeout:g} s (connection refused)"
-            raise EngineUnavailableError(msg)
+            raise EngineUnavailableError(msg, refused=True)
         route = self.routes.get(f"{method} {path}")
         if route is None:
             route = next(

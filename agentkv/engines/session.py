@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, Unpack
 
 from agentkv.backend.contracts import BackendHost, ExtendResult
@@ -20,11 +21,14 @@ from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
 from agentkv.engines.admission import Admission, AdmissionGate
+from agentkv.engines.fleet import EngineFleet, Route
+from agentkv.engines.http import EngineUnavailableError
 from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
-from agentkv.engines.vllm import VLLMClient
-from agentkv.events import Event, TurnEnded
+from agentkv.engines.vllm import Completion
+from agentkv.events import Event, SessionClosed, TurnEnded
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
-from agentkv.spans import Span
+from agentkv.metrics import SessionStats
+from agentkv.spans import Span, SpanState
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -32,11 +36,15 @@ logger = logging.getLogger("agentkv.engines")
 class EngineHost(BackendHost, Protocol):
     """What an engine session needs from its backend beyond any host's (`EngineBackend` provides it)."""
 
-    vllm: VLLMClient
+    fleet: EngineFleet
     gate: AdmissionGate | None
 
-    def salt_for(self, session_id: str) -> str:
-        """The conversation's `cache_salt`."""
+    def salt_for(self, session_id: str, *, share: bool = True) -> str:
+        """The conversation's `cache_salt` (`share=False`: its own even under `salt: shared`)."""
+        ...
+
+    def route(self, session: Any, exclude: Sequence[int] = ()) -> Route:
+        """Where the session's next call goes (`EngineFleet.route`)."""
         ...
 
     def target(self) -> EngineTarget | None:
@@ -78,13 +86,22 @@ class EngineSession(SessionCore):
         """The engine's salt and an `EngineStore`; a branch shares its parent's salt and prompt."""
         backend, session_id = self.backend, self.session_id
         # Branches of a conversation share its salt: the engine shares their prefix (no copy).
-        self.cache_salt: str = parent.cache_salt if parent is not None else backend.salt_for(session_id)
+        share = self.config.prefix_cache.enabled
+        self.cache_salt: str = (
+            parent.cache_salt if parent is not None else backend.salt_for(session_id, share=share)
+        )
         self.engine_sequence: list[int] = list(parent.engine_sequence) if parent is not None else []
         """Token ids of this session's last engine call (prompt and answer): its own cached prefix."""
         self.conversation_id: str = parent.conversation_id if parent is not None else session_id
         """The root conversation: branches share its residency at the admission gate."""
         self.last_admission: Admission | None = None
         """What the admission gate answered for the last call (None without a gate)."""
+        self.engine_index: int | None = None
+        """The fleet engine this conversation's calls go to (None before its first call)."""
+        self.last_route: Route | None = None
+        """Where the last call went and why (`stats().engine`, `stats().route`)."""
+        self.ended = False
+        """True after `SessionClosed` until the next answer brings the released history back."""
         if parent is None:
             self.table = SpanTable(session_id)
             shared: list[int] = []
@@ -193,10 +210,7 @@ class EngineSession(SessionCore):
             if gate is not None:  # waits while the residents' working sets fill the cache (bounded)
                 self.last_admission = gate.acquire(self.conversation_id, len(prompt))
             try:
-                self.store.sync(prompt)
-                done = self.backend.vllm.complete(
-                    prompt, max_tokens=max_new_tokens, cache_salt=self.cache_salt or None, stop=stops or None
-                )
+                done = self._complete(prompt, max_new_tokens, stops)
             except BaseException:
                 self.table.remove(span)  # no answer was started: spans and messages stay aligned
                 self.manager.on_span_removed(span)
@@ -219,6 +233,63 @@ class EngineSession(SessionCore):
             self._finish_answer(span, prefix, done.text, len(produced), computed=True)
             return done.text
 
+    def _complete(self, prompt: list[int], max_new_tokens: int, stops: list[str]) -> Completion:
+        """Sync the hints and ask the fleet; an engine that does not answer hands the call to another.
+
+        The call goes where `backend.route` says (this thread's engine while it is up). A
+        moved thread's store prefetches its prompt (its history comes back from LMCache,
+        which every engine shares) and re-sends what failed hints left (deletes, maybe-applied
+        pins) before the call. Raises the last `EngineUnavailableError` once every engine
+        failed this call.
+        """
+        tried: list[int] = []
+        while True:
+            route = self.backend.route(self, tried)
+            if route.moved_from is not None:
+                self.counters.engine_moves += 1
+                self.store.moved()
+                self.table.record("route", engine=route.engine, reason=route.reason, detail=route.detail)
+            self.engine_index, self.last_route = route.engine, route
+            self.store.sync(prompt)
+            try:
+                return self.backend.fleet.call(
+                    route.engine,
+                    lambda client: client.complete(
+                        prompt,
+                        max_tokens=max_new_tokens,
+                        cache_salt=self.cache_salt or None,
+                        stop=stops or None,
+                    ),
+                )
+            except EngineUnavailableError:
+                tried.append(route.engine)
+                if len(tried) >= len(self.backend.fleet):
+                    raise
+                self.backend.fleet.stats.failovers += 1
+
+    def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """After `SessionClosed` the conversation goes on: its released spans are in the prompt again.
+
+        The engine computes them (or loads what LMCache still holds) with the next call,
+        as the local backend recomputes them: an answer never reads a history the model
+        does not attend.
+        """
+        del prompt_tokens, max_new_tokens
+        if not self.ended:
+            return
+        self.ended = False
+        for span in self.spans:
+            if span.state in (SpanState.ARCHIVED, SpanState.EVICTED):
+                self.manager.mover.move(span, SpanState.COMMITTED, reason="session_restarted", lazily=True)
+
+    def stats(self) -> SessionStats:
+        """`SessionReadout.stats` plus where the last call went and why (`engine`, `route`)."""
+        stats = super().stats()
+        route = self.last_route
+        if route is None:
+            return stats
+        return replace(stats, engine=route.url, route=f"{route.reason}: {route.detail}")
+
     def stream(self, max_new_tokens: int = 256, **options: Unpack[AnswerOptions]) -> Iterator[str]:
         """`generate` as one piece (the engine path does not stream token by token)."""
         yield self.generate(max_new_tokens, **options)
@@ -236,6 +307,8 @@ class EngineSession(SessionCore):
         new share (the residents' room).
         """
         result = super()._apply_locked(event, enforce=enforce)
+        if isinstance(event, SessionClosed):
+            self.ended = True  # the next answer brings the released history back (`_check_answer`)
         if isinstance(event, TurnEnded):
             gate = self.backend.gate
             working_set = len(self.store.prompt())

@@ -120,6 +120,7 @@ class EngineStore(WholeSpanStore):
         self._pending_deletes: list[tuple[list[int], int, int | None, TierName]] = []
         """Deletes a failed hint skipped: (sequence, first token, end token or None, tier)."""
         self._parked = False
+        self._moved = False
 
     # -- the store protocol -----------------------------------------------------------------
 
@@ -249,13 +250,26 @@ class EngineStore(WholeSpanStore):
         if stale_tier is not None or diverged < len(self.sent):
             self._drop_stale(diverged, stale_tier or "all")
         self._pins.move_commit(prompt[: self.committed_length()])
-        if self._recalled_since_sync or self._parked:
+        if self._recalled_since_sync or self._parked or self._moved:
             self._prefetch(prompt)
         self._stale_tier = None
         self._archived_since_sync = []
         self._dropped_since_sync = []
         self._recalled_since_sync = False
         self._parked = False
+        self._moved = False
+
+    def moved(self) -> None:
+        """The conversation's calls go to another engine of the fleet from now on.
+
+        The new engine's own prefix cache is cold, but LMCache is the fleet's: the next
+        `sync` prefetches the prompt L2 -> L1 of the shared server so the engine loads the
+        history instead of recomputing it, and (as every sync) re-sends the deletes failed
+        hints skipped and checks maybe-applied pins. Pins live on the coordinator, not on
+        an engine: the ones held stay valid.
+        """
+        self._moved = True
+        self.stats.moves += 1
 
     def completed(self, sequence: list[int]) -> None:
         """The engine now holds KV for `sequence` (the prompt plus the ids it generated)."""

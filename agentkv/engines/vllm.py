@@ -155,10 +155,19 @@ class VLLMClient:
     def health(self) -> bool:
         """True when `/health` answers 200 (never raises)."""
         try:
-            call(self.transport, "GET", f"{self.url}/health", None, min(self.timeout, 5.0))
+            self.check_health()
         except Exception:  # noqa: BLE001 (a health probe reports, it does not raise)
             return False
         return True
+
+    def check_health(self) -> None:
+        """Return when `/health` answers 200 within 5 s; else raise what went wrong.
+
+        Raises:
+            EngineUnavailableError: no answer (refused, dropped or timed out).
+            EngineRequestError: an error status (the server is up but not healthy).
+        """
+        call(self.transport, "GET", f"{self.url}/health", None, min(self.timeout, 5.0))
 
 
 def _completion(answer: Any, where: str) -> Completion:
