@@ -37,6 +37,7 @@ from agentkv.engines.planner import EnginePinPlanner
 from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
+from agentkv.session_ids import branch_session_id
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -257,6 +258,36 @@ class EngineBackend(SessionRegistry[EngineSession]):
                 session_id,
                 ", ".join(fresh),
             )
+
+    def adopt(self, session_id: str, branch: str) -> EngineSession:
+        """Make the branch session `<session_id>/<branch>` the conversation's continuation.
+
+        As `TransformersBackend.adopt`: the branch's spans are committed (`BranchSelected`),
+        its siblings closed, the thread's old session closed, and the branch takes the
+        thread's id. It stays on the engine it ran on (a fleet's branches may spread);
+        the old session gives back its pins and deletes what it wrote except the branch's
+        sequence, which the conversation goes on with.
+
+        Raises:
+            UnknownSessionError: no such thread or branch session.
+            ValueError: the branch session is not a branch of `session_id`.
+        """
+        from agentkv.events import BranchSelected
+
+        parent = self.get(session_id)
+        child = self.get(branch_session_id(session_id, branch))
+        if child.parent is not parent:
+            msg = f"session {child.session_id!r} is not a branch of {session_id!r}"
+            raise ValueError(msg)
+        parent.apply(BranchSelected(branch=branch))  # closes the siblings
+        child.apply(BranchSelected(branch=branch))  # commits the branch's own spans
+        with parent.lock, child.lock:
+            with self._table_lock:
+                self._sessions.pop(child.session_id, None)
+                self._sessions[session_id] = child
+            child.detach(session_id)
+            parent.close(spare=[child.store.sent])
+        return child
 
     def sole_holder(self, session: EngineSession) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (never with `engine.salt: shared`).

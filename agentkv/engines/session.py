@@ -318,13 +318,46 @@ class EngineSession(SessionCore):
                 self.store.park()  # the conversation now waits: L1 room goes to others
         return result
 
-    def close(self) -> None:
+    def detach(self, session_id: str) -> None:
+        """Stand alone as the conversation `session_id` (a branch adopted by its thread), on its own engine.
+
+        The branch keeps the engine it ran on (branches may spread over a fleet: the
+        thread goes on where the winner's KV is warm); the prefix it shared becomes its own.
+        """
+        with self.lock:
+            self.table.record("branch", adopted_as=session_id, was=self.session_id)
+            if self.parent is not None:
+                self.counters.add(self.parent.counters)
+            self.session_id = session_id
+            self.table.session_id = session_id
+            self.parent = None
+            self.branch = None
+            for span in self.spans:
+                span.branch = None
+            self.store.stand_alone(session_id)
+            if self.engine_index is not None:
+                url = self.backend.fleet.engines[self.engine_index].url
+                self.last_route = Route(
+                    self.engine_index, url, "adopted", f"the thread goes on on engine {self.engine_index}"
+                )
+
+    def close(self, *, spare: Sequence[Sequence[int]] = ()) -> None:
         """Unpin and delete this session's KV on the engine; forget its spans.
 
+        The chunks it shares with the live sessions of its conversation (the thread, sibling
+        branches) and with `spare` (the sequence an adopted branch goes on with) stay.
         Pin requests that timed out (maybe applied) and could not be checked yet go to the
         root conversation, which checks them once it holds the salt alone.
         """
-        super().close()
+        kin = [
+            list(other.store.sent)
+            for other in self.backend.sessions()
+            if other is not self and not other.closed and other.conversation_id == self.conversation_id
+        ]
+        with self.lock:
+            self.store.close(spare=[*spare, *kin])
+            self.table.clear()
+            self.closed = True
         with self.lock:
             uncertain, self.store.uncertain_pins = self.store.uncertain_pins, []
             gate = self.backend.gate

@@ -326,14 +326,22 @@ class EngineStore(WholeSpanStore):
             return
         self._pins.move_commit(self.prompt()[: self.committed_length()])
 
+    def stand_alone(self, owner: str) -> None:
+        """This branch is its conversation now (adopted): the prefix it shared is its own to delete."""
+        self.shared_prefix = []
+        self.owner = owner
+
     def select(self) -> None:
         """This branch won: pin its prompt (within the pin budget) so the parent keeps it."""
         if self.target is None:
             return
         self._pins.select(self.prompt())
 
-    def close(self) -> None:
+    def close(self, *, spare: Sequence[Sequence[int]] = ()) -> None:
         """Unpin everything this session pinned and delete every sequence it wrote (never the shared prefix).
+
+        `spare`: sequences other sessions of the conversation go on with (a sibling branch's,
+        an adopted branch's): the chunks they share with what this one wrote stay.
 
         Every pin reference is given back once (a sequence pinned for several archived
         spans once), then the salt's pin table is checked for references a timed-out
@@ -345,10 +353,14 @@ class EngineStore(WholeSpanStore):
             return
         self._pins.release_all()
         pending, self._pending_deletes = self._pending_deletes, []
+
+        def kept(sequence: list[int]) -> int:
+            return max(common_prefix(sequence, other) for other in [self.shared_prefix, *spare])
+
         for sequence, keep, end, tier in pending:
-            self._delete_tail(sequence, max(keep, common_prefix(sequence, self.shared_prefix)), tier, end)
+            self._delete_tail(sequence, max(keep, kept(sequence)), tier, end)
         for sequence in [*self._kept, self.sent]:
-            keep = common_prefix(sequence, self.shared_prefix)
+            keep = kept(sequence)
             if len(sequence) > keep:
                 self._delete_tail(sequence, keep, "all")
         self._kept = []

@@ -71,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine: events-gated turns a resident keeps its place while others wait (4)",
     )
     bench.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help=(
+            "engine: N > 1 = the fleet bench: the agents on engine 0 alone, on the N engines "
+            "(ports --vllm-url + i), and a failover run stopping engine N-1 (AGENTKV_ENGINES=N serve.sh)"
+        ),
+    )
+    bench.add_argument(
+        "--kill-after", type=int, help="engine --engines: answered calls before the failover stop (half)"
+    )
+    bench.add_argument(
+        "--engine-run",
+        default="runs/engine",
+        help="engine --engines: serve.sh's run directory of the fleet (AGENTKV_ENGINE_RUN; runs/engine)",
+    )
+    bench.add_argument(
         "--modes",
         default="lru,events",
         help="engine: runs besides vllm (lru, events = same prompts with hints, events-gated, events+budget)",
@@ -290,6 +307,66 @@ def _fractions(value: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _bench_fleet(args: argparse.Namespace, base: Any, out: Path, console: Console) -> int:
+    """`agentkv bench engine --engines N`: one engine, the fleet, a failover (`engine_fleet`)."""
+    from agentkv_bench.engine_fleet import FleetBenchSettings, run_fleet_bench
+
+    settings = FleetBenchSettings(
+        base=base, engines=args.engines, kill_after=args.kill_after, engine_run=args.engine_run
+    )
+    summary = run_fleet_bench(settings, out_dir=out, progress=lambda line: console.log(line))
+    table = Table(title=f"agentkv bench engine --engines {args.engines}: {args.threads} agents")
+    for name in (
+        "run",
+        "calls",
+        "failed",
+        "prompt tok",
+        "recomputed tok",
+        "vLLM hits",
+        "LMCache hits",
+        "prefetches",
+        "p50 s",
+        "p95 s",
+        "req/s",
+        "L2 B added",
+        "calls per engine",
+    ):
+        table.add_column(name, justify="right")
+    for r in summary["runs"]:
+        table.add_row(
+            r["name"],
+            str(r["requests"]),
+            str(r["failed_calls"]),
+            f"{r['prompt_tokens']:,}",
+            f"{r['computed_tokens']:,}",
+            f"{r['local_hits']:,.0f}",
+            f"{r['lmcache_hits']:,.0f}",
+            str(r["prefetches"]),
+            f"{r['latency_p50']:.2f}",
+            f"{r['latency_p95']:.2f}",
+            f"{r['requests_per_s']:.2f}",
+            f"{r['l2_bytes']:,}",
+            " / ".join(f"{k}: {v}" for k, v in r["calls_per_engine"].items()),
+        )
+    console.print(table)
+    failover = summary["runs"][-1]
+    for moved in failover["moved"]:
+        console.print(
+            f"moved {moved['thread']} ({moved['from_engine']} -> {moved['to_engine']}): first call "
+            f"{moved['prompt_tokens']} prompt tokens, {moved['recomputed_tokens']} recomputed, "
+            f"floor {moved['floor_tokens']}, {moved['seconds_after_stop']:.1f} s after the stop"
+        )
+    console.print(
+        f"failover: stop took {failover['stop_seconds']:.1f} s; first answer after it "
+        f"{failover['first_answer_after_stop_s']} s, "
+        f"first moved thread's {failover['first_moved_answer_after_stop_s']} s; "
+        f"fleet {failover['fleet']}; restarted engine used again: {failover['restarted_engine_used']} "
+        f"(restart {failover['restart_seconds']:.0f} s)"
+    )
+    console.print(f"results: {out / 'engine_fleet.json'}")
+    return 0
+
+
 def _bench_engine(args: argparse.Namespace, console: Console) -> int:
     """`agentkv bench engine`: concurrent tool agents on vLLM + LMCache (see `agentkv_bench.engine`)."""
     from agentkv_bench.engine import EngineBenchSettings, run_engine_bench
@@ -307,6 +384,8 @@ def _bench_engine(args: argparse.Namespace, console: Console) -> int:
         admission_quantum_turns=args.admission_quantum_turns,
     )
     out = Path(args.out) / "engine"
+    if args.engines > 1:
+        return _bench_fleet(args, settings, out, console)
     summary = run_engine_bench(
         settings,
         out_dir=out,

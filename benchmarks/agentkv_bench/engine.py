@@ -133,11 +133,17 @@ class ModeResult:
 
 
 def _tool_agent(
-    backend: EngineBackend, session_id: str, workload: Workload, turns: int, max_tokens: int
+    backend: EngineBackend,
+    session_id: str,
+    workload: Workload,
+    turns: int,
+    max_tokens: int,
+    on_call: Callable[[Any, float], None] | None = None,
 ) -> tuple[dict[str, str], list[float], list[float]]:
     """Play one workload as a tool agent: the generated text per turn, each call's latency and wait.
 
     A call's latency includes its wait for residency at the admission gate (0 without one).
+    `on_call(session, latency)` hears of every answered call (the fleet bench reads its route).
     """
     session = backend.session(session_id)
     history: list[dict[str, Any]] = [{"role": "system", "content": workload.system}]
@@ -157,6 +163,8 @@ def _tool_agent(
         started = time.perf_counter()
         answers[f"{session_id.rsplit('-', 1)[-1]}:{t}"] = session.generate(max_tokens)
         latencies.append(time.perf_counter() - started)
+        if on_call is not None:
+            on_call(session, latencies[-1])
         waits.append(0.0 if session.last_admission is None else session.last_admission.waited_s)
         for event in events:
             session.apply(event)

@@ -6,8 +6,8 @@ LangGraph app says which one won, but the thread's next model call shows it: whe
 its messages continue with a branch's own messages (the judge put the winner's
 thoughts into the state), that branch is the winner, and its session already holds
 their KV. `continued_branch` finds it; the handler then adopts it
-(`TransformersBackend.adopt`: the branch becomes the thread's session, nothing is
-re-encoded) and prunes the others (`BranchPruned`: their own KV is freed).
+(`TransformersBackend.adopt` / `EngineBackend.adopt`: the branch becomes the thread's
+session, nothing is re-encoded) and prunes the others (`BranchPruned`: their own KV is freed).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentkv import TransformersBackend
+from agentkv import AgentBackend
 from agentkv.chat import normalize_messages
 from agentkv.session_ids import branch_session_id
 
@@ -25,7 +25,7 @@ BranchSelector = Callable[[str, Sequence[str]], str | None]
 """`(thread, open branch ids) -> the branch to keep, or None`: the user's pick when a run ends."""
 
 
-def own_message_count(backend: TransformersBackend, thread: str, branch: str) -> int:
+def own_message_count(backend: AgentBackend, thread: str, branch: str) -> int:
     """How many messages the branch session holds beyond the prefix it shares (0 when gone)."""
     session_id = branch_session_id(thread, branch)
     if session_id not in backend:
@@ -36,7 +36,7 @@ def own_message_count(backend: TransformersBackend, thread: str, branch: str) ->
 
 
 def continued_branch(
-    backend: TransformersBackend, thread: str, branches: Sequence[str], messages: Sequence[Any]
+    backend: AgentBackend, thread: str, branches: Sequence[str], messages: Sequence[Any]
 ) -> str | None:
     """The branch whose own messages the thread's call continues with, at the same positions.
 

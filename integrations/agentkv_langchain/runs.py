@@ -21,6 +21,7 @@ from agentkv import (
     BranchOpened,
     BranchPruned,
     BranchSelected,
+    EngineBackend,
     Event,
     TransformersBackend,
 )
@@ -166,8 +167,9 @@ class RunTracking:
         winner = None
         keep: set[str] = set()
         backend = self.backend
-        # Adoption moves a local session (`TransformersBackend.adopt`); an engine's branches are pruned.
-        if messages is not None and self.adopt_branches and isinstance(backend, TransformersBackend):
+        # Adoption moves the winner's session into the thread's place (`adopt`, on either backend).
+        adoptable = isinstance(backend, TransformersBackend | EngineBackend)
+        if messages is not None and self.adopt_branches and adoptable:
             winner = continued_branch(backend, thread, settling, messages)
         if at_end:
             keep = set(selected)
@@ -184,7 +186,7 @@ class RunTracking:
                     self._selected.discard((thread, branch))
                 else:
                     self._selected.add((thread, branch))
-        if winner is not None and isinstance(backend, TransformersBackend):
+        if winner is not None and isinstance(backend, TransformersBackend | EngineBackend):
             with self._lock:
                 self.events.append((thread, BranchSelected(branch=winner)))
             try:

@@ -4,6 +4,10 @@ When `AGENTKV_ENGINE_VLLM_URL` and `AGENTKV_ENGINE_COORDINATOR_URL` name a runni
 used as is (and left running); otherwise `scripts/serve.sh start` starts one on its own ports
 in a temporary run directory and `scripts/serve.sh stop` ends it after the session. A stack
 that does not come up fails the tests with serve.sh's message: never a skip.
+
+The stack it starts is a fleet of `ENGINES` vLLM servers over one LMCache (`AGENTKV_ENGINES`):
+the one-engine tests use engine 0 (`vllm_url`), the fleet test all of them, and it stops and
+starts engine 1 (`stop_engine` / `start_engine`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ PORTS = {  # away from the defaults, so a stack a developer runs by hand is not 
     "AGENTKV_LMCACHE_HTTP_PORT": "18301",
 }
 CHUNK_SIZE = 64
+ENGINES = 2
 
 
 @dataclass
@@ -40,6 +45,28 @@ class EngineStack:
     chunk_size: int
     bytes_per_token: int
     tokenizer: Any
+    vllm_urls: tuple[str, ...] = ()
+    """Every engine of the fleet (engine 0 is `vllm_url`)."""
+    env: dict[str, str] | None = None
+    """serve.sh's settings for this stack; None = a stack the tests did not start (no stop/start)."""
+
+    def stop_engine(self, index: int) -> None:
+        """Stop vLLM engine `index` (its process group ends: its port refuses connections)."""
+        self._serve("stop-engine", index)
+
+    def start_engine(self, index: int) -> None:
+        """Start vLLM engine `index` again against the running LMCache and wait until it answers."""
+        self._serve("start-engine", index)
+
+    def _serve(self, verb: str, index: int) -> None:
+        if self.env is None:
+            pytest.fail(f"{verb} {index}: this stack was not started by the tests", pytrace=False)
+        script = str(ROOT / "scripts" / "serve.sh")
+        done = subprocess.run(
+            ["bash", script, verb, str(index)], env=self.env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.fail(f"scripts/serve.sh {verb} {index} failed:\n{done.stderr[-3000:]}", pytrace=False)
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's own prefix cache (the server runs with VLLM_SERVER_DEV_MODE=1)."""
@@ -62,7 +89,7 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
     vllm_url = os.environ.get("AGENTKV_ENGINE_VLLM_URL")
     coordinator_url = os.environ.get("AGENTKV_ENGINE_COORDINATOR_URL")
     run_dir: Path | None = None
-    env = {**os.environ, **PORTS, "AGENTKV_CHUNK_SIZE": str(CHUNK_SIZE)}
+    env = {**os.environ, **PORTS, "AGENTKV_CHUNK_SIZE": str(CHUNK_SIZE), "AGENTKV_ENGINES": str(ENGINES)}
     if not (vllm_url and coordinator_url):
         # scripts/test_engine.sh names the run directory, so its exit trap can stop the stack
         # even when pytest itself is killed (a timeout) before this fixture's teardown runs.
@@ -78,10 +105,14 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
             pytest.fail(
                 f"scripts/serve.sh start failed (logs in {run_dir}):\n{started.stderr[-3000:]}", pytrace=False
             )
-        vllm_url = f"http://127.0.0.1:{PORTS['AGENTKV_VLLM_PORT']}"
+        first = int(PORTS["AGENTKV_VLLM_PORT"])
+        vllm_urls = tuple(f"http://127.0.0.1:{first + i}" for i in range(ENGINES))
+        vllm_url = vllm_urls[0]
         coordinator_url = f"http://127.0.0.1:{PORTS['AGENTKV_COORDINATOR_PORT']}"
         model_path = (run_dir / "model").read_text().strip()
     else:
+        listed = os.environ.get("AGENTKV_ENGINE_VLLM_URLS", "")  # a running fleet: comma-separated
+        vllm_urls = tuple(u for u in listed.split(",") if u) or (vllm_url,)
         model_path = os.environ.get("AGENTKV_ENGINE_MODEL") or _served_model_path(vllm_url)
     try:
         yield EngineStack(
@@ -92,6 +123,8 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
             chunk_size=int(os.environ.get("AGENTKV_CHUNK_SIZE", CHUNK_SIZE)),
             bytes_per_token=kv_bytes_per_token(model_path),
             tokenizer=AutoTokenizer.from_pretrained(model_path),
+            vllm_urls=vllm_urls,
+            env=env if run_dir is not None else None,
         )
     finally:
         if run_dir is not None:

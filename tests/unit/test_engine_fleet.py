@@ -187,6 +187,35 @@ def test_a_branch_may_go_to_another_engine_and_starts_from_the_shared_store(
     assert prompt[: len(thread.engine_sequence) - 2] == thread.engine_sequence[:-2]
 
 
+def test_a_branch_on_another_engine_is_adopted_there_without_losing_its_prefix(
+    sim: SimLMCache, tiny_tokenizer: Any
+) -> None:
+    backend, transport, _ = make_fleet(sim, tiny_tokenizer)
+    thread = talk(backend, "t1")
+    salt = thread.cache_salt
+    asked = [*HISTORY, {"role": "assistant", "content": " ok"}, {"role": "user", "content": "Option B?"}]
+    loser, winner = thread.fork("a"), thread.fork("b")
+    loser.extend([*asked[:-1], {"role": "user", "content": "Option A, the night train?"}])
+    loser.generate(4)  # engine 1 (least loaded)
+    winner.extend(asked)
+    winner.generate(4)  # engine 0 is the least loaded now (ties: the parent's)
+    assert {loser.engine_index, winner.engine_index} == {0, 1}
+    went_on = list(winner.store.sent)
+    adopted = backend.adopt("t1", "b")
+    assert adopted is winner and backend.get("t1") is winner and loser.closed and thread.closed
+    assert winner.parent is None and winner.session_id == "t1" and winner.stats().route.startswith("adopted")
+    # The old thread's close spared the chunks the adopted branch goes on with.
+    assert all(sim.held(went_on, salt)[: len(went_on) // CHUNK])
+    engine = winner.engine_index
+    winner.extend([*asked, {"role": "assistant", "content": " ok"}, {"role": "user", "content": "Book it."}])
+    reused = winner.counters.reused_tokens
+    winner.generate(4)
+    assert winner.engine_index == engine and winner.stats().route.startswith("sticky")
+    assert winner.counters.reused_tokens - reused == len(went_on) // CHUNK * CHUNK
+    backend.close("t1")
+    assert sim.pins == {} and not any(any(t) for t in sim.held(went_on, salt))
+
+
 # -- failover ------------------------------------------------------------------------------------
 
 
