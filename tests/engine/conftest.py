@@ -3,7 +3,9 @@
 When `AGENTKV_ENGINE_VLLM_URL` and `AGENTKV_ENGINE_COORDINATOR_URL` name a running stack, it is
 used as is (and left running); otherwise `scripts/serve.sh start` starts one on its own ports
 in a temporary run directory and `scripts/serve.sh stop` ends it after the session. A stack
-that does not come up fails the tests with serve.sh's message: never a skip.
+that does not come up fails the tests with serve.sh's message: never a skip. A running fleet:
+`AGENTKV_ENGINE_VLLM_URLS` lists its engines (comma-separated) and `AGENTKV_ENGINE_RUN` names
+its serve.sh run directory (the fleet test stops and starts one of its engines).
 
 The stack it starts is a fleet of `ENGINES` vLLM servers over one LMCache (`AGENTKV_ENGINES`):
 the one-engine tests use engine 0 (`vllm_url`), the fleet test all of them, and it stops and
@@ -114,6 +116,10 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
         listed = os.environ.get("AGENTKV_ENGINE_VLLM_URLS", "")  # a running fleet: comma-separated
         vllm_urls = tuple(u for u in listed.split(",") if u) or (vllm_url,)
         model_path = os.environ.get("AGENTKV_ENGINE_MODEL") or _served_model_path(vllm_url)
+        if os.environ.get("AGENTKV_ENGINE_RUN"):  # serve.sh's run directory: its engines may be stopped
+            port = vllm_url.rsplit(":", 1)[-1].strip("/")
+            # Its own settings (AGENTKV_LMCACHE_PORT, ...) from the environment, not the test ports.
+            env = {**os.environ, "AGENTKV_VLLM_PORT": port, "AGENTKV_ENGINES": str(len(vllm_urls))}
     try:
         yield EngineStack(
             vllm_url=vllm_url,
@@ -124,7 +130,7 @@ def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSta
             bytes_per_token=kv_bytes_per_token(model_path),
             tokenizer=AutoTokenizer.from_pretrained(model_path),
             vllm_urls=vllm_urls,
-            env=env if run_dir is not None else None,
+            env=env if run_dir is not None or os.environ.get("AGENTKV_ENGINE_RUN") else None,
         )
     finally:
         if run_dir is not None:

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def serve(tmp_path: Path, *verb: str, **env: str) -> subprocess.CompletedProcess[str]:
     settings = {
         **os.environ,
         "AGENTKV_ENGINE_RUN": str(tmp_path / "run"),
@@ -29,7 +29,7 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         **env,
     }
     return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "serve.sh"), "start"],
+        ["bash", str(ROOT / "scripts" / "serve.sh"), *(verb or ("start",))],
         env=settings,
         capture_output=True,
         text=True,
@@ -54,3 +54,15 @@ def test_block_settings_must_be_positive_integers(tmp_path: Path) -> None:
     done = serve(tmp_path, AGENTKV_MAX_MODEL_LEN="-1")
     assert done.returncode != 0
     assert "AGENTKV_MAX_MODEL_LEN: expected a positive integer, got '-1'" in done.stderr
+
+
+@pytest.mark.engine
+def test_fleet_settings_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    done = serve(tmp_path, AGENTKV_ENGINES="0")
+    assert done.returncode != 0
+    assert "AGENTKV_ENGINES: expected a positive integer, got '0'" in done.stderr
+    done = serve(tmp_path, "stop-engine", "2", AGENTKV_ENGINES="2")
+    assert done.returncode != 0 and "engine 2: expected an index 0..1 (AGENTKV_ENGINES=2)" in done.stderr
+    done = serve(tmp_path, "start-engine", "1", AGENTKV_ENGINES="2")
+    assert done.returncode != 0 and "no running stack in" in done.stderr
+    assert not (tmp_path / "no-venv").exists() and not (tmp_path / "run").exists()  # nothing started
