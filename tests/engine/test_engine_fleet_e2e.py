@@ -38,10 +38,30 @@ def fleet_config(stack: EngineStack) -> Any:
 
 
 def first_answer(messages: list[Any], before: int) -> Any:
-    """The first model message of a turn (its first call to the engine)."""
+    """The first model message of a turn."""
     from langchain_core.messages import AIMessage
 
     return next(m for m in messages[before:] if isinstance(m, AIMessage))
+
+
+def usage_recorder() -> Any:
+    """A callback handler that keeps the `usage_metadata` of every model call, in order.
+
+    The graph may replace a forced tool call whose arguments did not parse by one of its
+    own (without usage): the call's usage is read where the model answered.
+    """
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Usages(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.usages: list[dict[str, Any]] = []
+
+        def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+            message = getattr(response.generations[0][0], "message", None)
+            if message is not None and message.usage_metadata is not None:
+                self.usages.append(dict(message.usage_metadata))
+
+    return Usages()
 
 
 @pytest.mark.engine
@@ -61,10 +81,12 @@ def test_two_agents_go_on_when_one_engine_dies_and_its_thread_reads_lmcache(
     nonce = time.time_ns()
     threads = [f"fleet-a-{nonce}", f"fleet-b-{nonce}"]
 
+    recorder = usage_recorder()
+
     def turn(thread: str, index: int) -> tuple[list[Any], int]:
         config = {"configurable": {"thread_id": thread}}
         before = len(graph.get_state(config).values.get("messages", []))
-        out = graph.invoke(turn_input(index), config)
+        out = graph.invoke(turn_input(index), {**config, "callbacks": [recorder]})
         return out["messages"], before
 
     for index in range(2):
@@ -79,10 +101,10 @@ def test_two_agents_go_on_when_one_engine_dies_and_its_thread_reads_lmcache(
     stack.stop_engine(1)  # between turns: engine 1's process group ends
     engine0 = VLLMClient(stack.vllm_urls[0], stack.served_name, timeout=600)
     metrics_before = engine0.metrics()
+    calls_before = len(recorder.usages)
     messages, before = turn(moved, 2)  # the moved thread's next turn: no call fails
-    answer = first_answer(messages, before)
-    usage = answer.usage_metadata
-    assert usage is not None
+    assert first_answer(messages, before) is not None
+    usage = recorder.usages[calls_before]  # its first call after the kill
     cached, prompt = usage["input_token_details"]["cache_read"], usage["input_tokens"]
     # Engine 0 never computed this conversation: what it did not compute came from LMCache.
     assert cached >= 0.8 * prompt, (cached, prompt)
