@@ -130,6 +130,7 @@ class EngineBackend(SessionRegistry[EngineSession]):
         self._target: EngineTarget | None = None
         self._target_lock = threading.Lock()
         self._warned: set[str] = set()
+        self._route_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: AgentKVConfig) -> EngineBackend:
@@ -194,10 +195,21 @@ class EngineBackend(SessionRegistry[EngineSession]):
             return self._target
 
     def route(self, session: Any, exclude: Sequence[int] = ()) -> Route:
-        """Where `session`'s next call goes (`EngineFleet.route` over the loads the lifecycle knows)."""
+        """Where `session`'s next call goes (`EngineFleet.route` over the loads the lifecycle knows).
+
+        One decision at a time, and the session is placed on its engine within it: threads
+        that start together see each other's placement (they spread instead of all taking
+        the engine that looked least loaded to each of them).
+        """
+        self.fleet.check_health()
         parent = session.parent
         near = parent.engine_index if parent is not None and session.engine_index is None else None
-        return self.fleet.route(session.engine_index, self.engine_loads(), exclude=exclude, near=near)
+        with self._route_lock:
+            route = self.fleet.route(
+                session.engine_index, self.engine_loads(), exclude=exclude, near=near, check=False
+            )
+            session.engine_index = route.engine
+        return route
 
     def engine_loads(self) -> list[EngineLoad]:
         """Each engine's load: calls in flight, working-set tokens and live conversations placed there.

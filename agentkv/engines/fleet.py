@@ -155,6 +155,7 @@ class EngineFleet:
         *,
         exclude: Sequence[int] = (),
         near: int | None = None,
+        check: bool = True,
     ) -> Route:
         """Where the next call of a conversation on `current` (None = not placed yet) goes.
 
@@ -163,6 +164,7 @@ class EngineFleet:
             loads: each engine's load, by index.
             exclude: engines this call already failed on.
             near: for a branch's first call, its parent's engine (preferred on a tie).
+            check: run the due health checks first (`check_health`); False when the caller did.
 
         Raises:
             EngineUnavailableError: every engine is excluded.
@@ -170,7 +172,8 @@ class EngineFleet:
         if len(loads) != len(self.engines):
             msg = f"loads: expected one per engine ({len(self.engines)}), got {len(loads)}"
             raise ValueError(msg)
-        self.check_health()
+        if check:
+            self.check_health()
         with self._lock:
             if current is not None and current not in exclude and self.engines[current].up:
                 return Route(current, self.engines[current].url, "sticky", "its engine is up")

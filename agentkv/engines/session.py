@@ -244,12 +244,12 @@ class EngineSession(SessionCore):
         """
         tried: list[int] = []
         while True:
-            route = self.backend.route(self, tried)
+            route = self.backend.route(self, tried)  # places the session on `route.engine`
             if route.moved_from is not None:
                 self.counters.engine_moves += 1
                 self.store.moved()
                 self.table.record("route", engine=route.engine, reason=route.reason, detail=route.detail)
-            self.engine_index, self.last_route = route.engine, route
+            self.last_route = route
             self.store.sync(prompt)
             try:
                 return self.backend.fleet.call(

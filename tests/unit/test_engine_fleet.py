@@ -354,3 +354,24 @@ def test_session_settings_the_engine_backend_owns_are_warned_and_prefix_sharing_
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(warnings) == 1 and "agentkv.prefix_cache.max_tokens" in warnings[0]
     assert "prefix_cache.enabled" not in warnings[0]
+
+
+def test_threads_that_start_together_spread_over_the_engines(sim: SimLMCache, tiny_tokenizer: Any) -> None:
+    import threading
+
+    backend, _, _ = make_fleet(sim, tiny_tokenizer)
+    sessions = [backend.session(f"t{i}") for i in range(4)]
+    for session in sessions:
+        session.extend(HISTORY)
+    start = threading.Barrier(len(sessions))
+
+    def first_call(session: Any) -> None:
+        start.wait()
+        session.generate(4)
+
+    workers = [threading.Thread(target=first_call, args=(s,)) for s in sessions]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert sorted(s.engine_index for s in sessions) == [0, 0, 1, 1]
