@@ -6,6 +6,7 @@
 #   bash scripts/serve.sh stop      # stop them (the pids this script started, newest first)
 #   bash scripts/serve.sh install   # only create the engine env
 #   bash scripts/serve.sh stop-engine I    # stop vLLM engine I of a running fleet (a failover drill)
+#   bash scripts/serve.sh kill-engine I    # SIGKILL it at once (a crash: in-flight requests are cut)
 #   bash scripts/serve.sh start-engine I   # start it again against the running LMCache, wait healthy
 #
 # With AGENTKV_ENGINES=N (default 1) it starts N vLLM servers, engine i on port
@@ -196,6 +197,16 @@ stop_proc() {  # name: end the process group this script started under that name
     rm -f "$RUN/$name.pid"
 }
 
+kill_proc() {  # name: SIGKILL the process group this script started under that name (a crash)
+    local name=$1 pid
+    [ -f "$RUN/$name.pid" ] || return 0
+    pid="$(cat "$RUN/$name.pid")"
+    kill -KILL -- "-$pid" 2>/dev/null || kill -9 "$pid" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    say "killed $name (pid $pid)"
+    rm -f "$RUN/$name.pid"
+}
+
 start() {
     check_engines
     check_model_len
@@ -272,6 +283,7 @@ case "${1:-start}" in
     status) status ;;
     install) install_env ;;
     stop-engine) check_engines; check_engine_index "${2:-}"; stop_proc "$(engine_name "$2")" ;;
+    kill-engine) check_engines; check_engine_index "${2:-}"; kill_proc "$(engine_name "$2")" ;;
     start-engine)
         check_engines
         check_engine_index "${2:-}"
@@ -283,5 +295,5 @@ case "${1:-start}" in
         start_engine "$2"
         say "engine $2 up: http://127.0.0.1:$((VLLM_PORT + $2))"
         ;;
-    *) die "usage: $0 start|stop|status|install|stop-engine I|start-engine I (got '${1}')" ;;
+    *) die "usage: $0 start|stop|status|install|stop-engine I|kill-engine I|start-engine I (got '${1}')" ;;
 esac

