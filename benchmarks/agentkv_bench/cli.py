@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help=(
             "engine: N > 1 = the fleet bench: the agents on engine 0 alone, on the N engines "
-            "(ports --vllm-url + i), and a failover run stopping engine N-1 (AGENTKV_ENGINES=N serve.sh)"
+            "(ports --vllm-url + i), and a failover run killing engine N-1 (AGENTKV_ENGINES=N serve.sh)"
         ),
     )
     bench.add_argument(

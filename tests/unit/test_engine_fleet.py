@@ -375,3 +375,17 @@ def test_threads_that_start_together_spread_over_the_engines(sim: SimLMCache, ti
     for worker in workers:
         worker.join()
     assert sorted(s.engine_index for s in sessions) == [0, 0, 1, 1]
+
+
+def test_the_fleet_bench_finds_engine_i_at_port_plus_i_and_checks_its_settings() -> None:
+    from agentkv_bench.engine import EngineBenchSettings
+    from agentkv_bench.engine_fleet import FleetBenchSettings, engine_urls
+
+    assert engine_urls("http://127.0.0.1:28000", 3) == [f"http://127.0.0.1:{28000 + i}" for i in range(3)]
+    with pytest.raises(ValueError, match="expected a URL with a host and a port"):
+        engine_urls("http://127.0.0.1", 2)
+    base = EngineBenchSettings(vllm_url="http://127.0.0.1:28000", coordinator_url=COORD)
+    with pytest.raises(ValueError, match="engines: expected >= 2"):
+        FleetBenchSettings(base=base, engines=1)
+    with pytest.raises(ValueError, match="kill_after: expected >= 1"):
+        FleetBenchSettings(base=base, kill_after=0)
