@@ -33,8 +33,9 @@ STOP_RANK = 100.0
 """The rank of the end-of-turn tokens: the best way to finish is to be finished."""
 SEPARATORS = (",", ", ")
 """Tokens that end a value when a required key or item still has to follow (below the closers)."""
-_PREFERRED = ('""', "[]", "{}", "0")
-"""Whole tokens that end a value at once (an empty string, array or object, a zero)."""
+_PREFERRED = ('""', "[]", "{}", "0", ' ""', " []", " {}")
+"""Whole tokens that end a value at once (an empty string, array or object, a zero; after `": `
+the value's tokens may carry the space)."""
 
 QUOTE_BONUS = 20.0
 """How much a token opening with `"` gains inside a string (and a quarter of it lost elsewhere)."""
