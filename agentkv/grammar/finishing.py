@@ -46,11 +46,11 @@ class AnswerTooLong(ValueError):
 
     def __init__(self, needed: int, budget: int) -> None:
         self.needed = needed
-        """Tokens the shortest answer takes (its end of turn included)."""
+        """Tokens the shortest answer found takes (its end of turn included)."""
         self.budget = budget
         msg = (
-            f"max_new_tokens={budget} cannot hold this grammar's shortest answer ({needed} tokens with "
-            f"the end of turn): raise max_new_tokens to at least {needed}, or make the schema smaller "
+            f"max_new_tokens={budget} cannot hold this grammar's shortest answer ({needed} tokens): "
+            f"raise max_new_tokens to at least {needed}, or make the schema smaller "
             "(fewer required keys or minItems)"
         )
         super().__init__(msg)

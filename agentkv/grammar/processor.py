@@ -48,6 +48,9 @@ class GrammarProcessor:
         tokenizer: the Hugging Face tokenizer (needed with `budget`, to rank closing tokens).
         stop_ids: the end-of-turn ids: allowed only once the grammar may end (and
             ranked for closing with `budget`).
+        tail_ids: ids the caller adds itself once the grammar reaches them, so the budget
+            need not hold them (a forced call's close tag: the caller stops decoding when
+            the call's JSON closes).
 
     Raises:
         AnswerTooLong: (a `ValueError`) the shortest answer found takes more than `budget` tokens.
@@ -63,6 +66,7 @@ class GrammarProcessor:
         budget: int | None = None,
         tokenizer: Any = None,
         stop_ids: Iterable[int] = (),
+        tail_ids: Sequence[int] = (),
     ) -> None:
         self.compiled = compiled
         self.matcher = compiled.matcher()
@@ -77,7 +81,7 @@ class GrammarProcessor:
         self.stop_ids = sorted(set(stop_ids))
         """End-of-turn ids: allowed only where the grammar may end (whatever the tokenizer marks special)."""
         self.rank = closing_rank(tokenizer, set(self.stop_ids)) if budget is not None else None
-        self.search = WaySearch(self.rank, self.stop_ids) if self.rank is not None else None
+        self.search = WaySearch(self.rank, self.stop_ids, tail_ids) if self.rank is not None else None
         self.window = CLOSING_WINDOW
         """Tokens before the end of the budget from which picked tokens are checked."""
         self.way: list[int] | None = None
@@ -147,7 +151,8 @@ class GrammarProcessor:
         probe = self.matcher.deep_copy()
         if not probe.consume_token(token):
             return True  # outside the grammar: `__call__` reports it with the ids
-        if way and len(way) <= left - 1 and _replays(probe.deep_copy(), way, self.stop_ids):
+        fits = way is not None and len(way) <= left - 1
+        if fits and way and self.search is not None and self.search.replays(probe.deep_copy(), way):
             self.way_at = position + 1  # the same way out (a token inside a string, say)
             return True
         found = self._search(probe, left - 1, first=True)
@@ -187,9 +192,3 @@ class GrammarProcessor:
     def _fail(self, what: str) -> None:
         msg = f"constrained decoding: {what} left the grammar: {self.matcher.get_error()}"
         raise RuntimeError(msg)
-
-
-def _replays(probe: llguidance.LLMatcher, way: list[int], stop_ids: Sequence[int]) -> bool:
-    """Whether `way` (its last id an end of turn, unless the grammar stops before) completes `probe`."""
-    body = way[:-1] if way and way[-1] in stop_ids else way
-    return bool(probe.consume_tokens(body)) and bool(probe.is_accepting())

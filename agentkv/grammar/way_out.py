@@ -4,9 +4,11 @@ Closing tokens (`agentkv.grammar.finishing.closing_choice`) decide most steps: c
 the string, the object, the array, end the turn. Where none is allowed (a required
 key's name, an enum value, a tool's name) the search branches over the longest
 allowed tokens, depth first with the longest first, and keeps the shortest way found
-within a step budget. A way is a list of token ids ending with the end of turn (or
-with the grammar stopped), so the processor can spend it token by token: the rest of
-a way is a way from the next state, which keeps one that fits fitting.
+within a step budget. A way is a list of token ids ending with the end of turn, with
+the grammar stopped, or where the caller's `tail` completes the answer (a forced call
+ends when its JSON closes; the caller adds the close tag), so the processor can spend
+it token by token: the rest of a way is a way from the next state, which keeps one
+that fits fitting.
 """
 
 from __future__ import annotations
@@ -46,10 +48,13 @@ class WaySearch:
     Args:
         rank: `closing_rank`'s tensor for the tokenizer, `[V]`.
         stop_ids: the end-of-turn ids.
+        tail: ids the caller adds itself once the grammar allows them and they complete it
+            (nothing to spend on them); empty: the answer ends at the end of turn.
     """
 
-    def __init__(self, rank: torch.Tensor, stop_ids: Sequence[int]) -> None:
+    def __init__(self, rank: torch.Tensor, stop_ids: Sequence[int], tail: Sequence[int] = ()) -> None:
         self.rank = rank
+        self.tail = list(tail)
         self.lengths = token_lengths(rank)
         self.stop_ids = list(stop_ids)
         self.vocab = int(rank.numel())
@@ -71,7 +76,7 @@ class WaySearch:
 
     def _walk(self, probe: llguidance.LLMatcher, way: list[int], bound: int, first: bool) -> None:
         while True:
-            if probe.is_stopped():
+            if probe.is_stopped() or self.tail_completes(probe):
                 self.best = list(way)  # within the limit: checked before the last token was added
                 return
             if len(way) + 1 > self._limit(bound):
@@ -98,6 +103,19 @@ class WaySearch:
                 self._walk(branch, [*way, token], bound, first)
             if first and self.best is not None:
                 return
+
+    def tail_completes(self, probe: llguidance.LLMatcher) -> bool:
+        """Whether the caller's `tail` is allowed from `probe`'s state and completes the answer."""
+        if not self.tail or probe.validate_tokens(self.tail) < len(self.tail):
+            return False
+        after = probe.deep_copy()
+        return bool(after.consume_tokens(self.tail)) and bool(after.is_accepting())
+
+    def replays(self, probe: llguidance.LLMatcher, way: Sequence[int]) -> bool:
+        """Whether `way` completes the answer from `probe`'s state (consumes `probe`)."""
+        if way and way[-1] in self.stop_ids:
+            return bool(probe.consume_tokens(list(way[:-1]))) and bool(probe.is_accepting())
+        return bool(probe.consume_tokens(list(way))) and (probe.is_stopped() or self.tail_completes(probe))
 
     def _longest(self, choice: torch.Tensor) -> int:
         scores = torch.where(choice, self.lengths[: choice.numel()], torch.tensor(-1.0))

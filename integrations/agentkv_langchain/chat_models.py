@@ -527,7 +527,11 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
                 options["logits_processor"] = grammar_processor(
-                    self.backend, plan.grammar, prefix, plan.sampling["max_new_tokens"]
+                    self.backend,
+                    plan.grammar,
+                    prefix,
+                    plan.sampling["max_new_tokens"],
+                    ends_at_call_close=call_end is not None,
                 )
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)

@@ -203,8 +203,8 @@ def under_grammar_with(monkeypatch: pytest.MonkeyPatch, push: Any) -> None:
     """Make the model prefer `push`'s text, then apply the grammar's mask (the grammar has the last word)."""
     real = chat_models_module.grammar_processor
 
-    def wrapped(*args: Any) -> Any:
-        processor = real(*args)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        processor = real(*args, **kwargs)
         return lambda produced, logits: processor(produced, push(produced, logits))
 
     monkeypatch.setattr(chat_models_module, "grammar_processor", wrapped)
