@@ -2,8 +2,8 @@
 
 Events are idempotent (LangGraph re-runs a node from the top on resume): an event
 seen before, one for an unknown owner, one whose spans are already evicted, or a
-`Custom` event no rule names is a logged no-op. Every move goes through the mover; a pin goes through the manager's
-`pin` (a confirmed span that was demoted comes back first).
+`Custom` event no rule names is a logged no-op. Every move goes through the mover;
+a pin goes through the manager's `pin` (a confirmed span that was demoted comes back first).
 """
 
 from __future__ import annotations

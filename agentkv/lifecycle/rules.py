@@ -16,7 +16,6 @@ validated once, by `agentkv.config.rule_problems` (the YAML validation and
 from __future__ import annotations
 
 import difflib
-
 from collections.abc import Mapping
 
 from agentkv.config import rule_problems
