@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from agentkv.backend import SamplingParams, TransformersBackend, UnknownSessionError
-from agentkv.backend.contracts import ExtendResult, SessionClosedError
+from agentkv.backend.contracts import ContextLengthError, ExtendResult, SessionClosedError
 from agentkv.backend.public import AgentBackend, AgentSession
 from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
@@ -51,6 +51,7 @@ __all__ = [
     "BranchOpened",
     "BranchPruned",
     "BranchSelected",
+    "ContextLengthError",
     "Custom",
     "EngineBackend",
     "EngineSession",

@@ -50,7 +50,15 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from agentkv import AgentKVConfig, AnySession, Backend, EngineBackend, Session, TransformersBackend
+from agentkv import (
+    AgentKVConfig,
+    AnySession,
+    Backend,
+    ContextLengthError,
+    EngineBackend,
+    Session,
+    TransformersBackend,
+)
 from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
@@ -82,6 +90,15 @@ from agentkv_langchain.tools import (
 )
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
+
+
+CONTEXT_WAY_OUT = (
+    "keep the thread's history under it: LangChain's SummarizationMiddleware (create_agent(..., "
+    'middleware=[SummarizationMiddleware(model, trigger=("tokens", N))])) replaces old turns with a '
+    "summary, or trim_messages(messages, max_tokens=N, token_counter=llm) drops them; the session "
+    "keeps the unchanged start and encodes only what changed"
+)
+"""What `ContextLengthError` tells a LangChain user to do (N: under the model's positions)."""
 
 
 class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
@@ -136,8 +153,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     tool_use: Literal["auto", "call_then_answer"] = "auto"
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
-    forces a call (to the tool the model prefers) on a turn's first step and a text answer
-    after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    forces a call (to the tool the model prefers) on the thread's first request, a text answer
+    after a tool result, and lets the model decide on later user turns (a follow-up is answered
+    from the results it holds, not by calling again), so a small model cannot loop on calls."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -511,7 +529,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             before = session.stats()
             # One forward per call: the new messages are encoded with the generation prompt
             # (scoring tool names first encodes whatever is pending).
-            extended = session.extend(plan.messages, prefill=False)
+            try:
+                extended = session.extend(plan.messages, prefill=False)
+            except ContextLengthError as e:
+                raise ContextLengthError(e.session_id, e.total, e.limit, CONTEXT_WAY_OUT) from e
             prefix = plan.prefix
             local = isinstance(session, Session)
             if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored

@@ -29,7 +29,7 @@ from agentkv_langchain.tools import (
 )
 from agentkv_langchain.toolset import thread_tools
 
-__all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning"]
+__all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning", "call_then_answer_choice"]
 
 SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
 IGNORED_KWARGS = ("strict",)
@@ -104,9 +104,7 @@ class CallPlanning:
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
         if tools and choice is None and self.tool_use == "call_then_answer" and chat:
-            last = chat[-1]["role"]
-            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
-            choice = "none" if last == "tool" else choice
+            choice = call_then_answer_choice(chat, tools)
         block = tools
         if session is not None:
             chat, block = thread_tools(session).plan(chat, tools)
@@ -162,6 +160,25 @@ class CallPlanning:
             own = chat[0]["content"]
             chat[0] = {**chat[0], "content": f"{own}\n\n{prompt}" if own else prompt}
         return chat
+
+
+def call_then_answer_choice(chat: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]]) -> str | None:
+    """`tool_use="call_then_answer"`'s tool choice for a call whose conversation is `chat`.
+
+    - after a tool result: "none" (answer from it);
+    - on a user message, when the thread holds no tool result yet (its first request):
+      "any" (a call, to the tool the model picks);
+    - on a later user message: None (the model decides under the grammar), so a follow-up
+      question is answered from the results already in the thread instead of repeating a
+      call (booking the same room again, fetching the same log again). Bind
+      `tool_choice="any"` for a call that must act again.
+    """
+    last = chat[-1]["role"]
+    if last == "tool":
+        return "none"
+    if last == "user" and not any(message["role"] == "tool" for message in chat):
+        return resolve_tool_choice("any", tool_names(tools))
+    return None
 
 
 def response_schema(response_format: Any) -> dict[str, Any] | None:
