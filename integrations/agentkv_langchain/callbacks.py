@@ -28,9 +28,11 @@ for the end of the top-level run, whichever comes first; `flush()` sends them no
 Which session an event goes to is decided exactly as `ChatAgentKV` decides it, with
 `agentkv_langchain.sessions.SessionKey.from_metadata`: start events carry the run
 metadata (`thread_id`, `agentkv_branch`, LangGraph's `langgraph_*` keys), end and
-error events do not, so a `run_id → context` map is filled at start and children
-inherit their parent's context. Parallel branches call the handler from worker
-threads: one lock guards the map.
+error events do not, so each run's start leaves a `RunRecord` (children inherit their
+parent's) in the handler's `RunBook` (`agentkv_langchain.runs`: one typed record per
+run, session and thread, under one lock: parallel branches call the handler from
+worker threads). How a run or a tool call ended is `agentkv_langchain.outcomes.decide`,
+the same decision `AgentKVMiddleware` makes.
 
 Hints never break a run: by default every exception inside the handler is logged
 (logger `agentkv.callbacks`), counted in `errors` and swallowed; with
@@ -62,8 +64,6 @@ from agentkv import (
     ToolCallFailed,
     TransformersBackend,
     TurnEnded,
-    UserConfirmed,
-    UserRejected,
 )
 from agentkv_langchain.decisions import (
     CONFIRM_EVENT,
@@ -75,7 +75,7 @@ from agentkv_langchain.decisions import (
     REJECT_EVENT,
     SELECT_BRANCH_EVENT,
     ToolCallRecord,
-    custom_event_from,
+    custom_event,
     decision_events,
     resume_decision,
 )
@@ -453,30 +453,15 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         if name not in CUSTOM_EVENTS:
             return
         run = self.book.get(run_id) or self.book.record_for(run_id, None, metadata)
-        data = data if data is not None else {}
-        if name == GENERIC_EVENT:
-            self._emit(run.session_id, custom_event_from(data))
-            return
-        if not isinstance(data, Mapping):
-            msg = f"{name}: data must be a mapping, got {type(data).__name__}"
-            raise TypeError(msg)
-        owner = data.get("owner")
-        owner = str(owner) if owner is not None else None
-        if name == CONFIRM_EVENT:
-            self._emit(run.session_id, UserConfirmed(owner=owner))
-        elif name == REJECT_EVENT:
-            self._emit(run.session_id, UserRejected(owner=owner))
-        elif name == PIN_EVENT:
-            self._pin(run.session_id, owner)
-        else:
-            branch = data.get("branch")
-            if not isinstance(branch, str) or not branch:
-                msg = f"{name}: data['branch'] must be a non-empty string, got {branch!r}"
-                raise ValueError(msg)
-            pruned = name == PRUNE_BRANCH_EVENT
+        event = custom_event(name, data)
+        if name == PIN_EVENT:  # a pin is made here, its lease kept (`release`)
+            self._pin(run.session_id, str(event.owner))
+        elif isinstance(event, (BranchPruned, BranchSelected)):
             # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
-            self._emit(run.thread, BranchPruned(branch=branch) if pruned else BranchSelected(branch=branch))
-            self.book.decided(run.thread, branch, selected=not pruned)
+            self._emit(run.thread, event)
+            self.book.decided(run.thread, event.branch, selected=isinstance(event, BranchSelected))
+        else:
+            self._emit(run.session_id, event)
 
     # -- the records test code looks at (snapshots) -------------------------------------------------
 
@@ -588,10 +573,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
     def _thread(self, thread_id: str | None) -> str:
         return SessionKey.from_metadata({THREAD_KEY: thread_id} if thread_id else {}, self.session_id).thread
 
-    def _pin(self, session_id: str, owner: str | None) -> None:
-        if owner is None:
-            msg = f"{PIN_EVENT}: data['owner'] is required (the span owner to pin)"
-            raise ValueError(msg)
+    def _pin(self, session_id: str, owner: str) -> None:
         with self._lock:
             if (session_id, owner) in self.leases or session_id not in self.backend:
                 return  # already pinned (a re-run node pins again), or no such session: a no-op hint

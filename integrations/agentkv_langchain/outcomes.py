@@ -10,12 +10,14 @@ KV lifecycle treats each differently:
 - `FAILED`: any other exception, or a tool result `ToolMessage(status="error")`. A
   tool call's result and scaffolding are released (`ToolCallFailed`); a top-level
   run does not end the turn (the next user turn does).
-- `REPLAYED`: the unit re-runs an interrupted one (a resumed graph task). Its answers
-  stand for the interrupted attempt's, and decisions about those land on them.
+- `REPLAYED`: a graph task interrupted in a run that has ended: it runs again from
+  the top on resume, its new answers stand for the interrupted attempt's, and
+  decisions about those land on them (`agentkv_langchain.replays`).
 - `COMPLETED`: anything else. A tool call's result is committed
   (`ToolCallCompleted`); a top-level run ends the turn.
 
-`decide` reads the evidence; `tool_event` is the event a tool call's outcome sends.
+`decide` reads a unit's evidence, `after_run` what a graph task is when its run
+ends, and `tool_event` is the event a tool call's outcome sends.
 Both the callback handler and the middleware use them, so a tool paused by
 `interrupt()` is never reported as failed, whichever of the two watches it.
 """
@@ -30,7 +32,16 @@ from langchain_core.messages import ToolMessage
 
 from agentkv import Event, ToolCallCompleted, ToolCallFailed
 
-__all__ = ["BUBBLE_UPS", "INTERRUPT_KEY", "Outcome", "decide", "is_bubble_up", "tool_event", "tool_message"]
+__all__ = [
+    "BUBBLE_UPS",
+    "INTERRUPT_KEY",
+    "Outcome",
+    "after_run",
+    "decide",
+    "is_bubble_up",
+    "tool_event",
+    "tool_message",
+]
 
 BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
 """LangGraph's control-flow exceptions (matched by name: LangGraph is optional): a pause, not a failure."""
@@ -75,7 +86,6 @@ def decide(
     *,
     result: ToolMessage | None = None,
     interrupted: bool = False,
-    replaying: bool = False,
 ) -> Outcome:
     """The outcome of one unit of work, from what it returned or raised.
 
@@ -85,11 +95,11 @@ def decide(
         result: The `ToolMessage` a tool call produced (`status="error"` marks a failure).
         interrupted: An interrupt was seen inside the unit (a child paused, LangGraph
             reported `on_interrupt`): the unit is paused whatever it returned.
-        replaying: The unit re-runs an interrupted one (a resumed graph task).
 
     Returns:
         `INTERRUPTED` for a pause (it wins over everything), else `FAILED` for an
-        exception or an error result, else `REPLAYED` or `COMPLETED`.
+        exception or an error result, else `COMPLETED` (a graph task becomes `REPLAYED`
+        when its run ends: `after_run`).
     """
     if interrupted or (error is not None and is_bubble_up(error)):
         return Outcome.INTERRUPTED
@@ -97,7 +107,17 @@ def decide(
         return Outcome.INTERRUPTED
     if error is not None or (result is not None and result.status == "error"):
         return Outcome.FAILED
-    return Outcome.REPLAYED if replaying else Outcome.COMPLETED
+    return Outcome.COMPLETED
+
+
+def after_run(task: Outcome | None, run: Outcome) -> Outcome | None:
+    """What a graph task is once its top-level run ended with outcome `run`.
+
+    `REPLAYED` when the task was interrupted and so was the run (LangGraph runs the task
+    again on resume); None when the task is done (its run completed or failed, or it
+    was not the one that paused).
+    """
+    return Outcome.REPLAYED if task is Outcome.INTERRUPTED and run is Outcome.INTERRUPTED else None
 
 
 def tool_event(

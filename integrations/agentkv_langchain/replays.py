@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agentkv import Event, UserConfirmed, UserRejected
-from agentkv_langchain.outcomes import Outcome
+from agentkv_langchain.outcomes import Outcome, after_run
 
 __all__ = ["GraphTasks", "TaskRecord"]
 
@@ -117,10 +117,11 @@ class GraphTasks:
                     owner = record.first_owner(held.position) or held.event.owner
                     left.append((held.order, dataclasses.replace(held.event, owner=owner)))
                 record.held = []
-                if outcome is Outcome.INTERRUPTED and record.outcome is Outcome.INTERRUPTED:
-                    record.answers, record.outcome = [], Outcome.REPLAYED
-                else:
+                record.outcome = after_run(record.outcome, outcome)
+                if record.outcome is None:
                     del self._tasks[key]
+                else:
+                    record.answers = []
         return [event for _, event in sorted(left, key=lambda item: item[0])]
 
     def __len__(self) -> int:
