@@ -1,4 +1,4 @@
-"""The one outcome decision (completed, failed, interrupted, replayed): the handler and the middleware share it."""
+"""One outcome decision (completed, failed, interrupted, replayed), shared by handler and middleware."""
 
 from __future__ import annotations
 
