@@ -454,8 +454,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
             return
         run = self.book.get(run_id) or self.book.record_for(run_id, None, metadata)
         event = custom_event(name, data)
-        if name == PIN_EVENT:  # a pin is made here, its lease kept (`release`)
-            self._pin(run.session_id, str(event.owner))
+        if name == PIN_EVENT and isinstance(event, Custom) and event.owner is not None:
+            self._pin(run.session_id, event.owner)  # pinned here, the lease kept (`release`)
         elif isinstance(event, (BranchPruned, BranchSelected)):
             # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
             self._emit(run.thread, event)
