@@ -463,7 +463,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         else:
             self._emit(run.session_id, event)
 
-    # -- the records test code looks at (snapshots) -------------------------------------------------
+    # -- views of the run book (what the tests check is left empty) -------------------------------
 
     @property
     def _runs(self) -> dict[UUID, RunRecord]:
