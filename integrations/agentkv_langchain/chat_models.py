@@ -50,15 +50,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from agentkv import (
-    AgentKVConfig,
-    AnySession,
-    Backend,
-    ContextLengthError,
-    EngineBackend,
-    Session,
-    TransformersBackend,
-)
+from agentkv import AgentKVConfig, AnySession, Backend, EngineBackend, Session, TransformersBackend
 from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
@@ -67,6 +59,7 @@ from agentkv_langchain.calls import (
     call_metadata,
     call_usage,
     close_iterator,
+    langchain_way_out,
     loaded_model_name,
     read_answer,
     run_id_of,
@@ -90,15 +83,6 @@ from agentkv_langchain.tools import (
 )
 
 __all__ = ["ChatAgentKV", "to_chat_dicts"]
-
-
-CONTEXT_WAY_OUT = (
-    "keep the thread's history under it: LangChain's SummarizationMiddleware (create_agent(..., "
-    'middleware=[SummarizationMiddleware(model, trigger=("tokens", N))])) replaces old turns with a '
-    "summary, or trim_messages(messages, max_tokens=N, token_counter=llm) drops them; the session "
-    "keeps the unchanged start and encodes only what changed"
-)
-"""What `ContextLengthError` tells a LangChain user to do (N: under the model's positions)."""
 
 
 class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
@@ -153,9 +137,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     tool_use: Literal["auto", "call_then_answer"] = "auto"
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
-    forces a call (to the tool the model prefers) on the thread's first request, a text answer
-    after a tool result, and lets the model decide on later user turns (a follow-up is answered
-    from the results it holds, not by calling again), so a small model cannot loop on calls."""
+    forces a call on the thread's first request and a text answer after a tool result; later
+    user turns are the model's to decide (`planning.call_then_answer_choice`)."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -529,10 +512,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             before = session.stats()
             # One forward per call: the new messages are encoded with the generation prompt
             # (scoring tool names first encodes whatever is pending).
-            try:
+            with langchain_way_out():
                 extended = session.extend(plan.messages, prefill=False)
-            except ContextLengthError as e:
-                raise ContextLengthError(e.session_id, e.total, e.limit, CONTEXT_WAY_OUT) from e
             prefix = plan.prefix
             local = isinstance(session, Session)
             if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
@@ -547,12 +528,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             call_end = CallEnd(prefix) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
+                limit, closes = plan.sampling["max_new_tokens"], call_end is not None
                 options["logits_processor"] = grammar_processor(
-                    self.backend,
-                    plan.grammar,
-                    prefix,
-                    plan.sampling["max_new_tokens"],
-                    ends_at_call_close=call_end is not None,
+                    self.backend, plan.grammar, prefix, limit, ends_at_call_close=closes
                 )
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
