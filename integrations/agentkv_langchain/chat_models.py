@@ -137,8 +137,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     tool_use: Literal["auto", "call_then_answer"] = "auto"
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
-    forces a call on the thread's first request and a text answer after a tool result; later
-    user turns are the model's to decide (`planning.call_then_answer_choice`)."""
+    forces a call on a user turn and a text answer after a tool result; a call the thread already
+    holds the result of is answered from it instead (`planning.call_then_answer_choice`)."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -510,12 +510,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
-            # One forward per call: the new messages are encoded with the generation prompt
-            # (scoring tool names first encodes whatever is pending).
+            # One forward per call: the new messages are encoded with the generation prompt.
             with langchain_way_out():
                 extended = session.extend(plan.messages, prefill=False)
-            prefix = plan.prefix
-            local = isinstance(session, Session)
+            prefix, local = plan.prefix, isinstance(session, Session)
             if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
@@ -563,6 +561,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             )
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
+        if self._answered_already(messages, kwargs, calls):  # answer from the result the thread holds
+            yield from self._answer(messages, stop, metadata, message_id, {**kwargs, "tool_choice": "none"})
+            return
         limit = plan.sampling["max_new_tokens"]
         finish = "tool_calls" if calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(

@@ -1,9 +1,10 @@
 """`tool_use="call_then_answer"` forces a call where the thread needs one, and a long thread's way out.
 
-The first request of a thread gets a forced call, a tool result gets a text answer,
-and a later user turn is the model's to decide: a follow-up question is not a reason
-to book the same room again. A thread that outgrows the model's positions fails
-before encoding with `ContextLengthError`, which names LangChain's way out.
+A user turn gets a forced call and a tool result a text answer; a forced call that
+repeats one whose result the thread already holds is answered from that result
+instead: a follow-up question is not a reason to fetch the same log again. A thread
+that outgrows the model's positions fails before encoding with `ContextLengthError`,
+which names LangChain's way out.
 """
 
 from __future__ import annotations
@@ -16,53 +17,59 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from agentkv import AgentKVConfig, ContextLengthError, TransformersBackend
 from agentkv_langchain import ChatAgentKV
-from agentkv_langchain.planning import call_then_answer_choice
+from agentkv_langchain.planning import call_then_answer_choice, repeated_calls
 from agentkv_langchain.tools import ANY_TOOL
 
 
 @tool
-def book_room(room: str) -> str:
-    """Book a hotel room by its number."""
-    return f"room {room} booked"
+def fetch_log() -> str:
+    """Fetch the deployment log."""
+    return "deploy 41 failed: disk full on node 3"
 
 
-TOOLS = [{"type": "function", "function": {"name": "book_room", "parameters": {"type": "object"}}}]
+TOOLS = [{"type": "function", "function": {"name": "fetch_log", "parameters": {"type": "object"}}}]
 
 
-def test_a_call_is_forced_on_the_threads_first_request_only() -> None:
-    first = [{"role": "user", "content": "Book room 12."}]
-    assert call_then_answer_choice(first, TOOLS) == "book_room"  # "any" of one tool
-    two = [*TOOLS, {"type": "function", "function": {"name": "cancel", "parameters": {"type": "object"}}}]
+def test_a_user_turn_gets_a_call_and_a_tool_result_an_answer() -> None:
+    first = [{"role": "user", "content": "Why did the deploy fail?"}]
+    assert call_then_answer_choice(first, TOOLS) == "fetch_log"  # "any" of one tool
+    two = [*TOOLS, {"type": "function", "function": {"name": "book", "parameters": {"type": "object"}}}]
     assert call_then_answer_choice(first, two) == ANY_TOOL
-    called = [
-        *first,
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "book_room", "arguments": {}}]},
-        {"role": "tool", "content": "room 12 booked", "tool_call_id": "c1"},
+    called = [*first, {"role": "tool", "content": "deploy 41 failed", "tool_call_id": "c1"}]
+    assert call_then_answer_choice(called, TOOLS) == "none"
+
+
+def test_a_call_is_repeated_only_when_its_result_is_not_in_the_thread() -> None:
+    booked = [
+        HumanMessage("Book room 12."),
+        AIMessage("", tool_calls=[{"id": "c1", "name": "book_room", "args": {"room": "12", "nights": 2}}]),
+        ToolMessage("room 12 booked", tool_call_id="c1"),
+        AIMessage("Booked."),
+        HumanMessage("Is breakfast included?"),
     ]
-    assert call_then_answer_choice(called, TOOLS) == "none"  # answer from the result
-    answered = [*called, {"role": "assistant", "content": "Booked."}]
-    follow_up = [*answered, {"role": "user", "content": "When is check-out?"}]
-    assert call_then_answer_choice(follow_up, TOOLS) is None  # the model decides
+    same = [{"name": "book_room", "args": {"nights": 2, "room": "12"}}]  # key order does not matter
+    assert repeated_calls(booked, same)
+    assert not repeated_calls(booked, [{"name": "book_room", "args": {"room": "14", "nights": 2}}])
+    assert not repeated_calls(booked, [*same, {"name": "fetch_log", "args": {}}])
+    unanswered = booked[:2]  # a call with no result yet is not one to answer from
+    assert not repeated_calls(unanswered, same) and not repeated_calls(booked, [])
 
 
-def test_create_agent_books_once_over_three_turns(tiny_model, tiny_tokenizer) -> None:
+def test_create_agent_fetches_the_log_once_for_its_follow_ups(tiny_model, tiny_tokenizer) -> None:
     from langchain.agents import create_agent
 
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
     llm = ChatAgentKV(backend=backend, max_new_tokens=24, tool_use="call_then_answer")
-    agent = create_agent(llm, [book_room], checkpointer=InMemorySaver())
-    config = {"configurable": {"thread_id": "hotel"}, "recursion_limit": 8}
-    forced_turns = []
-    for text in ("Book room 12.", "Is breakfast included?", "When is check-out?"):
+    agent = create_agent(llm, [fetch_log], checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "ops"}, "recursion_limit": 8}
+    for text in ("Why did the deploy fail?", "Which node was it?", "What should I free up?"):
         out = agent.invoke({"messages": [HumanMessage(text)]}, config)
-        last_user = max(i for i, m in enumerate(out["messages"]) if isinstance(m, HumanMessage))
-        turn = out["messages"][last_user:]
-        forced_turns.append(isinstance(turn[1], AIMessage) and bool(turn[1].tool_calls))
-        assert isinstance(out["messages"][-1], AIMessage) and not out["messages"][-1].tool_calls
-    assert forced_turns[0]  # the first request: a call, then an answer from its result
-    results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
-    # The tiny random model, left to decide, answers in text: one booking, not three.
-    assert len(results) == 1 and forced_turns[1:] == [False, False]
+        final = out["messages"][-1]
+        assert isinstance(final, AIMessage) and not final.tool_calls  # text (the random model's noise)
+    messages = out["messages"]
+    assert sum(isinstance(m, ToolMessage) for m in messages) == 1  # one fetch, three answers
+    assert sum(isinstance(m, AIMessage) and bool(m.tool_calls) for m in messages) == 1
+    backend.get("ops").check()  # the discarded repeat left the session consistent
 
 
 def test_a_thread_past_the_models_positions_names_the_way_out(tiny_tokenizer) -> None:
