@@ -7,6 +7,7 @@ family this transformers cannot build is skipped with its reason.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from transformers import DynamicCache
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.policies import AttentionProbe
 from agentkv.spans import SpanState, Tier
-from tests.families import Family, build, family_params
+from tests.families import FAMILIES, Family, build, family_params
 from tests.unit.session_history import HISTORY
 
 EXACT = 1e-5
@@ -129,3 +130,13 @@ def test_default_policy_meets_a_budget_over_turns(family: Family, tiny_tokenizer
         assert stats.budget_satisfied, stats
     demoted = [s for s in session.spans if s.state is SpanState.ARCHIVED or s.tier is Tier.ATTENDED_QUANTIZED]
     assert demoted, "the budget never pressed: the test would not exercise the probe"
+
+
+def test_docs_list_every_family_with_its_kernels() -> None:
+    """docs/models.md has one row per family of the matrix, as the matrix defines it."""
+    text = (Path(__file__).parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
+    for family in FAMILIES:
+        windowed = "yes" if family.windowed else ""
+        kernels = ", ".join(family.kernels)
+        row = f"| {family.name} | `{family.model_class}` | {family.traits} | {kernels} | {windowed} |"
+        assert row in text, f"docs/models.md lacks or misstates: {row}"
