@@ -262,3 +262,25 @@ def test_attention_window_reads_policies() -> None:
     assert attention_window(ProtectRecentPolicy(TOVAPolicy(), recent_tokens=4)) == 1
     composed = WeightedSumPolicy(((TOVAPolicy(), 1.0), (SnapKVPolicy(window=24), 1.0), (H2OPolicy(), 0.5)))
     assert attention_window(composed) == 24
+
+
+def test_a_second_probe_on_the_same_model_is_refused(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
+    with AttentionProbe(tiny_model, WINDOW), pytest.raises(RuntimeError, match="already routed"):
+        AttentionProbe(tiny_model, WINDOW).__enter__()
+    _assert_restored(tiny_model)
+
+
+def test_eager_models_get_eager_back_and_other_models_are_untouched(
+    tiny_model: PreTrainedModel, ids: torch.Tensor
+) -> None:
+    """Routing is per model: another model runs its own kernel, unprobed, while one is routed."""
+    eager = _eager_copy(tiny_model)
+    with torch.no_grad():
+        before = tiny_model(input_ids=ids).logits
+        with AttentionProbe(eager, WINDOW) as probe:
+            during = tiny_model(input_ids=ids).logits
+            assert tiny_model.config._attn_implementation == "sdpa"
+        assert not probe.layer_attention  # the other model's forward was not recorded
+    assert torch.equal(before, during)
+    _assert_restored(eager, "eager")
+    _assert_restored(tiny_model)
