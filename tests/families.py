@@ -224,6 +224,22 @@ FAMILIES: tuple[Family, ...] = (
         traits="whole-projection q/k norm, hybrid sliding/full layers",
         windowed=True,
     ),
+    Family(
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        "gpt_oss",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "max_position_embeddings": 131072,  # its YaRN factor (32) over a 4k original context
+        },
+        kernels=("eager",),
+        traits="attention sinks (eager), mixture of experts, alternating sliding/full layers",
+        windowed=True,
+    ),
 )
 """Every family in the matrix, Llama first."""
 

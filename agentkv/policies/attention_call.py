@@ -39,7 +39,8 @@ class AttentionCall:
 
     `query` `[B, H_q, q, D]` and `key` `[B, H_kv, S, D]` are the kernel's own tensors (key
     includes every cached slot); `mask` is the kernel's mask as given (bool: True = attend;
-    float: additive; None: causal with the q queries in the last q slots).
+    float: additive; None: causal with the q queries in the last q slots); `sinks` `[H_q]`
+    are attention-sink logits that join each row's softmax and take their share (gpt-oss).
     """
 
     layer: int
@@ -48,6 +49,7 @@ class AttentionCall:
     mask: torch.Tensor | None
     scaling: float
     softcap: float | None
+    sinks: torch.Tensor | None = None
 
 
 class Recorder(Protocol):
@@ -156,7 +158,7 @@ def _unregister(kernel: str) -> None:
     AttentionMaskInterface._global_mapping.pop(name, None)
 
 
-_WEIGHT_CHANGING = ("s_aux", "position_bias")
+_WEIGHT_CHANGING = ("position_bias",)
 """Kernel arguments that change attention weights and that the probe does not model."""
 
 
@@ -187,6 +189,7 @@ def _dispatcher(kernel: str) -> Callable[..., Any]:
                     mask=attention_mask,
                     scaling=float(head_dim**-0.5 if scaling is None else scaling),
                     softcap=kwargs.get("softcap"),
+                    sinks=kwargs.get("s_aux"),
                 )
             )
         original = ALL_ATTENTION_FUNCTIONS.get_interface(kernel, _family_eager(module))

@@ -1,8 +1,9 @@
 """Attention weights of some query rows of one attention call, as the kernel computes them.
 
 softmax(softcap(q·kᵀ · scaling) + mask), in float32, with grouped KV heads repeated the
-way transformers' `repeat_kv` does (query head h reads KV head h // groups). Only the
-asked rows are computed: O(rows · S) per layer instead of the O(q · S) the call does.
+way transformers' `repeat_kv` does (query head h reads KV head h // groups) and a head's
+attention-sink logit, when the call has one, taking its share of each row. Only the asked
+rows are computed: O(rows · S) per layer instead of the O(q · S) the call does.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def row_weights(call: AttentionCall, first: int, stop: int) -> torch.Tensor:
     if call.softcap is not None:
         logits = torch.tanh(logits / call.softcap) * call.softcap
     logits = logits + _bias(call.mask, first, stop, q_len, s, logits.device)
+    if call.sinks is not None:  # one more column per head, dropped after the softmax
+        sinks = call.sinks.to(logits.device).float().reshape(1, -1, 1, 1)  # [1, H_q, 1, 1]
+        logits = torch.cat([logits, sinks.expand(*logits.shape[:-1], 1)], dim=-1)
+        return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)[..., :-1]
     return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
 
 
