@@ -192,14 +192,25 @@ def _dispatcher(kernel: str) -> Callable[..., Any]:
                     sinks=kwargs.get("s_aux"),
                 )
             )
-        original = ALL_ATTENTION_FUNCTIONS.get_interface(kernel, _family_eager(module))
-        return original(module, query, key, value, attention_mask, **kwargs)
+        return _original(module, kernel)(module, query, key, value, attention_mask, **kwargs)
 
     return probe_attention
 
 
+def _original(module: nn.Module, kernel: str) -> Callable[..., Any]:
+    """The function the module calls for `kernel` when it is not routed.
+
+    Looked up as its modeling file does: in that file's `ALL_ATTENTION_FUNCTIONS` (a family
+    may override a kernel locally), with the file's own eager function as the default.
+    """
+    interfaces = getattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS", None)
+    if not isinstance(interfaces, AttentionInterface):
+        interfaces = ALL_ATTENTION_FUNCTIONS
+    return interfaces.get_interface(kernel, _family_eager(module))
+
+
 def _family_eager(module: nn.Module) -> Callable[..., Any]:
-    """The eager attention function of the module's own modeling file (softcap etc. included).
+    """The eager attention function of the module's own modeling file (softcap, sinks included).
 
     transformers passes it to `get_interface` as the default for "eager", which a routed
     call no longer sees; every modeling file defines it under this name.
