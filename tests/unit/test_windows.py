@@ -1,0 +1,165 @@
+"""Sliding-window and hybrid layers: every move keeps each layer's window as a plain forward has it.
+
+transformers sizes a sliding window by physical slots; agentkv's cache holds tokens
+out of logical order after an archive + restore, an evict + rehydrate or a recall.
+Each case here encodes a conversation several windows long on a tiny windowed model,
+moves a long tool result, and compares the logits of the next tokens with a plain
+forward over the same ids (nothing evicted: they must agree to fp32 tolerance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from agentkv import AgentKVConfig, Custom, SpanState, Tier, TransformersBackend
+from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
+from agentkv.spans import SpanKind
+from tests.unit.window_models import FULL_CASES, WINDOW, WINDOWED_CASES, build_case
+
+TOL = 1e-5
+PROBE = [5, 6, 7, 9, 11]
+HISTORY = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
+    },
+    {
+        "role": "tool",
+        "content": "search results: sunny skies lorem ipsum dolor " * 8,
+        "tool_call_id": "call_1",
+    },
+    # Messages after the tool result: a restored result sits after them physically.
+    {"role": "user", "content": "thanks; and the secret code is 4417, remember the tracking number ZX-99"},
+]
+RULES = {
+    "custom:archive": {"owner": "archive"},
+    "custom:drop": {"owner": "evict"},
+    "custom:bring": {"owner": "commit"},
+}
+
+
+def plain_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits `[n, V]` of a plain forward over `ids` (transformers' own masks)."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def assert_plain(session: Any, model: torch.nn.Module, what: str) -> None:
+    """The next tokens' logits over the session's cache equal a plain forward over its ids."""
+    reference = plain_logits(model, session.token_ids() + PROBE)[-len(PROBE) :]
+    delta = (session.continuation_logits(PROBE) - reference).abs().max().item()
+    assert delta <= TOL, f"{what}: logits off by {delta}"
+    session.check()
+
+
+def open_session(model: torch.nn.Module, tokenizer: Any, **config: Any) -> Any:
+    backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"rules": RULES, **config}))
+    session = backend.session("t")
+    session.extend(HISTORY)
+    return session
+
+
+def tool_span(session: Any) -> Any:
+    (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
+    assert tool.length >= 4 * WINDOW, "the moved span must be several windows long"
+    return tool
+
+
+def archive_restore(session: Any) -> None:
+    tool = tool_span(session)
+    assert session.apply(Custom(event="archive", owner="call_1")).applied
+    assert tool.state is SpanState.ARCHIVED and tool.tier is Tier.HOST
+    assert session.apply(Custom(event="bring", owner="call_1")).applied
+    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
+
+
+def evict_rehydrate(session: Any) -> None:
+    tool = tool_span(session)
+    assert session.apply(Custom(event="drop", owner="call_1")).applied
+    assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED
+    assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None  # eager recompute
+    assert tool.tier is Tier.DEVICE and session.stats().rehydrated_tokens == tool.length
+
+
+def recall(session: Any) -> None:
+    tool = tool_span(session)
+    assert session.apply(Custom(event="archive", owner="call_1")).applied
+    session.manager.recallable.add(tool.span_id)  # as a budget archive marks it
+    session.extend(
+        [*HISTORY, {"role": "user", "content": "what did the search results say about sunny skies?"}]
+    )
+    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE, "recall brought the result back"
+
+
+MOVES: dict[str, Callable[[Any], None]] = {
+    "archive+restore": archive_restore,
+    "evict+rehydrate": evict_rehydrate,
+    "recall": recall,
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+@pytest.mark.parametrize("case", WINDOWED_CASES + FULL_CASES)
+def test_a_moved_span_keeps_every_layers_window(case: str, move: str, tiny_tokenizer: Any) -> None:
+    model = build_case(case)
+    session = open_session(model, tiny_tokenizer)
+    assert_plain(session, model, f"{case}: nothing moved")
+    MOVES[move](session)  # the moved span now sits after later messages in the physical cache
+    assert_plain(session, model, f"{case} after {move}")
+
+
+@pytest.mark.parametrize("case", WINDOWED_CASES)
+def test_greedy_decode_after_a_restore_equals_a_plain_greedy_loop(case: str, tiny_tokenizer: Any) -> None:
+    model = build_case(case)
+    session = open_session(model, tiny_tokenizer)
+    archive_restore(session)
+    chat = session.backend.chat_format
+    prompt = session.token_ids() + chat.generation_prompt_ids(session.messages)
+    session.generate(max_new_tokens=6)
+    produced = session.spans[-1].token_ids[len(chat.generation_prompt_ids(session.messages[:-1])) :]
+    stop_ids = chat.stop_token_ids()
+    expected: list[int] = []
+    for _ in range(6):
+        token = int(plain_logits(model, prompt + expected)[-1].argmax())
+        if token in stop_ids:
+            break
+        expected.append(token)
+    assert produced[: len(expected)] == expected
+
+
+def test_the_layout_is_read_from_the_config() -> None:
+    mistral = AttentionLayout.of(build_case("mistral").config)
+    assert mistral.layer_types == (SLIDING,) * 4 and mistral.sliding_window == WINDOW
+    gemma3 = AttentionLayout.of(build_case("gemma3").config)
+    assert gemma3.types == (FULL, SLIDING) and gemma3.layers_of(FULL) == [3]
+    llama = AttentionLayout.of(build_case("llama").config)
+    assert not llama.windowed and llama.types == (FULL,)
+
+
+def test_the_window_counts_logical_positions_not_slots() -> None:
+    layout = AttentionLayout((SLIDING, FULL), 3)
+    keys = torch.tensor([0, 1, 2, 7, 8, 3, 4, 9])  # a span (3, 4) restored after later tokens
+    queries = torch.tensor([9])
+    masks = logical_masks(layout, keys, queries, implementation="sdpa", dtype=torch.float32)
+    assert isinstance(masks, dict)
+    assert masks[FULL][0, 0, 0].tolist() == [True] * 8
+    assert masks[SLIDING][0, 0, 0].tolist() == [False, False, False, True, True, False, False, True]
+    eager = logical_masks(layout, keys, queries, implementation="eager", dtype=torch.float32)
+    assert isinstance(eager, dict)
+    assert torch.equal(eager[SLIDING][0, 0] == 0, allowed_keys(keys, queries, 3))
+    with pytest.raises(ValueError, match="flash_attention_2.*cannot take a logical 4D mask"):
+        logical_masks(layout, keys, queries, implementation="flash_attention_2", dtype=torch.float32)
+
+
+def test_an_unknown_layer_type_is_refused() -> None:
+    config = build_case("gemma3").config
+    config.layer_types = ["chunked_attention"] * 4
+    with pytest.raises(ValueError, match="chunked_attention.*allowed"):
+        AttentionLayout.of(config)
