@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, Custom, SpanState, Tier, TransformersBackend
+from agentkv.backend import calibration
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
+from agentkv.config_sections import QuantizationConfig
 from agentkv.spans import SpanKind
 from tests.unit.window_models import FULL_CASES, WINDOW, WINDOWED_CASES, build_case
 
@@ -163,3 +165,17 @@ def test_an_unknown_layer_type_is_refused() -> None:
     config.layer_types = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match="chunked_attention.*allowed"):
         AttentionLayout.of(config)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral", "llama"])
+def test_calibration_runs_on_agentkvs_cache_with_each_layers_window(
+    case: str, tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Quantization read back as the identity: every rung but the drop costs exactly nothing
+    # when each rung's forward sees the same cache and masks as the reference's.
+    monkeypatch.setattr(calibration, "round_trip_keys", lambda k, bits, group: k)
+    monkeypatch.setattr(calibration, "round_trip_values", lambda v, bits, group: v)
+    costs = calibration.measure_rung_costs(build_case(case), tiny_tokenizer, QuantizationConfig())
+    assert costs.kl["dropped"] > 0
+    for rung in ("keys8", "attended_q", "archive8", "archive4"):
+        assert abs(costs.kl[rung]) <= 1e-6, f"{case}: {rung} costs {costs.kl[rung]} with lossless codes"
