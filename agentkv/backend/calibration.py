@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.config_sections import QuantizationConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
