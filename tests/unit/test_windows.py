@@ -9,6 +9,7 @@ forward over the same ids (nothing evicted: they must agree to fp32 tolerance).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from agentkv.backend import calibration
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
 from agentkv.config_sections import QuantizationConfig
 from agentkv.spans import SpanKind
-from tests.unit.window_models import FULL_CASES, WINDOW, WINDOWED_CASES, build_case
+from tests.unit.window_models import FULL_CASES, WINDOW, WINDOWED_CASES, build_case, case_params
 
 TOL = 1e-5
 PROBE = [5, 6, 7, 9, 11]
@@ -108,7 +109,7 @@ MOVES: dict[str, Callable[[Any], None]] = {
 
 
 @pytest.mark.parametrize("move", list(MOVES))
-@pytest.mark.parametrize("case", WINDOWED_CASES + FULL_CASES)
+@pytest.mark.parametrize("case", case_params(WINDOWED_CASES + FULL_CASES))
 def test_a_moved_span_keeps_every_layers_window(case: str, move: str, tiny_tokenizer: Any) -> None:
     model = build_case(case)
     session = open_session(model, tiny_tokenizer)
@@ -117,7 +118,7 @@ def test_a_moved_span_keeps_every_layers_window(case: str, move: str, tiny_token
     assert_plain(session, model, f"{case} after {move}")
 
 
-@pytest.mark.parametrize("case", WINDOWED_CASES)
+@pytest.mark.parametrize("case", case_params(WINDOWED_CASES))
 def test_greedy_decode_after_a_restore_equals_a_plain_greedy_loop(case: str, tiny_tokenizer: Any) -> None:
     model = build_case(case)
     session = open_session(model, tiny_tokenizer)
@@ -161,7 +162,7 @@ def test_the_window_counts_logical_positions_not_slots() -> None:
 
 
 def test_an_unknown_layer_type_is_refused() -> None:
-    config = build_case("gemma3").config
+    config = copy.deepcopy(build_case("gemma3").config)
     config.layer_types = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match="chunked_attention.*allowed"):
         AttentionLayout.of(config)
