@@ -14,7 +14,8 @@ the conversation, which is all the exactness check needs (the same ids either wa
 1. Exactness: a conversation whose tool result (~650 tokens) is longer than the window
    is encoded; the result is archived to the host and restored (now physically after
    the messages that followed it). The next tokens' logits are compared with a plain
-   forward over the same ids, and the greedy answer with `model.generate` on them.
+   forward over the same ids, and the greedy completion of a cue whose answer is in the
+   result with `model.generate` on them.
    The same move with every layer masked as a full one (transformers would size the
    windows by physical slots) is shown beside it.
 2. Bytes: agentkv's attended cache and HF's `DynamicCache(config=...)` (sliding layers
@@ -42,6 +43,8 @@ TOKENS = (1024, 4096, 16384)
 """Cache lengths of the bytes comparison."""
 GREEDY_TOKENS = 24
 """Tokens of the greedy answer compared with `model.generate`."""
+CUE = "\nFrom the manifest above, the seal of container 005 is SL-"
+"""The completion cue read after the conversation (the answer is in the tool result: 4465)."""
 RULES = {"custom:archive": {"owner": "archive"}, "custom:bring": {"owner": "commit"}}
 
 
@@ -102,7 +105,8 @@ def exactness(model: Any, tokenizer: Any, *, masked: bool) -> dict[str, Any]:
     session = backend.session("gemma3")
     session.extend(MESSAGES)
     (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
-    prompt_ids = backend.chat_format.generation_prompt_ids(session.messages)
+    # A base model: ask completion-style, so the answer copies from the (restored) manifest.
+    prompt_ids = tokenizer.encode(CUE, add_special_tokens=False)
     session.apply(Custom(event="archive", owner="call_1"))
     archived = tool.tier.value
     session.apply(Custom(event="bring", owner="call_1"))

@@ -10,102 +10,35 @@ forward over the same ids (nothing evicted: they must agree to fp32 tolerance).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from agentkv import AgentKVConfig, Custom, SpanState, Tier, TransformersBackend
 from agentkv.backend import calibration
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
 from agentkv.config_sections import QuantizationConfig
-from agentkv.spans import SpanKind
-from tests.unit.window_models import FULL_CASES, WINDOW, WINDOWED_CASES, build_case, case_params
+from tests.unit.window_models import (
+    FULL_CASES,
+    MOVES,
+    WINDOW,
+    WINDOWED_CASES,
+    archive_restore,
+    build_case,
+    case_params,
+    logit_delta,
+    open_session,
+    plain_logits,
+)
 
 TOL = 1e-5
-PROBE = [5, 6, 7, 9, 11]
-HISTORY = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"id": "call_1", "name": "weather", "args": {"city": "Paris"}}],
-    },
-    {
-        "role": "tool",
-        "content": "search results: sunny skies lorem ipsum dolor " * 8,
-        "tool_call_id": "call_1",
-    },
-    # Messages after the tool result: a restored result sits after them physically.
-    {"role": "user", "content": "thanks; and the secret code is 4417, remember the tracking number ZX-99"},
-]
-RULES = {
-    "custom:archive": {"owner": "archive"},
-    "custom:drop": {"owner": "evict"},
-    "custom:bring": {"owner": "commit"},
-}
-
-
-def plain_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """Logits `[n, V]` of a plain forward over `ids` (transformers' own masks)."""
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
 def assert_plain(session: Any, model: torch.nn.Module, what: str) -> None:
     """The next tokens' logits over the session's cache equal a plain forward over its ids."""
-    reference = plain_logits(model, session.token_ids() + PROBE)[-len(PROBE) :]
-    delta = (session.continuation_logits(PROBE) - reference).abs().max().item()
+    delta = logit_delta(session, model)
     assert delta <= TOL, f"{what}: logits off by {delta}"
     session.check()
-
-
-def open_session(model: torch.nn.Module, tokenizer: Any, **config: Any) -> Any:
-    backend = TransformersBackend(model, tokenizer, AgentKVConfig.from_dict({"rules": RULES, **config}))
-    session = backend.session("t")
-    session.extend(HISTORY)
-    return session
-
-
-def tool_span(session: Any) -> Any:
-    (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
-    assert tool.length >= 4 * WINDOW, "the moved span must be several windows long"
-    return tool
-
-
-def archive_restore(session: Any) -> None:
-    tool = tool_span(session)
-    assert session.apply(Custom(event="archive", owner="call_1")).applied
-    assert tool.state is SpanState.ARCHIVED and tool.tier is Tier.HOST
-    assert session.apply(Custom(event="bring", owner="call_1")).applied
-    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE
-
-
-def evict_rehydrate(session: Any) -> None:
-    tool = tool_span(session)
-    assert session.apply(Custom(event="drop", owner="call_1")).applied
-    assert tool.state is SpanState.EVICTED and tool.tier is Tier.DROPPED
-    assert session.manager.move(tool, SpanState.COMMITTED, reason="test") is not None  # eager recompute
-    assert tool.tier is Tier.DEVICE and session.stats().rehydrated_tokens == tool.length
-
-
-def recall(session: Any) -> None:
-    tool = tool_span(session)
-    assert session.apply(Custom(event="archive", owner="call_1")).applied
-    session.manager.recallable.add(tool.span_id)  # as a budget archive marks it
-    session.extend(
-        [*HISTORY, {"role": "user", "content": "what did the search results say about sunny skies?"}]
-    )
-    assert tool.state is SpanState.COMMITTED and tool.tier is Tier.DEVICE, "recall brought the result back"
-
-
-MOVES: dict[str, Callable[[Any], None]] = {
-    "archive+restore": archive_restore,
-    "evict+rehydrate": evict_rehydrate,
-    "recall": recall,
-}
 
 
 @pytest.mark.parametrize("move", list(MOVES))
