@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from agentkv.model_hashing import memo_get, memo_put, sha256_of
 from agentkv.progress import ProgressCallback, report
+from agentkv.state_dicts import serializable_state_dict
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -549,7 +550,7 @@ def _write_cache_entry(
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_file(_serializable_state_dict(model), tmp / _WEIGHTS_NAME, metadata={"format": "pt"})
+        save_file(serializable_state_dict(model), tmp / _WEIGHTS_NAME, metadata={"format": "pt"})
         manifest = {
             "format": _CACHE_FORMAT,
             "sha256": digest,
@@ -569,41 +570,6 @@ def _write_cache_entry(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return entry
-
-
-def _serializable_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The state dict in the form safetensors accepts and `from_pretrained` expects.
-
-    safetensors refuses tensors that share memory. A tied output embedding is
-    dropped (`from_pretrained` re-ties it from the config); any other shared tensor
-    is cloned so each name owns its storage.
-    """
-    tied = _tied_output_keys(model)
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if name in tied:
-            continue
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr()
-        tensor = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-        tensors[name] = tensor.contiguous()
-    return tensors
-
-
-def _tied_output_keys(model: PreTrainedModel) -> set[str]:
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is None or outputs is None:
-        return set()
-    in_weight, out_weight = getattr(inputs, "weight", None), getattr(outputs, "weight", None)
-    if not isinstance(in_weight, torch.Tensor) or not isinstance(out_weight, torch.Tensor):
-        return set()
-    if in_weight.data_ptr() != out_weight.data_ptr():
-        return set()
-    return {f"{name}.weight" for name, module in model.named_modules() if module is outputs}
 
 
 def _sweep_stale_tmp_dirs(models_dir: Path) -> None:
