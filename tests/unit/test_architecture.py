@@ -334,7 +334,7 @@ def test_only_the_mover_writes_a_span_s_tier_and_state() -> None:
 
 STORE_MOVE_VERBS = (
     "archive|restore_many|drop|compress|cut|adopt_recomputed|keep_attended|recompute_lazily"
-    "|quantize_attended|quantize_attended_until|coarsen_attended_until|recompute_pending"
+    "|quantize_attended_until|coarsen_attended_until|recompute_pending"
 )
 STORE_MOVE_CALL = re.compile(rf"\bstore\.({STORE_MOVE_VERBS})\(")
 MOVER_HELPERS = {MOVER, ROOT / "agentkv" / "lifecycle" / "rehydration.py"}
