@@ -2,7 +2,10 @@
 
 Run on a CUDA machine (the lead's single short GPU run)::
 
-    OUT=/some/dir python scripts/device_check.py            # CUDA; < 4 min on one GPU
+    OUT=/some/dir python scripts/device_check.py            # CUDA; speed table < 4 min on one GPU
+
+from the repository root with `PYTHONPATH=.:integrations:benchmarks` (the family matrix is
+built by `tests/families.py`; `bench reuse` needs `agentkv_bench`);
 
 or on a CPU to check the script itself::
 
