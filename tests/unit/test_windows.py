@@ -15,12 +15,15 @@ from typing import Any
 import pytest
 import torch
 
+from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.backend import calibration
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
 from agentkv.config_sections import QuantizationConfig
 from tests.unit.window_models import (
     FULL_CASES,
+    HISTORY,
     MOVES,
+    VARIANTS,
     WINDOW,
     WINDOWED_CASES,
     archive_restore,
@@ -68,6 +71,28 @@ def test_greedy_decode_after_a_restore_equals_a_plain_greedy_loop(case: str, tin
             break
         expected.append(token)
     assert produced[: len(expected)] == expected
+
+
+@pytest.mark.parametrize("case", case_params(list(VARIANTS)))
+def test_windowed_variants_meet_a_budget_over_turns(case: str, tiny_tokenizer: Any) -> None:
+    """The default policy under a 64-token budget on the variants the family matrix lacks."""
+    model = build_case(case)
+    session = TransformersBackend(
+        model, tiny_tokenizer, AgentKVConfig.from_dict({"budget": {"device_tokens": 64}})
+    ).session("t")
+    messages: list[dict[str, Any]] = [HISTORY[0]]
+    for words in (
+        "The secret code is 4417. Remember the package tracking number ZX-99.",
+        "search results: lorem ipsum dolor sit amet, consectetur adipiscing elit",
+        "the user asked about the weather in Paris and the tool returned sunny skies",
+        "And the code?",
+    ):
+        messages.append({"role": "user", "content": words})
+        session.extend(messages)
+        messages.append({"role": "assistant", "content": session.generate(max_new_tokens=4)})
+        session.check()  # bytes charged = bytes held, per tier
+        assert session.stats().budget_satisfied, session.stats()
+    assert session.stats().tokens_by_state["archived"] or session.stats().quantized_bytes
 
 
 def test_the_layout_is_read_from_the_config() -> None:
