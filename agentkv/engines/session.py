@@ -25,7 +25,7 @@ from agentkv.engines.fleet import EngineFleet, Route
 from agentkv.engines.http import EngineUnavailableError
 from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import Completion
-from agentkv.events import Event, SessionClosed, TurnEnded
+from agentkv.events import Event, SessionClosed, TurnEnded, validate_event
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
 from agentkv.metrics import SessionStats
 from agentkv.spans import Span, SpanState
@@ -144,6 +144,8 @@ class EngineSession(SessionCore):
         plan for them, as in `Session.extend`.
         """
         started = time.perf_counter()
+        for event in events:  # before anything changes; the manager trusts them
+            validate_event(event)
         with self.lock:
             incoming, message_spans, k = self._match(messages)
             reused = sum(s.length for s in message_spans[:k])

@@ -59,6 +59,7 @@ from agentkv_langchain.calls import (
     call_metadata,
     call_usage,
     close_iterator,
+    langchain_way_out,
     loaded_model_name,
     read_answer,
     run_id_of,
@@ -136,8 +137,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     tool_use: Literal["auto", "call_then_answer"] = "auto"
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
-    forces a call (to the tool the model prefers) on a turn's first step and a text answer
-    after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    forces a call on a user turn and a text answer after a tool result; a call the thread already
+    holds the result of is answered from it instead (`planning.call_then_answer_choice`)."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -509,11 +510,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
-            # One forward per call: the new messages are encoded with the generation prompt
-            # (scoring tool names first encodes whatever is pending).
-            extended = session.extend(plan.messages, prefill=False)
-            prefix = plan.prefix
-            local = isinstance(session, Session)
+            # One forward per call: the new messages are encoded with the generation prompt.
+            with langchain_way_out():
+                extended = session.extend(plan.messages, prefill=False)
+            prefix, local = plan.prefix, isinstance(session, Session)
             if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
@@ -526,8 +526,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             call_end = CallEnd(prefix) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
+                limit, closes = plan.sampling["max_new_tokens"], call_end is not None
                 options["logits_processor"] = grammar_processor(
-                    self.backend, plan.grammar, prefix, plan.sampling["max_new_tokens"]
+                    self.backend, plan.grammar, prefix, limit, ends_at_call_close=closes
                 )
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
@@ -560,6 +561,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             )
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
+        if self._answered_already(messages, kwargs, calls):  # answer from the result the thread holds
+            yield from self._answer(messages, stop, metadata, message_id, {**kwargs, "tool_choice": "none"})
+            return
         limit = plan.sampling["max_new_tokens"]
         finish = "tool_calls" if calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(
