@@ -21,10 +21,18 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
+from agentkv.store.costs import SlotBytes, settled_bytes, slot_bytes, slot_counts, span_costs
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
 from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
+from agentkv.store.protocol import (
+    ARCHIVE_TIERS,
+    AttendedFloor,
+    AttendedTokens,
+    MoveResult,
+    SpanCosts,
+    TierBytes,
+)
 from agentkv.store.quantized import QuantizedBlock
 from agentkv.store.tokens import keep_slots, read_tokens
 
@@ -90,11 +98,38 @@ class KVStore:
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
         return TierBytes(
-            device=self.physical.nbytes(),
+            device=self._device_bytes(),
             quantized=quantized,
             host=host,
             shared=self.physical.shared_bytes(),
         )
+
+    def _device_bytes(self) -> int:
+        """The attended cache's bytes, removals not compacted yet counted as gone (codes counted exactly)."""
+        physical = self.physical
+        if not physical.variable_slot_bytes or bool(physical.live_mask().all()):
+            return physical.nbytes()
+        unit = self._slot_bytes()
+        if unit is None:
+            return physical.nbytes()
+        return settled_bytes(slot_counts(physical, self._quantization_masks()[1]), unit)
+
+    def _slot_bytes(self) -> SlotBytes | None:
+        bits = self.attended_bits or 4
+        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
+        return slot_bytes(self.physical, bits=bits, key_bits=key_bits, group_size=self.group_size)
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now and at each attended rung (`agentkv.store.costs`).
+
+        Empty without an attended quantized tier or before the first token.
+        """
+        unit = self._slot_bytes() if self.attended_bits is not None else None
+        if unit is None:
+            return {}
+        counts = slot_counts(self.physical, self._quantization_masks()[1])
+        planes = self.attended_key_bits == PLANE_KEY_BITS
+        return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes)
 
     def host_bytes(self) -> int:
         """Bytes on the host tier."""

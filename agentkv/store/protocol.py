@@ -95,6 +95,29 @@ class AttendedFloor:
         return self.exact_tokens * max(0, self.exact_token_bytes - self.token_bytes)
 
 
+@dataclass(frozen=True)
+class SpanCosts:
+    """One attended span's device bytes now and at each attended rung, counted from the store's codes.
+
+    Slots never quantized (the attention sinks, the residual window) stay exact at every rung.
+    """
+
+    held: int
+    """Slots the span holds in attention."""
+    quantized: int
+    """Of them, held quantized now."""
+    fine: int
+    """Of the quantized, keys held at 8 bits (their fine plane is held)."""
+    quantizable: int
+    """Exact slots the attended tier would quantize now."""
+    now: int
+    """Bytes held now."""
+    keys8: int | None
+    """Bytes with every quantizable slot quantized at 8-bit keys (None: the tier has no 8-bit keys)."""
+    coarse: int
+    """Bytes with every quantizable slot quantized and every key at the tier's floor bits."""
+
+
 @dataclass(frozen=True, eq=False)
 class AttendedTokens:
     """Attended tokens as a policy scores them: what `KVStoreProtocol.attended_tokens` reads.
@@ -283,6 +306,10 @@ class AttendedQuantizer(Protocol):
 
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
+        ...
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now and at each attended rung (one pass; the planner's input)."""
         ...
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:

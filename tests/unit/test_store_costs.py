@@ -1,0 +1,84 @@
+"""The store's byte counts per span and rung (`agentkv.store.costs`): what a move does, it says first.
+
+Every figure is checked against the tensors the cache holds after the move it predicts:
+quantizing a span (8-bit or 4-bit keys), dropping its fine planes, removals pending compaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.store.block import tensor_bytes
+
+GROUP = 16
+
+
+def _session(tiny_model: Any, tiny_tokenizer: Any, key_bits: int) -> Any:
+    data: dict[str, Any] = {
+        "policy": "lifecycle",
+        "archive_tier": "drop",
+        "quantization": {
+            "attended_bits": 4,
+            "attended_key_bits": key_bits,
+            "group_size": GROUP,
+            "attended_residual_tokens": 16,
+        },
+    }
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    for turn in range(5):
+        history.append({"role": "user", "content": f"lorem ipsum dolor {turn} sit amet " * (3 + 2 * turn)})
+    session.extend(history)
+    return session
+
+
+def _held(store: Any) -> int:
+    return sum(tensor_bytes(t) for t in store.physical.tensors())
+
+
+@pytest.mark.parametrize("key_bits", [8, 4])
+def test_each_rung_costs_what_the_move_leaves(tiny_model: Any, tiny_tokenizer: Any, key_bits: int) -> None:
+    session = _session(tiny_model, tiny_tokenizer, key_bits)
+    store = session.store
+    spans = [s for s in session.spans if s.tier.attended]
+    assert len(spans) >= 4
+    store.quantize_attended_until(spans[:1], None)  # make the layers quantized ones: a mixed cache
+    for span in spans:
+        costs = store.attended_costs(spans)
+        assert sum(c.now for c in costs.values()) == _held(store) == store.bytes_by_tier().device
+        mine = costs[span.span_id]
+        before = _held(store)
+        if mine.quantizable:
+            result = store.quantize_attended_until([span], None)
+            span.tier = result.tiers.get(span.span_id, span.tier)
+        after = store.attended_costs(spans)[span.span_id]
+        assert _held(store) - before == (mine.keys8 if key_bits == 8 else mine.coarse) - mine.now
+        assert after.now == (mine.keys8 if key_bits == 8 else mine.coarse)
+        assert after.quantizable == 0 and after.quantized == mine.quantized + mine.quantizable
+        if key_bits == 8:
+            assert after.fine == after.quantized and after.keys8 == after.now
+            held = _held(store)
+            freed = store.coarsen_attended_until([span], 1 << 40)
+            assert freed == after.now - after.coarse == held - _held(store)
+            assert store.attended_costs(spans)[span.span_id].now == after.coarse
+        else:
+            assert mine.keys8 is None and after.fine == 0
+    costs = store.attended_costs(spans)
+    assert sum(c.now for c in costs.values()) == _held(store)
+
+
+def test_removals_pending_compaction_are_counted_as_gone(tiny_model: Any, tiny_tokenizer: Any) -> None:
+    session = _session(tiny_model, tiny_tokenizer, 8)
+    store = session.store
+    spans = [s for s in session.spans if s.tier.attended]
+    store.quantize_attended_until(spans, None)
+    gone = spans[2]
+    kept = [s for s in spans if s is not gone]
+    with store.deferred_removal():
+        store.physical.remove(store.physical.slots_of(gone.span_id))
+        pending = store.bytes_by_tier().device
+        predicted = sum(c.now for c in store.attended_costs(kept).values())
+    assert pending == predicted == _held(store) == store.bytes_by_tier().device
