@@ -83,7 +83,7 @@ class BudgetKeeper(PlacementPeer):
                 if self.whole_spans:
                     for _ in range(COMPACTION_PASSES):
                         with self.port.store.deferred_removal():  # one compaction for all moves
-                            self.placer.demote_to(target, limit, coarsen_to=limits.high_bytes(limit))
+                            self.placer.demote_to(target, limit)
                         if not limits.over(self.usage_bytes(), limit):
                             break
                 else:

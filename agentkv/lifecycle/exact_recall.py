@@ -144,16 +144,14 @@ class ExactRecall(PlacementPeer):
 
         The placement service plans the moves in the `needed_last` order: every span the
         current question does not need gives up its steps (int4, then leaving attention,
-        least value first) before a needed one does. What leaves stays recallable from its
-        token ids. No fine plane of an 8-bit key is dropped for it, and while one is held no
-        span leaves for it either: a token read at 8-bit keys is about as good as exact, and
-        its fine plane costs a thirteenth of what an exact token adds. Returns the room,
-        measured again.
+        least value first) before a needed one does; 8-bit keys drop to 4 bits in that
+        order too, before any span leaves attention. What leaves stays recallable from its
+        token ids. Returns the room, measured again.
         """
         placer = self.placer
         for _ in range(MAKE_ROOM_PLANS):
             before = placer.usage_bytes()
-            placer.demote_to(before - (need - room), limit, order=NEEDED_LAST, coarsen_to=before)
+            placer.demote_to(before - (need - room), limit, order=NEEDED_LAST)
             room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
             if room >= need or placer.usage_bytes() >= before:
                 break

@@ -5,8 +5,10 @@ into `SpanOptions` for `agentkv.lifecycle.placement.plan_placement`:
 
 - an evictable span may be dropped, at no value (the grace queue goes first, oldest first);
 - an attended span may be held quantized in attention (the store's attended tier: the
-  tokens it would quantize now, sinks and residual window excepted) and, unless pinned,
-  active or under a lease of this turn, archived to the configured tier;
+  tokens it would quantize now, sinks and residual window excepted), at 8-bit keys
+  (`Rung.KEYS8`, where the tier holds them) and at the tier's floor bits
+  (`Rung.ATTENDED_Q`), each at the bytes the store counts for it (`attended_costs`),
+  and, unless pinned or active, archived to the configured tier;
 - a quantized archive (on the device) may be dropped.
 
 A span's class is the lifecycle's prior: pinned spans above the current turn's active
@@ -30,7 +32,7 @@ from agentkv.lifecycle.placement import (
     SpanOptions,
 )
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedFloor, AttendedQuantizer, KVStoreProtocol
+from agentkv.store.protocol import AttendedQuantizer, KVStoreProtocol, SpanCosts
 
 REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
@@ -69,7 +71,7 @@ def span_options(
 
     Args:
         spans: the session's spans.
-        store: where their KV is (byte figures; the attended tier's floor).
+        store: where their KV is (each attended span's bytes at each rung: `attended_costs`).
         marks: this turn's recall marks (recalled and needed spans weigh more).
         archive_tier: where an archived span goes (`host`, `int8`, `int4`, `drop`).
         token_bytes: one full-precision token's device bytes (all layers, keys and values).
@@ -77,34 +79,33 @@ def span_options(
         fidelity: the fraction of a span's value lost at each rung.
     """
     strategy = strategy or GreedyDualValue()
-    quantizer = store if isinstance(store, AttendedQuantizer) else None
-    floor = quantizer.attended_floor() if quantizer is not None else None
-    counts = quantizer.attended_token_counts([s for s in spans if s.tier.attended]) if quantizer else {}
+    attended = [s for s in spans if s.tier.attended]
+    costs = store.attended_costs(attended) if isinstance(store, AttendedQuantizer) else {}
     out: list[SpanOptions] = []
     for span in spans:
         if span.state is SpanState.EVICTED:
             continue
+        cost = costs.get(span.span_id)
+        held = cost.now if cost is not None else store.span_bytes(span)
         if span.state is SpanState.EVICTABLE:
             # The grace queue: what it holds on the device goes first (the host budget sees the rest).
             if not span.pinned and (span.tier.attended or span.tier is Tier.QUANTIZED):
-                out.append(
-                    _droppable(span, store.span_bytes(span), value=0.0, fidelity=fidelity, released=True)
-                )
+                out.append(_droppable(span, held, value=0.0, fidelity=fidelity, released=True))
             continue
         klass = lifecycle_class(span, marks)
         value = strategy.value(span.span_id, span.score, span.held_tokens, relevance_weight(span, marks))
         if span.tier is Tier.QUANTIZED:
             if not span.pinned:
-                out.append(
-                    _droppable(span, store.span_bytes(span), value=value, fidelity=fidelity, klass=klass)
-                )
+                out.append(_droppable(span, held, value=value, fidelity=fidelity, klass=klass))
             continue
-        if not span.tier.attended:
+        if not span.tier.attended or not span.held_tokens:
             continue
-        held = counts.get(span.span_id, (0, 0))
-        choice = _attended(span, held, floor, value, klass, archive_tier, token_bytes, fidelity, marks)
-        if choice is not None:
-            out.append(choice)
+        options = _attended_rungs(span, cost, held, fidelity)
+        if not span.pinned and span.state is SpanState.COMMITTED:
+            options += _leaving_rungs(span, archive_tier, token_bytes, fidelity)
+        if len(options) >= 2:
+            hard = span.span_id in marks.recalled
+            out.append(SpanOptions(span.span_id, value, tuple(options), klass=klass, order=span.start, hard=hard))
     return out
 
 
@@ -125,43 +126,41 @@ def _droppable(
     return SpanOptions(span.span_id, value, options, klass=klass, order=span.start, released=released)
 
 
-def _attended(
-    span: Span,
-    counts: tuple[int, int],
-    floor: AttendedFloor | None,
-    value: float,
-    klass: int,
-    archive_tier: str,
-    token_bytes: int,
-    fidelity: Mapping[Rung, float],
-    marks: RecallMarks,
-) -> SpanOptions | None:
-    held = span.held_tokens
-    if not held:
-        return None
-    exact = floor.exact_token_bytes if floor is not None else token_bytes
-    quantized_now, more = counts  # slots held quantized now; slots the tier would quantize now
-    if span.tier is not Tier.ATTENDED_QUANTIZED:
-        quantized_now = 0
-    attended_q = fidelity[Rung.ATTENDED_Q]
-    share = quantized_now / held
-    now_bytes = (held - quantized_now) * exact + (
-        quantized_now * floor.token_bytes if floor is not None else 0
-    )
-    now = RungOption(Rung.ATTENDED_Q if quantized_now else Rung.FULL, now_bytes, attended_q * share)
-    options = [now]
-    if floor is not None and more:
-        saved = more * max(0, exact - floor.token_bytes)
-        loss = attended_q * (quantized_now + more) / held
-        options.append(RungOption(Rung.ATTENDED_Q, now_bytes - saved, loss))
-    archivable = not span.pinned and span.state is SpanState.COMMITTED
-    if archivable:
-        archived = int(held * exact * ARCHIVE_DEVICE_SHARE.get(archive_tier, 0.0))
-        loss = fidelity[Rung.DROPPED] if archive_tier == "drop" else fidelity[Rung.ARCHIVED]
-        options.append(RungOption(Rung.ARCHIVED, archived, loss))
-        if archived:  # an archive on the device: dropping the span frees what the archive would keep
-            options.append(RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]))
-    if len(options) < 2:
-        return None
-    hard = span.span_id in marks.recalled
-    return SpanOptions(span.span_id, value, tuple(options), klass=klass, order=span.start, hard=hard)
+def _attended_rungs(
+    span: Span, cost: SpanCosts | None, held: int, fidelity: Mapping[Rung, float]
+) -> list[RungOption]:
+    """The span's rung now and the attended rungs below it, at the store's own byte counts.
+
+    A span's loss at an attended rung is each rung's fidelity cost weighted by the share
+    of its held slots there: the sinks and the residual window stay exact at every rung.
+    A span with some keys at 8 bits is on `Rung.KEYS8` now; its step to `Rung.ATTENDED_Q`
+    drops their fine planes (and quantizes what is left to quantize).
+    """
+    if cost is None:  # a store without an attended quantized tier: the span is held as it is
+        return [RungOption(Rung.FULL, held, 0.0)]
+    slots = cost.held or 1
+    keys8, coarse = fidelity[Rung.KEYS8], fidelity[Rung.ATTENDED_Q]
+
+    def loss(fine: int, coarse_slots: int) -> float:
+        return (fine * keys8 + coarse_slots * coarse) / slots
+
+    coarse_now = cost.quantized - cost.fine
+    now = Rung.KEYS8 if cost.fine else Rung.ATTENDED_Q if cost.quantized else Rung.FULL
+    options = [RungOption(now, cost.now, loss(cost.fine, coarse_now))]
+    if cost.keys8 is not None and cost.quantizable:
+        options.append(RungOption(Rung.KEYS8, cost.keys8, loss(cost.fine + cost.quantizable, coarse_now)))
+    if cost.coarse < cost.now:
+        options.append(RungOption(Rung.ATTENDED_Q, cost.coarse, loss(0, cost.quantized + cost.quantizable)))
+    return options
+
+
+def _leaving_rungs(
+    span: Span, archive_tier: str, token_bytes: int, fidelity: Mapping[Rung, float]
+) -> list[RungOption]:
+    """Archived (on the configured tier) and, for an archive that stays on the device, dropped."""
+    archived = int(span.held_tokens * token_bytes * ARCHIVE_DEVICE_SHARE.get(archive_tier, 0.0))
+    loss = fidelity[Rung.DROPPED] if archive_tier == "drop" else fidelity[Rung.ARCHIVED]
+    options = [RungOption(Rung.ARCHIVED, archived, loss)]
+    if archived:  # an archive on the device: dropping the span frees what the archive would keep
+        options.append(RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]))
+    return options

@@ -20,7 +20,14 @@ from agentkv.chat import ChatMessage
 from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
-from agentkv.store.protocol import ARCHIVE_TIERS, KVStoreProtocol, MoveResult, TierBytes, WholeSpanStore
+from agentkv.store.protocol import (
+    ARCHIVE_TIERS,
+    KVStoreProtocol,
+    MoveResult,
+    SpanCosts,
+    TierBytes,
+    WholeSpanStore,
+)
 
 BYTES_PER_TOKEN = 10
 
@@ -410,6 +417,17 @@ class FakeQuantizingStore(FakeStore):
 
     def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
         return {s.span_id: (self.attended_quantized_tokens(s), self.quantizable_tokens(s)) for s in spans}
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        out: dict[int, SpanCosts] = {}
+        for span in spans:
+            if not span.tier.attended:
+                continue
+            q, m = self.attended_quantized_tokens(span), self.quantizable_tokens(span)
+            now = (span.held_tokens - q) * BYTES_PER_TOKEN + q * QUANTIZED_TOKEN_BYTES
+            coarse = now - m * (BYTES_PER_TOKEN - QUANTIZED_TOKEN_BYTES)
+            out[span.span_id] = SpanCosts(span.held_tokens, q, 0, m, now, None, coarse)
+        return out
 
     def quantized_offsets(self, span: Span) -> list[int]:
         return span.kept_offsets[: self.attended_quantized_tokens(span)]
