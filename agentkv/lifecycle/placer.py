@@ -26,6 +26,7 @@ from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
+
 class Placer:
     """Room, order and plans for one session; every move it plans goes through the mover."""
 
@@ -144,7 +145,7 @@ class Placer:
         self._apply([by_id[c.span_id] for c in choices if c.span_id in plan.rungs], plan.rungs)
 
     def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:
-        """Make the planned moves through the mover: drops and archives, then quantization, then 4-bit keys."""
+        """Make the planned moves through the mover: drops and archives, quantization, then 4-bit keys."""
         marks = self.marks
         quantize: list[Span] = []
         coarse: list[Span] = []

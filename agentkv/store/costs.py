@@ -65,7 +65,8 @@ def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size:
         b, h, d, element = shape
         rows = b * h
         exact += 2 * rows * d * element
-        quantized += rows * d * (coarse_bits + bits) // 8 + 2 * rows * (d // value_group(d, group_size)) * stat
+        value_stats = 2 * rows * (d // value_group(d, group_size)) * stat
+        quantized += rows * d * (coarse_bits + bits) // 8 + value_stats
         fine += rows * d * PLANE_BITS // 8 if planes else 0
         group += 2 * rows * d * stat
     if not exact:
@@ -122,7 +123,9 @@ def settled_bytes(counts: SlotCounts, unit: SlotBytes) -> int:
     return exact * unit.exact + quantized * unit.quantized + fine * unit.fine + groups * unit.group
 
 
-def span_costs(spans: Sequence[Span], counts: SlotCounts, unit: SlotBytes, *, planes: bool) -> dict[int, SpanCosts]:
+def span_costs(
+    spans: Sequence[Span], counts: SlotCounts, unit: SlotBytes, *, planes: bool
+) -> dict[int, SpanCosts]:
     """Each attended span's `SpanCosts` (see the module docstring for the arithmetic)."""
     ids = torch.tensor([s.span_id for s in spans], dtype=torch.long)
     out: dict[int, SpanCosts] = {}
