@@ -210,7 +210,7 @@ class Mover:
         return result.freed
 
     def hold_coarse(self, spans: Sequence[Span]) -> int:
-        """Hold the 8-bit keys of `spans` at 4 bits (fine planes dropped); bytes freed (a failure: a fault)."""
+        """Hold the 8-bit keys of `spans` at 4 bits (fine planes dropped); bytes freed (failures: faults)."""
         store = self.store
         if not isinstance(store, AttendedQuantizer):
             return 0

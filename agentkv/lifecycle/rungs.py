@@ -105,8 +105,8 @@ def span_options(
             options += _leaving_rungs(span, archive_tier, token_bytes, fidelity)
         if len(options) >= 2:
             hard = span.span_id in marks.recalled
-            choice = SpanOptions(span.span_id, value, tuple(options), klass=klass, order=span.start, hard=hard)
-            out.append(choice)
+            options_ = tuple(options)
+            out.append(SpanOptions(span.span_id, value, options_, klass=klass, order=span.start, hard=hard))
     return out
 
 
