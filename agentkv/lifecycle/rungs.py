@@ -32,7 +32,7 @@ from agentkv.lifecycle.placement import (
     SpanOptions,
 )
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import AttendedQuantizer, KVStoreProtocol, SpanCosts
+from agentkv.store.protocol import CostReporter, KVStoreProtocol, SpanCosts
 
 REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
@@ -80,7 +80,7 @@ def span_options(
     """
     strategy = strategy or GreedyDualValue()
     attended = [s for s in spans if s.tier.attended]
-    costs = store.attended_costs(attended) if isinstance(store, AttendedQuantizer) else {}
+    costs = store.attended_costs(attended) if isinstance(store, CostReporter) else {}
     out: list[SpanOptions] = []
     for span in spans:
         if span.state is SpanState.EVICTED:

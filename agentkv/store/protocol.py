@@ -276,6 +276,15 @@ class WholeSpanStore:
 
 
 @runtime_checkable
+class CostReporter(Protocol):
+    """A store that counts what each attended span costs at each attended rung (the planner's input)."""
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now and at each attended rung, in one pass over the cache."""
+        ...
+
+
+@runtime_checkable
 class AttendedQuantizer(Protocol):
     """A store with an attended quantized tier: a span can be held quantized and still be attended."""
 
@@ -306,10 +315,6 @@ class AttendedQuantizer(Protocol):
 
     def attended_floor(self) -> AttendedFloor | None:
         """What attended KV costs held quantized (recall's plan); None without the tier or any KV."""
-        ...
-
-    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
-        """By attended span id: its bytes now and at each attended rung (one pass; the planner's input)."""
         ...
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
