@@ -137,7 +137,6 @@ class Placer:
             self.port.store,
             self.marks,
             archive_tier=self.mover.archive_tier,
-            token_bytes=self.port.bytes_per_token,
             fidelity=self.port.rung_fidelity(),
         )
         plan = plan_placement(choices, usage, target, hard_target=hard, order=order or self.placement_order)

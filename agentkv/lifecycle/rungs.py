@@ -37,10 +37,6 @@ from agentkv.store.protocol import CostReporter, KVStoreProtocol, SpanCosts
 REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
 
-ARCHIVE_DEVICE_SHARE: Mapping[str, float] = {"host": 0.0, "drop": 0.0, "int8": 0.3, "int4": 0.16}
-"""Device bytes of an archived span per full-precision byte, by archive tier (codes plus statistics)."""
-
-
 def lifecycle_class(span: Span, marks: RecallMarks) -> int:
     """Pinned > active > recalled or needed by the current question > the rest."""
     if span.pinned:
@@ -63,7 +59,6 @@ def span_options(
     marks: RecallMarks,
     *,
     archive_tier: str,
-    token_bytes: int,
     strategy: PlacementStrategy | None = None,
     fidelity: Mapping[Rung, float] = DEFAULT_FIDELITY,
 ) -> list[SpanOptions]:
@@ -74,7 +69,6 @@ def span_options(
         store: where their KV is (each attended span's bytes at each rung: `attended_costs`).
         marks: this turn's recall marks (recalled and needed spans weigh more).
         archive_tier: where an archived span goes (`host`, `int8`, `int4`, `drop`).
-        token_bytes: one full-precision token's device bytes (all layers, keys and values).
         strategy: the span's value (default: GreedyDual-Size on the commit score).
         fidelity: the fraction of a span's value lost at each rung.
     """
@@ -102,7 +96,7 @@ def span_options(
             continue
         options = _attended_rungs(span, cost, held, fidelity)
         if not span.pinned and span.state is SpanState.COMMITTED:
-            options += _leaving_rungs(span, archive_tier, token_bytes, fidelity)
+            options += _leaving_rungs(cost, archive_tier, fidelity)
         if len(options) >= 2:
             hard = span.span_id in marks.recalled
             options_ = tuple(options)
@@ -155,11 +149,14 @@ def _attended_rungs(
     return options
 
 
-def _leaving_rungs(
-    span: Span, archive_tier: str, token_bytes: int, fidelity: Mapping[Rung, float]
-) -> list[RungOption]:
-    """Archived (on the configured tier) and, for an archive that stays on the device, dropped."""
-    archived = int(span.held_tokens * token_bytes * ARCHIVE_DEVICE_SHARE.get(archive_tier, 0.0))
+def _leaving_rungs(cost: SpanCosts | None, archive_tier: str, fidelity: Mapping[Rung, float]) -> list[RungOption]:
+    """Archived (on the configured tier, at the store's count) and, for an archive on the device, dropped.
+
+    A store that reports no costs archives to the host or drops: nothing stays on the device.
+    """
+    archived = 0
+    if cost is not None and archive_tier in ("int8", "int4"):
+        archived = cost.int8 if archive_tier == "int8" else cost.int4
     loss = fidelity[Rung.DROPPED] if archive_tier == "drop" else fidelity[Rung.ARCHIVED]
     options = [RungOption(Rung.ARCHIVED, archived, loss)]
     if archived:  # an archive on the device: dropping the span frees what the archive would keep

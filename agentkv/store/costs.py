@@ -28,6 +28,7 @@ from agentkv.store.cache import PhysicalCache
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
 from agentkv.store.kivi import STAT_DTYPE, value_group
 from agentkv.store.protocol import SpanCosts
+from agentkv.store.quantized import quantized_block_bytes
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class SlotBytes:
     """One key group's statistics."""
     group_size: int
     """Slots per key group."""
+    layers: tuple[tuple[int, int, int], ...] = ()
+    """Each layer's `(B, H, D)`: what an archive of the span holds is counted per layer."""
+    dtype: torch.dtype = torch.float32
+    """The model's dtype (full-precision slots, archive statistics)."""
 
     def quantized_set(self, n: int, *, fine: bool) -> int:
         """What `n` slots quantized as one set hold (their fine planes with them when `fine`)."""
@@ -55,6 +60,8 @@ class SlotBytes:
 def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size: int) -> SlotBytes | None:
     """The attended tier's byte figures for this cache (None before the first token)."""
     exact = quantized = fine = group = 0
+    layers: list[tuple[int, int, int]] = []
+    dtype = torch.float32
     stat = torch.empty(0, dtype=STAT_DTYPE).element_size()
     planes = key_bits == PLANE_KEY_BITS
     coarse_bits = PLANE_BITS if planes else key_bits
@@ -62,7 +69,8 @@ def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size:
         shape = _layer_shape(layer)
         if shape is None:
             return None
-        b, h, d, element = shape
+        b, h, d, element, dtype = shape
+        layers.append((b, h, d))
         rows = b * h
         exact += 2 * rows * d * element
         value_stats = 2 * rows * (d // value_group(d, group_size)) * stat
@@ -71,7 +79,31 @@ def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size:
         group += 2 * rows * d * stat
     if not exact:
         return None
-    return SlotBytes(exact, quantized, fine, group, group_size)
+    return SlotBytes(exact, quantized, fine, group, group_size, tuple(layers), dtype)
+
+
+@dataclass(frozen=True)
+class ArchiveSpec:
+    """How the store archives a span: the int8 / int4 tier's groups and residual, the host's bits."""
+
+    group_size: int
+    residual_tokens: int
+    host_bits: int | None
+
+
+def archive_bytes(unit: SlotBytes, tokens: int, bits: int, spec: ArchiveSpec) -> int:
+    """What a span of `tokens` slots holds archived at `bits` (`QuantizedBlock`), over all layers."""
+    return sum(
+        quantized_block_bytes(
+            shape,
+            tokens,
+            bits=bits,
+            group_size=spec.group_size,
+            residual_tokens=spec.residual_tokens,
+            dtype=unit.dtype,
+        )
+        for shape in unit.layers
+    )
 
 
 @dataclass(frozen=True)
@@ -124,7 +156,7 @@ def settled_bytes(counts: SlotCounts, unit: SlotBytes) -> int:
 
 
 def span_costs(
-    spans: Sequence[Span], counts: SlotCounts, unit: SlotBytes, *, planes: bool
+    spans: Sequence[Span], counts: SlotCounts, unit: SlotBytes, *, planes: bool, archive: ArchiveSpec
 ) -> dict[int, SpanCosts]:
     """Each attended span's `SpanCosts` (see the module docstring for the arithmetic)."""
     ids = torch.tensor([s.span_id for s in spans], dtype=torch.long)
@@ -144,7 +176,14 @@ def span_costs(
         now = (held[i] - q) * unit.exact + q * unit.quantized + f * unit.fine + groups[i] * unit.group
         quantize_more = now - m * unit.exact + unit.quantized_set(m, fine=planes)
         coarse = quantize_more - (f + m) * unit.fine if planes else quantize_more
+        n = held[i]
+        host = n * unit.exact
+        if archive.host_bits is not None:
+            host = min(host, archive_bytes(unit, n, archive.host_bits, archive))
         out[span.span_id] = SpanCosts(
+            int8=archive_bytes(unit, n, 8, archive),
+            int4=archive_bytes(unit, n, 4, archive),
+            host=host,
             held=held[i],
             quantized=q,
             fine=f,
@@ -156,15 +195,16 @@ def span_costs(
     return out
 
 
-def _layer_shape(layer: object) -> tuple[int, int, int, int] | None:
-    """(batch, kv heads, head dim, bytes of one full-precision element) of a layer; None when empty."""
+def _layer_shape(layer: object) -> tuple[int, int, int, int, torch.dtype] | None:
+    """(batch, kv heads, head dim, bytes of one element, dtype) of a layer's exact KV; None: empty."""
     for name in ("keys", "prefix_keys"):
         t = getattr(layer, name, None)
         if isinstance(t, torch.Tensor) and t.dim() == 4:
             b, h, _, d = t.shape
-            return int(b), int(h), int(d), t.element_size()
+            return int(b), int(h), int(d), t.element_size(), t.dtype
     if isinstance(layer, QuantizedAttendedLayer) and layer.key_codes is not None:
         b, h, _, packed = layer.key_codes.shape
-        element = torch.empty(0, dtype=layer.out_dtype or torch.float32).element_size()
-        return int(b), int(h), int(packed) * 8 // layer.key_code_bits, element
+        dtype = layer.out_dtype or torch.float32
+        element = torch.empty(0, dtype=dtype).element_size()
+        return int(b), int(h), int(packed) * 8 // layer.key_code_bits, element, dtype
     return None

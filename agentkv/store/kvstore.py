@@ -21,7 +21,7 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
-from agentkv.store.costs import SlotBytes, settled_bytes, slot_bytes, slot_counts, span_costs
+from agentkv.store.costs import ArchiveSpec, SlotBytes, settled_bytes, slot_bytes, slot_counts, span_costs
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
 from agentkv.store.kivi import token_bytes
@@ -129,7 +129,8 @@ class KVStore:
             return {}
         counts = slot_counts(self.physical, self._quantization_masks()[1])
         planes = self.attended_key_bits == PLANE_KEY_BITS
-        return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes)
+        archive = ArchiveSpec(self.group_size, self.residual_tokens, self.host_bits)
+        return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes, archive=archive)
 
     def host_bytes(self) -> int:
         """Bytes on the host tier."""

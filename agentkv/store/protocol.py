@@ -116,6 +116,12 @@ class SpanCosts:
     """Bytes with every quantizable slot quantized at 8-bit keys (None: the tier has no 8-bit keys)."""
     coarse: int
     """Bytes with every quantizable slot quantized and every key at the tier's floor bits."""
+    int8: int = 0
+    """Device bytes of the span archived on the int8 tier (codes, statistics, residual)."""
+    int4: int = 0
+    """Device bytes of the span archived on the int4 tier."""
+    host: int = 0
+    """Host bytes of the span archived on the host tier (at `host_bits` where that is smaller)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -118,7 +118,7 @@ def test_span_options_read_every_attended_rung_from_the_store() -> None:
     spans = [_span(1, 100), _span(2, 50, pinned=True)]
     spans[1].tier = Tier.DEVICE
     store = _CostStore({1: partly, 2: pinned})
-    options = span_options(spans, store, RecallMarks(), archive_tier="drop", token_bytes=EXACT)  # type: ignore[arg-type]
+    options = span_options(spans, store, RecallMarks(), archive_tier="drop")  # type: ignore[arg-type]
     by_id = {o.span_id: o for o in options}
     f8, fq = DEFAULT_FIDELITY[Rung.KEYS8], DEFAULT_FIDELITY[Rung.ATTENDED_Q]
     first = by_id[1].options

@@ -82,3 +82,21 @@ def test_removals_pending_compaction_are_counted_as_gone(tiny_model: Any, tiny_t
         pending = store.bytes_by_tier().device
         predicted = sum(c.now for c in store.attended_costs(kept).values())
     assert pending == predicted == _held(store) == store.bytes_by_tier().device
+
+
+@pytest.mark.parametrize("tier", ["int8", "int4", "host"])
+def test_an_archive_costs_what_the_block_holds(tiny_model: Any, tiny_tokenizer: Any, tier: str) -> None:
+    session = _session(tiny_model, tiny_tokenizer, 8)
+    store = session.store
+    spans = [s for s in session.spans if s.tier.attended]
+    store.quantize_attended_until(spans[1:2], None)  # one archived from the attended quantized tier
+    for span in spans[1:3]:
+        predicted = store.attended_costs([span])[span.span_id]
+        before = store.bytes_by_tier()
+        span.tier = store.archive(span, tier)
+        after = store.bytes_by_tier()
+        if tier == "host":
+            assert after.host - before.host == predicted.host == store.span_bytes(span)
+        else:
+            assert after.quantized - before.quantized == getattr(predicted, tier) == store.span_bytes(span)
+        assert before.device - after.device == predicted.now
