@@ -37,6 +37,7 @@ from agentkv.store.protocol import CostReporter, KVStoreProtocol, SpanCosts
 REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
 
+
 def lifecycle_class(span: Span, marks: RecallMarks) -> int:
     """Pinned > active > recalled or needed by the current question > the rest."""
     if span.pinned:
@@ -99,8 +100,8 @@ def span_options(
             options += _leaving_rungs(cost, archive_tier, fidelity)
         if len(options) >= 2:
             hard = span.span_id in marks.recalled
-            options_ = tuple(options)
-            out.append(SpanOptions(span.span_id, value, options_, klass=klass, order=span.start, hard=hard))
+            rungs = tuple(options)
+            out.append(SpanOptions(span.span_id, value, rungs, klass=klass, order=span.start, hard=hard))
     return out
 
 
@@ -149,7 +150,9 @@ def _attended_rungs(
     return options
 
 
-def _leaving_rungs(cost: SpanCosts | None, archive_tier: str, fidelity: Mapping[Rung, float]) -> list[RungOption]:
+def _leaving_rungs(
+    cost: SpanCosts | None, archive_tier: str, fidelity: Mapping[Rung, float]
+) -> list[RungOption]:
     """Archived (on the configured tier, at the store's count) and, for an archive on the device, dropped.
 
     A store that reports no costs archives to the host or drops: nothing stays on the device.
