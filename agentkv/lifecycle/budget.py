@@ -29,14 +29,6 @@ from agentkv.spans import Span, SpanState, Tier
 
 logger = logging.getLogger(__name__)
 
-COMPACTION_PASSES = 2
-"""Demotions per check at most: usage is measured again once the deferred removals are compacted.
-
-Inside a deferred removal the store's figures are estimates of what the compaction
-will leave: a demotion that stopped just within the limit can end a few bytes over it
-once compacted (seen with 8-bit keys), and a second pass finishes the job.
-"""
-
 
 class BudgetKeeper(PlacementPeer):
     """Holds one session under its device and host budgets after each operation."""
@@ -81,11 +73,9 @@ class BudgetKeeper(PlacementPeer):
             if limits.over(usage, limit):
                 target = limits.low_bytes(limit)
                 if self.whole_spans:
-                    for _ in range(COMPACTION_PASSES):
-                        with self.port.store.deferred_removal():  # one compaction for all moves
-                            self.placer.demote_to(target, limit)
-                        if not limits.over(self.usage_bytes(), limit):
-                            break
+                    # One compaction for all moves; the store counts its removals as gone before it.
+                    with self.port.store.deferred_removal():
+                        self.placer.demote_to(target, limit)
                 else:
                     # Token mode drops tokens, not spans; a span left with none is evicted, whatever
                     # its state (the generic baselines drop active tokens too, by design). Generic

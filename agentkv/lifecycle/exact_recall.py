@@ -44,9 +44,6 @@ from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
-MAKE_ROOM_PLANS = 3
-"""Plans made at most to free room for the best match (a plan that only quantizes frees no floor room)."""
-
 WHOLE_SPAN_PAGES = 2
 """A relevant span of at most this many pages is recomputed whole; a longer one page by page, best first."""
 
@@ -149,12 +146,13 @@ class ExactRecall(PlacementPeer):
         token ids. Returns the room, measured again.
         """
         placer = self.placer
-        for _ in range(MAKE_ROOM_PLANS):
-            before = placer.usage_bytes()
-            placer.demote_to(before - (need - room), limit, order=NEEDED_LAST)
-            room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
-            if room >= need or placer.usage_bytes() >= before:
-                break
+        # Room is counted at the floor (every quantizable token quantized, the new message's
+        # pending tokens at their quantized size): usage brought to the floor it must reach
+        # frees it, whatever mix of quantizing, coarsening and leaving the plan chooses.
+        floor_now = placer.floor_usage(placer.quantized_now(), floor)
+        pending = floor.span_cost(placer.pending_tokens())
+        placer.demote_to(floor_now - pending - (need - room), limit, order=NEEDED_LAST)
+        room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
         return room
 
     @staticmethod

@@ -86,6 +86,10 @@ class Placer:
         counts = store.attended_token_counts(attended)
         return {s.span_id: counts[s.span_id][0] if s.tier is Tier.ATTENDED_QUANTIZED else 0 for s in attended}
 
+    def pending_tokens(self) -> int:
+        """Tokens of attended spans not computed yet (the next prefill's)."""
+        return sum(s.length - s.n_computed for s in self.table.spans if s.tier.attended)
+
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
