@@ -379,7 +379,8 @@ class FakeQuantizingStore(FakeStore):
             coarse = now - m * (BYTES_PER_TOKEN - QUANTIZED_TOKEN_BYTES)
             archived = span.held_tokens * BYTES_PER_TOKEN // 4  # what `quantizing`'s accounting counts
             host = span.held_tokens * BYTES_PER_TOKEN
-            out[span.span_id] = SpanCosts(span.held_tokens, q, 0, m, now, None, coarse, archived, archived, host)
+            costs = SpanCosts(span.held_tokens, q, 0, m, now, None, coarse, archived, archived, host)
+            out[span.span_id] = costs
         return out
 
     def quantized_offsets(self, span: Span) -> list[int]:
