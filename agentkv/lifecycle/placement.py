@@ -147,9 +147,11 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
     Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
     less than the one before it (an inconsistent input) is taken at the earlier loss. A
     attended rung that loses more per byte saved than a cheaper rung beyond it is
-    skipped (the multiple-choice knapsack's LP-dominated item): on a model where the
-    quantized tier costs nearly as much as not attending a span, the span goes straight
-    to its archive. The archive is never skipped: it is the tier the configuration
+    skipped (the multiple-choice knapsack's LP-dominated item): 8-bit keys that lose
+    more per byte than 4-bit keys, and, on a model where the quantized tier costs nearly
+    as much as not attending a span, every attended rung, the span going straight to its
+    archive. Where an attended rung loses less than leaving (`_attended_is_cheaper`),
+    the span's attended rungs are all kept: it reaches its cheapest one before it leaves. The archive is never skipped: it is the tier the configuration
     names (an int8 archive on the device is where a span leaving attention goes, even
     where dropping it would save more per unit of loss).
     """
@@ -165,11 +167,13 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
         if option.fidelity < monotone[-1].fidelity:
             option = RungOption(option.rung, option.device_bytes, monotone[-1].fidelity)
         monotone.append(option)
+    waits = _attended_is_cheaper(options)
     chain: list[RungOption] = []
     for option in monotone:
         while (
             len(chain) >= 2
             and chain[-1].rung in ATTENDED_RUNGS
+            and (option.rung in ATTENDED_RUNGS or not waits)
             and _slope(1.0, chain[-2], chain[-1]) > _slope(1.0, chain[-2], option)
         ):
             chain.pop()

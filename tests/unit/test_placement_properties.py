@@ -1,0 +1,134 @@
+"""Property tests of the one placement plan on simulated spans (hypothesis; no model).
+
+Random span tables (classes, states, pins, sizes, 8-bit keys held or not) with the store's
+costs per rung, planned to random targets. Whatever the input:
+
+- the limit is met whenever some rung per span meets it (each span at its cheapest
+  allowed rung is the least that can be held), and the plan's total is what its rungs cost;
+- pinned and active spans never leave attention;
+- no span leaves attention while another span still holds a fine key plane the plan
+  could drop (8-bit keys drop to 4 before anything leaves);
+- more room never loses more value, and never holds fewer spans in attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv.lifecycle.marks import RecallMarks
+from agentkv.lifecycle.placement import ATTENDED_RUNGS, DEFAULT_FIDELITY, Placement, Rung, plan_placement
+from agentkv.lifecycle.rungs import span_options
+from agentkv.spans import Span, SpanKind, SpanState, Tier
+from agentkv.store.protocol import SpanCosts
+
+EXACT, COARSE, FINE = 64, 10, 4
+
+
+@dataclass
+class Table:
+    spans: list[Span]
+    costs: dict[int, SpanCosts]
+
+    def attended_costs(self, spans: list[Span]) -> dict[int, SpanCosts]:
+        return {s.span_id: self.costs[s.span_id] for s in spans if s.span_id in self.costs}
+
+    def span_bytes(self, span: Span) -> int:
+        return self.costs[span.span_id].now
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> Table:
+    spans: list[Span] = []
+    costs: dict[int, SpanCosts] = {}
+    for i in range(draw(st.integers(1, 12))):
+        slots = draw(st.integers(1, 300))
+        state = draw(st.sampled_from([SpanState.COMMITTED, SpanState.COMMITTED, SpanState.ACTIVE]))
+        span = Span(i, SpanKind.TOOL_RESULT, list(range(slots)), i * 1000, owner=f"s{i}")
+        span.n_computed, span.state = slots, state
+        span.score = draw(st.floats(0, 5))
+        if draw(st.integers(0, 5)) == 0:
+            span.leases.add(i + 1)  # pinned
+        exact = draw(st.integers(0, min(slots, 8)))  # sinks and residual window: never quantized
+        quantized = draw(st.integers(0, slots - exact))
+        fine = draw(st.integers(0, quantized))
+        more = slots - exact - quantized
+        span.tier = Tier.ATTENDED_QUANTIZED if quantized else Tier.DEVICE
+        now = (exact + more) * EXACT + quantized * COARSE + fine * FINE
+        keys8 = exact * EXACT + (quantized + more) * COARSE + (fine + more) * FINE
+        coarse = exact * EXACT + (quantized + more) * COARSE
+        costs[i] = SpanCosts(slots, quantized, fine, more, now, keys8, coarse)
+        spans.append(span)
+    return Table(spans, costs)
+
+
+def _plan(table: Table, target: int) -> tuple[Placement, dict[int, list[tuple[Rung, int]]]]:
+    options = span_options(table.spans, table, RecallMarks(), archive_tier="drop")  # type: ignore[arg-type]
+    usage = sum(c.now for c in table.costs.values())
+    chains = {o.span_id: [(r.rung, r.device_bytes) for r in o.options] for o in options}
+    return plan_placement(options, usage, target), chains
+
+
+def _floor(table: Table) -> int:
+    """The least the table can be held in: pinned and active spans at 4-bit keys, the rest out."""
+    return sum(
+        c.coarse if table.spans[i].pinned or table.spans[i].state is SpanState.ACTIVE else 0
+        for i, c in table.costs.items()
+    )
+
+
+def _bytes(plan: Placement, chains: dict[int, list[tuple[Rung, int]]], table: Table) -> int:
+    total = 0
+    for span_id, cost in table.costs.items():
+        rung = plan.rungs.get(span_id)
+        if rung is None:
+            total += cost.now
+        else:
+            total += min(b for r, b in chains[span_id] if r is rung)
+    return total
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables(), st.floats(0, 1.2))
+def test_the_limit_holds_whenever_a_rung_per_span_meets_it(table: Table, share: float) -> None:
+    usage = sum(c.now for c in table.costs.values())
+    target = int(usage * share)
+    plan, chains = _plan(table, target)
+    assert plan.device_bytes == _bytes(plan, chains, table)
+    if target >= _floor(table):
+        assert plan.met and plan.device_bytes <= target
+    for span in table.spans:
+        if span.pinned or span.state is SpanState.ACTIVE:
+            assert plan.rungs.get(span.span_id, Rung.FULL) in ATTENDED_RUNGS
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables(), st.floats(0, 1.0))
+def test_no_span_leaves_while_a_fine_plane_could_go(table: Table, share: float) -> None:
+    usage = sum(c.now for c in table.costs.values())
+    plan, _ = _plan(table, int(usage * share))
+    left = [i for i, r in plan.rungs.items() if r not in ATTENDED_RUNGS]
+    if not left:
+        return
+    f8, fq = DEFAULT_FIDELITY[Rung.KEYS8], DEFAULT_FIDELITY[Rung.ATTENDED_Q]
+    assert f8 < fq
+    for span_id, cost in table.costs.items():
+        if span_id in left:
+            continue
+        holds_fine = cost.fine + cost.quantizable > 0 and cost.keys8 is not None and cost.keys8 > cost.coarse
+        rung = plan.rungs.get(span_id)
+        assert not holds_fine or rung is Rung.ATTENDED_Q, (span_id, rung, cost)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tables(), st.floats(0, 1.0), st.floats(0, 1.0))
+def test_more_room_never_loses_more_value(table: Table, a: float, b: float) -> None:
+    usage = sum(c.now for c in table.costs.values())
+    small, large = sorted((int(usage * a), int(usage * b)))
+    tight, _ = _plan(table, small)
+    roomy, _ = _plan(table, large)
+    assert roomy.loss <= tight.loss + 1e-9
+    left = lambda p: {i for i, r in p.rungs.items() if r not in ATTENDED_RUNGS}  # noqa: E731
+    assert len(left(roomy)) <= len(left(tight))
