@@ -145,15 +145,16 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
     """The rungs a span steps through: current first, then the cheaper rungs on the lower convex hull.
 
     Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
-    less than the one before it (an inconsistent input) is taken at the earlier loss. A
+    less than the one before it (an inconsistent input) is taken at the earlier loss. An
     attended rung that loses more per byte saved than a cheaper rung beyond it is
     skipped (the multiple-choice knapsack's LP-dominated item): 8-bit keys that lose
     more per byte than 4-bit keys, and, on a model where the quantized tier costs nearly
     as much as not attending a span, every attended rung, the span going straight to its
     archive. Where an attended rung loses less than leaving (`_attended_is_cheaper`),
-    the span's attended rungs are all kept: it reaches its cheapest one before it leaves. The archive is never skipped: it is the tier the configuration
-    names (an int8 archive on the device is where a span leaving attention goes, even
-    where dropping it would save more per unit of loss).
+    the span's attended rungs are all kept: it reaches its cheapest one before it leaves.
+    The archive is never skipped: it is the tier the configuration names (an int8
+    archive on the device is where a span leaving attention goes, even where dropping
+    it would save more per unit of loss).
     """
     current = options[0]
     cheaper = sorted(
