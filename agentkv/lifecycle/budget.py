@@ -25,7 +25,7 @@ from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.timing import SectionTimer
-from agentkv.spans import Span, SpanState, Tier
+from agentkv.spans import SpanState
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ class BudgetKeeper(PlacementPeer):
             self.satisfied = satisfied
         else:
             self.satisfied = True
-        self._enforce_host_budget()
+        host_limit = limits.host_bytes
+        if host_limit is not None and limits.over(self.port.store.host_bytes(), host_limit):
+            self.placer.relieve_host(limits.low_bytes(host_limit))
         tiers = self.port.store.bytes_by_tier()
         table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)
 
@@ -125,19 +127,3 @@ class BudgetKeeper(PlacementPeer):
                     f"({self.limits.high} of {self.last_limit} B)"
                 ]
         return []
-
-    def demotable(self, span: Span) -> bool:
-        """Neither pinned nor protected by this turn's recall."""
-        return not span.pinned and span.span_id not in self.marks.recalled
-
-    def _enforce_host_budget(self) -> None:
-        limit = self.limits.host_bytes
-        if limit is None:
-            return
-        store = self.port.store
-        host = [s for s in self.table.spans if s.tier is Tier.HOST]
-        for span in sorted(host, key=lambda s: (s.score, s.start)):
-            if store.host_bytes() <= self.limits.low_bytes(limit):
-                return
-            if self.demotable(span) and span.state is not SpanState.EVICTED:
-                self.mover.move(span, SpanState.EVICTED, reason="host budget")

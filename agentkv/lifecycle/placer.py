@@ -21,7 +21,7 @@ from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
 from agentkv.lifecycle.placement import ATTENDED_FIRST, ATTENDED_RUNGS, Rung, plan_placement
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rungs import span_options
+from agentkv.lifecycle.rungs import host_options, span_options
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
@@ -146,6 +146,23 @@ class Placer:
         plan = plan_placement(choices, usage, target, hard_target=hard, order=order or self.placement_order)
         by_id = {s.span_id: s for s in self.table.spans}
         self._apply([by_id[c.span_id] for c in choices if c.span_id in plan.rungs], plan.rungs)
+
+    def relieve_host(self, target: int) -> None:
+        """Bring host usage to at most `target` bytes: one plan over the spans archived there.
+
+        The same planner on the host resource (`agentkv.lifecycle.rungs.host_options`):
+        released spans first, then the least value lost per byte; what the plan drops is
+        evicted (its token ids stay; recall no longer counts it as archived).
+        """
+        store = self.port.store
+        usage = store.host_bytes()
+        if usage <= target:
+            return
+        choices = host_options(self.table.spans, store, self.marks, fidelity=self.port.rung_fidelity())
+        plan = plan_placement(choices, usage, target)
+        by_id = {s.span_id: s for s in self.table.spans}
+        for span_id in plan.rungs:
+            self.mover.move(by_id[span_id], SpanState.EVICTED, reason="host budget")
 
     def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:
         """Make the planned moves through the mover: drops and archives, quantization, then 4-bit keys."""

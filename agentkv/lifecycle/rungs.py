@@ -165,3 +165,30 @@ def _leaving_rungs(
     if archived:  # an archive on the device: dropping the span frees what the archive would keep
         options.append(RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]))
     return options
+
+
+def host_options(
+    spans: list[Span],
+    store: KVStoreProtocol,
+    marks: RecallMarks,
+    *,
+    strategy: PlacementStrategy | None = None,
+    fidelity: Mapping[Rung, float] = DEFAULT_FIDELITY,
+) -> list[SpanOptions]:
+    """The spans archived on the host, each with its host bytes and one step down: dropped.
+
+    The host budget's resource, planned by the same planner as the device's: the grace
+    queue first, then the least value lost per byte. A span recalled for this turn stays.
+    """
+    strategy = strategy or GreedyDualValue()
+    out: list[SpanOptions] = []
+    for span in spans:
+        if span.tier is not Tier.HOST or span.state is SpanState.EVICTED or span.pinned:
+            continue
+        if span.span_id in marks.recalled:
+            continue
+        released = span.state is SpanState.EVICTABLE
+        value = 0.0 if released else strategy.value(span.span_id, span.score, span.held_tokens, 1.0)
+        held, klass = store.span_bytes(span), lifecycle_class(span, marks)
+        out.append(_droppable(span, held, value=value, fidelity=fidelity, klass=klass, released=released))
+    return out

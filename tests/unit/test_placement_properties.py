@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.placement import ATTENDED_RUNGS, DEFAULT_FIDELITY, Placement, Rung, plan_placement
-from agentkv.lifecycle.rungs import span_options
+from agentkv.lifecycle.rungs import host_options, span_options
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import SpanCosts
 
@@ -132,3 +132,43 @@ def test_more_room_never_loses_more_value(table: Table, a: float, b: float) -> N
     assert roomy.loss <= tight.loss + 1e-9
     left = lambda p: {i for i, r in p.rungs.items() if r not in ATTENDED_RUNGS}  # noqa: E731
     assert len(left(roomy)) <= len(left(tight))
+
+
+@st.composite
+def host_tables(draw: st.DrawFn) -> tuple[list[Span], dict[int, int], RecallMarks]:
+    spans: list[Span] = []
+    held: dict[int, int] = {}
+    marks = RecallMarks()
+    for i in range(draw(st.integers(1, 10))):
+        span = Span(i, SpanKind.TOOL_RESULT, list(range(5)), i * 10, owner=f"h{i}")
+        span.state = draw(st.sampled_from([SpanState.ARCHIVED, SpanState.ARCHIVED, SpanState.EVICTABLE]))
+        span.tier, span.score = Tier.HOST, draw(st.floats(0, 5))
+        held[i] = draw(st.integers(1, 1000))
+        if draw(st.integers(0, 4)) == 0:
+            marks.recalled.add(i)
+        spans.append(span)
+    return spans, held, marks
+
+
+@settings(max_examples=200, deadline=None)
+@given(host_tables(), st.floats(0, 1.2))
+def test_the_host_limit_holds_whenever_it_can_released_spans_first(
+    table: tuple[list[Span], dict[int, int], RecallMarks], share: float
+) -> None:
+    spans, held, marks = table
+
+    class Host:
+        def span_bytes(self, span: Span) -> int:
+            return held[span.span_id]
+
+    usage = sum(held.values())
+    target = int(usage * share)
+    options = host_options(spans, Host(), marks)  # type: ignore[arg-type]
+    plan = plan_placement(options, usage, target)
+    kept = sum(held[i] for i in marks.recalled)
+    if target >= kept:
+        assert plan.met and plan.device_bytes <= target
+    assert not set(plan.rungs) & marks.recalled, "a span recalled for this turn stays"
+    released = {s.span_id for s in spans if s.state is SpanState.EVICTABLE and s.span_id not in marks.recalled}
+    if set(plan.rungs) - released:
+        assert released <= set(plan.rungs), "released spans leave the host before any other"
