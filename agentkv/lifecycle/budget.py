@@ -66,6 +66,8 @@ class BudgetKeeper(PlacementPeer):
         """Demote until under the low watermark when over the high one; then the host budget."""
         table = self.table
         limits = self.limits
+        if self.enforced:
+            self.placer.relieve_global()
         limit = self.placer.effective_limit() if self.enforced else None
         self.last_limit = limit
         if limit is not None:

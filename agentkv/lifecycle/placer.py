@@ -52,6 +52,14 @@ class Placer:
             return self.limits.device_bytes
         return self.limits.device_share(self.usage_bytes(), self.port.global_device_bytes())
 
+    def relieve_global(self) -> int:
+        """The plan's first step over the global high watermark: free what no session attends; bytes freed.
+
+        Unreferenced prefix cache entries go before any session demotes a span of its own.
+        """
+        free = self.limits.global_relief(self.port.global_device_bytes())
+        return self.port.relieve_global(free) if free else 0
+
     def floor(self) -> AttendedFloor | None:
         """What attended KV costs at the least the budget holds it in; None: full precision."""
         store = self.port.store

@@ -102,6 +102,10 @@ class SessionPort(Protocol):
         """Device KV bytes held by every session of the backend (the global budget)."""
         ...
 
+    def relieve_global(self, free_bytes: int) -> int:
+        """Free up to `free_bytes` of device KV no session attends (unreferenced prefix cache entries)."""
+        ...
+
     def child_branches(self) -> Sequence[tuple[str, str | None]]:
         """`(session_id, branch)` of the live branch sessions forked from this one."""
         ...

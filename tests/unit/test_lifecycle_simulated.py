@@ -159,6 +159,9 @@ class FakePort:
     def global_device_bytes(self) -> int:
         return self._bytes_by_tier().device
 
+    def relieve_global(self, free_bytes: int) -> int:
+        return 0
+
     def child_branches(self) -> list[tuple[str, str | None]]:
         return []
 
