@@ -27,7 +27,7 @@ from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.cache import PhysicalCache
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS
 from agentkv.store.kivi import STAT_DTYPE, value_group
-from agentkv.store.protocol import SpanCosts
+from agentkv.store.protocol import AttendedFloor, SpanCosts
 from agentkv.store.quantized import quantized_block_bytes
 
 
@@ -49,6 +49,19 @@ class SlotBytes:
     """Each layer's `(B, H, D)`: what an archive of the span holds is counted per layer."""
     dtype: torch.dtype = torch.float32
     """The model's dtype (full-precision slots, archive statistics)."""
+    group_share: int = 0
+    """A key group's statistics per slot of a full group, rounded up per layer (the amortized cost)."""
+
+    def floor(self, exact_tokens: int) -> AttendedFloor:
+        """The attended tier's `AttendedFloor`: a token at the floor's bits, key statistics amortized."""
+        token = self.quantized + self.group_share
+        return AttendedFloor(
+            token_bytes=token,
+            exact_token_bytes=self.exact,
+            span_bytes=self.quantized + self.group - token,
+            exact_tokens=exact_tokens,
+            fine_token_bytes=self.fine,
+        )
 
     def quantized_set(self, n: int, *, fine: bool) -> int:
         """What `n` slots quantized as one set hold (their fine planes with them when `fine`)."""
@@ -59,7 +72,7 @@ class SlotBytes:
 
 def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size: int) -> SlotBytes | None:
     """The attended tier's byte figures for this cache (None before the first token)."""
-    exact = quantized = fine = group = 0
+    exact = quantized = fine = group = share = 0
     layers: list[tuple[int, int, int]] = []
     dtype = torch.float32
     stat = torch.empty(0, dtype=STAT_DTYPE).element_size()
@@ -77,9 +90,10 @@ def slot_bytes(physical: PhysicalCache, *, bits: int, key_bits: int, group_size:
         quantized += rows * d * (coarse_bits + bits) // 8 + value_stats
         fine += rows * d * PLANE_BITS // 8 if planes else 0
         group += 2 * rows * d * stat
+        share += -(-2 * rows * d * stat // group_size)
     if not exact:
         return None
-    return SlotBytes(exact, quantized, fine, group, group_size, tuple(layers), dtype)
+    return SlotBytes(exact, quantized, fine, group, group_size, tuple(layers), dtype, share)
 
 
 @dataclass(frozen=True)

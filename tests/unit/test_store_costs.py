@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agentkv import AgentKVConfig, TransformersBackend
-from agentkv.store.block import tensor_bytes
+from tests.unit.store_accounting import held_bytes
 
 GROUP = 16
 
@@ -35,8 +35,8 @@ def _session(tiny_model: Any, tiny_tokenizer: Any, key_bits: int) -> Any:
     return session
 
 
-def _held(store: Any) -> int:
-    return sum(tensor_bytes(t) for t in store.physical.tensors())
+def _held(session: Any) -> int:
+    return held_bytes(session)[0]
 
 
 @pytest.mark.parametrize("key_bits", [8, 4])
@@ -48,26 +48,26 @@ def test_each_rung_costs_what_the_move_leaves(tiny_model: Any, tiny_tokenizer: A
     store.quantize_attended_until(spans[:1], None)  # make the layers quantized ones: a mixed cache
     for span in spans:
         costs = store.attended_costs(spans)
-        assert sum(c.now for c in costs.values()) == _held(store) == store.bytes_by_tier().device
+        assert sum(c.now for c in costs.values()) == _held(session) == store.bytes_by_tier().device
         mine = costs[span.span_id]
-        before = _held(store)
+        before = _held(session)
         if mine.quantizable:
             result = store.quantize_attended_until([span], None)
             span.tier = result.tiers.get(span.span_id, span.tier)
         after = store.attended_costs(spans)[span.span_id]
-        assert _held(store) - before == (mine.keys8 if key_bits == 8 else mine.coarse) - mine.now
+        assert _held(session) - before == (mine.keys8 if key_bits == 8 else mine.coarse) - mine.now
         assert after.now == (mine.keys8 if key_bits == 8 else mine.coarse)
         assert after.quantizable == 0 and after.quantized == mine.quantized + mine.quantizable
         if key_bits == 8:
             assert after.fine == after.quantized and after.keys8 == after.now
-            held = _held(store)
+            held = _held(session)
             freed = store.coarsen_attended_until([span], 1 << 40)
-            assert freed == after.now - after.coarse == held - _held(store)
+            assert freed == after.now - after.coarse == held - _held(session)
             assert store.attended_costs(spans)[span.span_id].now == after.coarse
         else:
             assert mine.keys8 is None and after.fine == 0
     costs = store.attended_costs(spans)
-    assert sum(c.now for c in costs.values()) == _held(store)
+    assert sum(c.now for c in costs.values()) == _held(session)
 
 
 def test_removals_pending_compaction_are_counted_as_gone(tiny_model: Any, tiny_tokenizer: Any) -> None:
@@ -78,10 +78,10 @@ def test_removals_pending_compaction_are_counted_as_gone(tiny_model: Any, tiny_t
     gone = spans[2]
     kept = [s for s in spans if s is not gone]
     with store.deferred_removal():
-        store.physical.remove(store.physical.slots_of(gone.span_id))
+        gone.tier = store.drop(gone)
         pending = store.bytes_by_tier().device
         predicted = sum(c.now for c in store.attended_costs(kept).values())
-    assert pending == predicted == _held(store) == store.bytes_by_tier().device
+    assert pending == predicted == _held(session) == store.bytes_by_tier().device
 
 
 @pytest.mark.parametrize("tier", ["int8", "int4", "host"])
