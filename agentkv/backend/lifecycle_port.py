@@ -17,7 +17,7 @@ from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.budget import BudgetLimits
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
 from agentkv.spans import Span, Tier

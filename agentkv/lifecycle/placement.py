@@ -27,60 +27,18 @@ it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
 
-Pure: no store, no model. `agentkv.lifecycle.budget` builds the options from the store
+Pure: no store, no model. `agentkv.lifecycle.options` builds the options from the store
 and applies the plan through the mover.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol
 
-
-class Rung(Enum):
-    """Where a span's KV is, from the most faithful to the cheapest."""
-
-    FULL = "full"
-    """Attended at the model's dtype."""
-    KEYS8 = "keys8"
-    """Attended, keys at 8 bits (two 4-bit planes), values quantized."""
-    ATTENDED_Q = "attended_q"
-    """Attended at the tier's bits (int4 or int2), sinks and residual window exact."""
-    ARCHIVED = "archived"
-    """Not attended, held on the archive tier (host exact, or int8/int4 on the device)."""
-    DROPPED = "dropped"
-    """Not held: recomputed from its token ids when needed."""
-
-
-ATTENDED_RUNGS: frozenset[Rung] = frozenset({Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q})
-"""Rungs that keep a span attended (all a pinned or active span may occupy)."""
-
-DEFAULT_FIDELITY: Mapping[Rung, float] = {
-    Rung.FULL: 0.0,
-    Rung.KEYS8: 0.05,
-    Rung.ATTENDED_Q: 0.25,
-    Rung.ARCHIVED: 0.9,
-    Rung.DROPPED: 1.0,
-}
-"""Fraction of a span's value lost at each rung, before calibration on the loaded model.
-
-An archived span is not attended but comes back exactly (or nearly) when recalled; a
-dropped one must be recomputed, against whatever the cache holds then.
-"""
-
-
-@dataclass(frozen=True)
-class RungOption:
-    """One rung a span may occupy, with what it costs there."""
-
-    rung: Rung
-    device_bytes: int
-    """Device bytes the span holds at this rung (what the device budget counts)."""
-    fidelity: float
-    """Fraction of the span's value lost at this rung (0 = none)."""
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung, RungOption
 
 
 @dataclass(frozen=True)
@@ -124,7 +82,7 @@ PLACEMENT_ORDERS: tuple[str, ...] = (NEEDED_LAST, ATTENDED_FIRST)
 """The orders `plan_placement` knows, by name."""
 
 NEEDED_CLASS = 1
-"""The class of the spans the current question needs (`agentkv.lifecycle.rungs.NEEDED`)."""
+"""The class of the spans the current question needs (`agentkv.lifecycle.options.NEEDED`)."""
 
 
 @dataclass(order=True)

@@ -4,7 +4,7 @@ Budget enforcement, recall and exact recall do not predict each other:
 each asks this service. It measures usage against the limits (the watermark
 arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`), says how much room a
 question may fill (`recall_room`; exact recall's `floor_usage`), and makes a plan
-(`agentkv.lifecycle.rungs` gives every span its rungs,
+(`agentkv.lifecycle.options` gives every span its rungs,
 `agentkv.lifecycle.placement.plan_placement` picks one per span) that the mover applies
 (`demote_to`).
 
@@ -19,9 +19,10 @@ from __future__ import annotations
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placement import ATTENDED_FIRST, ATTENDED_RUNGS, Rung, plan_placement
+from agentkv.lifecycle.options import host_options, span_options
+from agentkv.lifecycle.placement import ATTENDED_FIRST, plan_placement
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rungs import host_options, span_options
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
@@ -158,7 +159,7 @@ class Placer:
     def relieve_host(self, target: int) -> None:
         """Bring host usage to at most `target` bytes: one plan over the spans archived there.
 
-        The same planner on the host resource (`agentkv.lifecycle.rungs.host_options`):
+        The same planner on the host resource (`agentkv.lifecycle.options.host_options`):
         released spans first, then the least value lost per byte; what the plan drops is
         evicted (its token ids stay; recall no longer counts it as archived).
         """

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agentkv.config import AgentKVConfig
-    from agentkv.lifecycle.placement import Rung
+    from agentkv.lifecycle.rungs import Rung
     from agentkv.lifecycle.table import SpanTable
     from agentkv.spans import Span, Tier
     from agentkv.store.protocol import KVStoreProtocol

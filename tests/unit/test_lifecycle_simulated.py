@@ -18,7 +18,7 @@ import pytest
 from agentkv import AgentKVConfig, BranchPruned, ToolCallCompleted, TurnEnded, UserConfirmed
 from agentkv.chat import ChatMessage
 from agentkv.lifecycle import BudgetLimits, LifecycleManager, SpanTable
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import (
     ARCHIVE_TIERS,
@@ -525,7 +525,8 @@ def test_more_budget_never_loses_more_value(seed: int) -> None:
 
 
 def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step() -> None:
-    from agentkv.lifecycle.placement import Rung, RungOption, SpanOptions, plan_placement
+    from agentkv.lifecycle.placement import SpanOptions, plan_placement
+    from agentkv.lifecycle.rungs import Rung, RungOption
 
     def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
         options = (
@@ -552,7 +553,8 @@ def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step
 
 def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() -> None:
     """`needed_last`: the spans the question needs give up int4 only after every other span left attention."""
-    from agentkv.lifecycle.placement import Rung, RungOption, SpanOptions, plan_placement
+    from agentkv.lifecycle.placement import SpanOptions, plan_placement
+    from agentkv.lifecycle.rungs import Rung, RungOption
 
     def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
         options = (

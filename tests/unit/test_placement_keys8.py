@@ -9,8 +9,9 @@ and every attended step of every span comes before any span leaves attention.
 from __future__ import annotations
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung, RungOption, SpanOptions, plan_placement
-from agentkv.lifecycle.rungs import ACTIVE, PINNED, REST, span_options
+from agentkv.lifecycle.options import ACTIVE, PINNED, REST, span_options
+from agentkv.lifecycle.placement import SpanOptions, plan_placement
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung, RungOption
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import SpanCosts
 

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.placement import ATTENDED_RUNGS, DEFAULT_FIDELITY, Placement, Rung, plan_placement
-from agentkv.lifecycle.rungs import host_options, span_options
+from agentkv.lifecycle.options import host_options, span_options
+from agentkv.lifecycle.placement import Placement, plan_placement
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, DEFAULT_FIDELITY, Rung
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import SpanCosts
 
