@@ -27,8 +27,8 @@ it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
 
-Pure: no store, no model. `agentkv.lifecycle.options` builds the options from the store
-and applies the plan through the mover.
+Pure: no store, no model. `agentkv.lifecycle.options` builds the options from the store;
+`agentkv.lifecycle.placer` applies the plan through the mover.
 """
 
 from __future__ import annotations
