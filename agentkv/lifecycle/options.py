@@ -22,8 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.placement import NEEDED_CLASS, GreedyDualValue, PlacementStrategy, SpanOptions
-from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung, RungOption
+from agentkv.lifecycle.rungs import (
+    DEFAULT_FIDELITY,
+    NEEDED_CLASS,
+    GreedyDualValue,
+    PlacementStrategy,
+    Rung,
+    RungOption,
+    SpanOptions,
+)
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import CostReporter, KVStoreProtocol, SpanCosts
 

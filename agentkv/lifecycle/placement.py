@@ -36,28 +36,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung, RungOption
-
-
-@dataclass(frozen=True)
-class SpanOptions:
-    """One span's choice: where it is now and where it may go."""
-
-    span_id: int
-    value: float
-    """What losing the span entirely costs (the strategy's value)."""
-    options: tuple[RungOption, ...]
-    """The current rung first, then the cheaper rungs the span may be moved to."""
-    klass: int = 0
-    """The lifecycle's class: a lower class gives up each kind of step before a higher one."""
-    order: int = 0
-    """Tie-break between equal steps: the lower goes first (the span's start: older first)."""
-    released: bool = False
-    """Released by a rule (the grace queue): its steps come before every other span's."""
-    hard: bool = False
-    """Leaves attention only while the total is over `plan_placement`'s `hard_target` (recalled spans)."""
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, NEEDED_CLASS, Rung, RungOption, SpanOptions
 
 
 @dataclass(frozen=True)
@@ -81,9 +61,6 @@ ATTENDED_FIRST = "attended_first"
 PLACEMENT_ORDERS: tuple[str, ...] = (NEEDED_LAST, ATTENDED_FIRST)
 """The orders `plan_placement` knows, by name."""
 
-NEEDED_CLASS = 1
-"""The class of the spans the current question needs (`agentkv.lifecycle.options.NEEDED`)."""
-
 
 @dataclass(order=True)
 class _Step:
@@ -106,10 +83,9 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
     less than the one before it (an inconsistent input) is taken at the earlier loss. An
     attended rung that loses more per byte saved than a cheaper rung beyond it is
     skipped (the multiple-choice knapsack's LP-dominated item): 8-bit keys that lose
-    more per byte than 4-bit keys, and, on a model where the quantized tier costs nearly
-    as much as not attending a span, every attended rung, the span going straight to its
-    archive. Where an attended rung loses less than leaving (`_attended_is_cheaper`),
-    the span's attended rungs are all kept: it reaches its cheapest one before it leaves.
+    more per byte than 4-bit keys, and 4-bit keys that lose more per byte than leaving
+    attention from 8-bit keys (on a model where the quantized tier costs nearly as much
+    as not attending a span, the span goes straight to its archive).
     The archive is never skipped: it is the tier the configuration names (an int8
     archive on the device is where a span leaving attention goes, even where dropping
     it would save more per unit of loss).
@@ -126,13 +102,11 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
         if option.fidelity < monotone[-1].fidelity:
             option = RungOption(option.rung, option.device_bytes, monotone[-1].fidelity)
         monotone.append(option)
-    waits = _attended_is_cheaper(options)
     chain: list[RungOption] = []
     for option in monotone:
         while (
             len(chain) >= 2
             and chain[-1].rung in ATTENDED_RUNGS
-            and (option.rung in ATTENDED_RUNGS or not waits)
             and _slope(1.0, chain[-2], chain[-1]) > _slope(1.0, chain[-2], option)
         ):
             chain.pop()
@@ -254,28 +228,3 @@ def plan_placement(
             heapq.heappush(heap, step_to(spans[step.span_id], step.index + 1))
     rungs = {span_id: chains[span_id][index].rung for span_id, index in at.items()}
     return Placement(rungs=rungs, device_bytes=total, loss=loss, met=total <= target)
-
-
-class PlacementStrategy(Protocol):
-    """The value of a span: what the planner loses by holding it at a cheaper rung."""
-
-    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
-        """A span's value from its commit score, its held tokens and the lifecycle's weight for it."""
-        ...
-
-
-@dataclass(frozen=True)
-class GreedyDualValue:
-    """GreedyDual-Size (Cao & Irani 1997): the commit score is the value of a hit, whatever the span's size.
-
-    The planner divides by bytes, so a long log and a short user fact of equal score
-    are not equally cheap to keep. `weight` is the lifecycle's prior (pinned, active,
-    needed by the current question, recalled for it), multiplied in.
-    """
-
-    floor: float = 1e-3
-    """Value of a span scored 0 (never committed with a score): still more than nothing."""
-
-    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
-        """`(score + floor) * weight`."""
-        return (max(0.0, score) + self.floor) * weight

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 
 class Rung(Enum):
@@ -56,3 +57,51 @@ class RungOption:
     """Device bytes the span holds at this rung (what the device budget counts)."""
     fidelity: float
     """Fraction of the span's value lost at this rung (0 = none)."""
+
+
+@dataclass(frozen=True)
+class SpanOptions:
+    """One span's choice: where it is now and where it may go."""
+
+    span_id: int
+    value: float
+    """What losing the span entirely costs (the strategy's value)."""
+    options: tuple[RungOption, ...]
+    """The current rung first, then the cheaper rungs the span may be moved to."""
+    klass: int = 0
+    """The lifecycle's class: a lower class gives up each kind of step before a higher one."""
+    order: int = 0
+    """Tie-break between equal steps: the lower goes first (the span's start: older first)."""
+    released: bool = False
+    """Released by a rule (the grace queue): its steps come before every other span's."""
+    hard: bool = False
+    """Leaves attention only while the total is over `plan_placement`'s `hard_target` (recalled spans)."""
+
+
+NEEDED_CLASS = 1
+"""The class of the spans the current question needs (`agentkv.lifecycle.options.NEEDED`)."""
+
+
+class PlacementStrategy(Protocol):
+    """The value of a span: what the planner loses by holding it at a cheaper rung."""
+
+    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
+        """A span's value from its commit score, its held tokens and the lifecycle's weight for it."""
+        ...
+
+
+@dataclass(frozen=True)
+class GreedyDualValue:
+    """GreedyDual-Size (Cao & Irani 1997): the commit score is the value of a hit, whatever the span's size.
+
+    The planner divides by bytes, so a long log and a short user fact of equal score
+    are not equally cheap to keep. `weight` is the lifecycle's prior (pinned, active,
+    needed by the current question, recalled for it), multiplied in.
+    """
+
+    floor: float = 1e-3
+    """Value of a span scored 0 (never committed with a score): still more than nothing."""
+
+    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
+        """`(score + floor) * weight`."""
+        return (max(0.0, score) + self.floor) * weight

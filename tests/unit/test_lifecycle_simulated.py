@@ -525,8 +525,8 @@ def test_more_budget_never_loses_more_value(seed: int) -> None:
 
 
 def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step() -> None:
-    from agentkv.lifecycle.placement import SpanOptions, plan_placement
-    from agentkv.lifecycle.rungs import Rung, RungOption
+    from agentkv.lifecycle.placement import plan_placement
+    from agentkv.lifecycle.rungs import Rung, RungOption, SpanOptions
 
     def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
         options = (
@@ -553,8 +553,8 @@ def test_plan_placement_takes_attended_steps_first_and_the_cheapest_closing_step
 
 def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() -> None:
     """`needed_last`: the spans the question needs give up int4 only after every other span left attention."""
-    from agentkv.lifecycle.placement import SpanOptions, plan_placement
-    from agentkv.lifecycle.rungs import Rung, RungOption
+    from agentkv.lifecycle.placement import plan_placement
+    from agentkv.lifecycle.rungs import Rung, RungOption, SpanOptions
 
     def span(span_id: int, tokens: int, value: float, klass: int = 0) -> SpanOptions:
         options = (

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.options import ACTIVE, PINNED, REST, span_options
-from agentkv.lifecycle.placement import SpanOptions, plan_placement
-from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung, RungOption
+from agentkv.lifecycle.placement import plan_placement
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung, RungOption, SpanOptions
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import SpanCosts
 
