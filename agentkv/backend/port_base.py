@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span, Tier

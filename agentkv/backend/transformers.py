@@ -23,7 +23,7 @@ from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.placement import Rung
+from agentkv.lifecycle.rungs import Rung
 from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
 
