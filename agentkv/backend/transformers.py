@@ -21,11 +21,11 @@ from agentkv.backend.prefix import build_prefix_cache
 from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.placement import Rung
 from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
+from agentkv.templates import ChatFormat
 
 logger = logging.getLogger("agentkv.backend")
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.backend.registry import SessionRegistry
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.config_engine import EngineConfig
 from agentkv.engines.admission import AdmissionGate
@@ -32,6 +31,7 @@ from agentkv.engines.planner import EnginePinPlanner
 from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
+from agentkv.templates import ChatFormat
 
 logger = logging.getLogger("agentkv.engines")
 
