@@ -56,7 +56,11 @@ class TransformersBackend(SessionRegistry[Session]):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or AgentKVConfig()
-        self.chat_format = ChatFormat(tokenizer)
+        self.chat_format = ChatFormat(
+            tokenizer,
+            tool_format=self.config.chat.tool_format,
+            template_kwargs=self.config.chat.template_kwargs,
+        )
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
         self.prefix_cache: PrefixCache | None = build_prefix_cache(
             self.config.prefix_cache, self.runner.bytes_per_token

@@ -74,7 +74,11 @@ class EngineBackend(SessionRegistry[EngineSession]):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
-        self.chat_format = ChatFormat(tokenizer)
+        self.chat_format = ChatFormat(
+            tokenizer,
+            tool_format=self.config.chat.tool_format,
+            template_kwargs=self.config.chat.template_kwargs,
+        )
         self.bytes_per_token = bytes_per_token
         self.max_positions = max_positions
         """Positions the served model supports (None = not declared)."""

@@ -79,7 +79,9 @@ class ChatFormat:
         self.reasoning: ReasoningTags | None = detect_reasoning(self.template)
         self.special_tokens: dict[str, int] = _special_tokens(tokenizer)
         """Special tokens (text → id): never cut in two, and named by id in grammars."""
-        self._specials_by_length = sorted(_added_tokens(tokenizer) | set(self.special_tokens), key=len, reverse=True)
+        self._specials_by_length = sorted(
+            _added_tokens(tokenizer) | set(self.special_tokens), key=len, reverse=True
+        )
         """Every added token's text (special or not): a message boundary never cuts one in two."""
         self._empty_tools = self._needs_tool_list()
         self.hidden_special_ids: frozenset[int] = self._hidden_special_ids()
@@ -233,8 +235,10 @@ class ChatFormat:
         return ids
 
     def _needs_tool_list(self) -> bool:
-        """Whether the template fails without a tool list (it tests `tools is defined`, and a
-        missing list arrives as None); it then gets an empty list."""
+        """Whether the template fails without a tool list (then it gets an empty one).
+
+        Such a template tests `tools is defined`, and a missing list arrives as None.
+        """
         self._empty_tools = False
         probe = [{"role": "user", "content": "Hello."}]
         try:

@@ -91,6 +91,8 @@ class ToolFormat(ABC):
     result_prefix: str = ""
     result_suffix: str = ""
     """How a tool result is worded as a user turn, for a template without a tool role."""
+    name_end: str = '"'
+    """What follows a tool's name in a call (its closing quote in JSON)."""
     whole_answer: bool = False
     """Calls are the whole answer (no text before them), so "auto" is text or calls."""
 

@@ -133,26 +133,39 @@ class JsonCallFormat(ToolFormat):
 
     @override
     def parse(self, text: str) -> ParsedAnswer:
-        starts = [at for at in (text.find(t) for t in (self.trigger, *self.extra_triggers) if t) if at >= 0]
-        if not self.trigger:  # a bare object: the call is the answer (after optional whitespace)
-            stripped = text.lstrip()
-            if stripped.startswith("{") and _NAME_RE.search(stripped[:200]):
-                starts.append(len(text) - len(stripped))
-        if not starts:
-            return ParsedAnswer(text)
-        start = min(starts)
-        before = text[:start].rstrip()
+        """Content and calls: every call region read in turn, and the text outside them.
+
+        The content is the text before the first call right-stripped, then each later
+        piece stripped, joined by newlines.
+        """
         calls: list[ParsedCall] = []
         invalid: list[BadCall] = []
-        at = start
-        for tag in (*self.extra_triggers, self.open):
-            if tag and text.startswith(tag, at):
-                at += len(tag)
-                break
-        after = self._read_calls(text, at, calls, invalid)
-        rest = text[after:].strip() if after < len(text) else ""
-        content = "\n".join(piece for piece in (before, rest) if piece)
-        return ParsedAnswer(content, tuple(calls), tuple(invalid))
+        pieces: list[str] = []
+        position = 0
+        while (start := self._next_call(text, position)) is not None:
+            pieces.append(text[position:start])
+            at = start
+            for tag in (*self.extra_triggers, self.open):
+                if tag and text.startswith(tag, at):
+                    at += len(tag)
+                    break
+            end = self._read_calls(text, at, calls, invalid)
+            position = max(end, at + 1)
+        if not pieces:
+            return ParsedAnswer(text)
+        pieces.append(text[position:])
+        kept = [pieces[0].rstrip()] + [piece.strip() for piece in pieces[1:]]
+        return ParsedAnswer("\n".join(p for p in kept if p), tuple(calls), tuple(invalid))
+
+    def _next_call(self, text: str, position: int) -> int | None:
+        """Where the next call region starts at or after `position` (None: no more)."""
+        tags = [t for t in (self.trigger, *self.extra_triggers) if t]
+        found = [at for at in (text.find(t, position) for t in tags) if at >= 0]
+        if not self.trigger and position == 0:  # a bare object: the call is the answer
+            stripped = text.lstrip()
+            if stripped.startswith("{") and _NAME_RE.match(stripped[1:].lstrip()):
+                found.append(len(text) - len(stripped))
+        return min(found) if found else None
 
     def _read_calls(self, text: str, at: int, calls: list[ParsedCall], invalid: list[BadCall]) -> int:
         """Read calls from `at`; return where the call text ends."""
@@ -176,11 +189,10 @@ class JsonCallFormat(ToolFormat):
                 return end
             at = end
             close = self.call_close.strip()
-            probe = at
-            while probe < len(text) and text[probe].isspace():
-                probe += 1
-            if close and text.startswith(close, probe):
-                at = probe + len(close)
+            if close:  # a block ends at its closing tag (what a model wrote before it is junk)
+                found, again = text.find(close, at), text.find(self.trigger, at)
+                if found >= 0 and (again < 0 or found < again):
+                    at = found + len(close)
             probe = at
             while probe < len(text) and (text[probe].isspace() or text[probe] in ",;"):
                 probe += 1
@@ -198,9 +210,11 @@ class JsonCallFormat(ToolFormat):
         """A call that is not valid JSON: up to the next closing tag, or the end."""
         close = self.call_close.strip()
         found = text.find(close, at) if close else -1
-        end = found if found >= 0 else len(text)
+        again = text.find(self.trigger, at) if self.trigger else -1
+        ends = [i for i in (found, again) if i >= 0]
+        end = min(ends) if ends else len(text)
         raw = text[at:end]
-        return raw, end + len(close) if found >= 0 else end
+        return raw, end + len(close) if found >= 0 and end == found else end
 
     def _read_raw(self, raw: str, calls: list[ParsedCall], invalid: list[BadCall]) -> None:
         cleaned = strip_fence(raw.strip())

@@ -32,6 +32,7 @@ class PythonicFormat(ToolFormat):
     name: str = "pythonic"
     trigger: str = "["
     whole_answer: bool = True
+    name_end: str = "("
 
     @override
     def describe(self, tools: Sequence[Mapping[str, Any]]) -> str:

@@ -23,8 +23,15 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
 from agentkv import AnySession, Backend, Session, SessionStats
+from agentkv.templates import ChatFormat
 from agentkv_langchain.sessions import current_metadata
-from agentkv_langchain.tools import ToolCallBan, ToolCallStreamFilter, parse_tool_calls, tool_names
+from agentkv_langchain.tools import (
+    ToolCallBan,
+    ToolCallStreamFilter,
+    parse_tool_calls,
+    split_answer,
+    tool_names,
+)
 from agentkv_langchain.toolset import outside
 
 __all__ = [
@@ -54,6 +61,8 @@ class CallAnswer:
     usage: UsageMetadata
     response_metadata: dict[str, Any]
     generation_info: dict[str, Any]
+    reasoning: str | None = None
+    """The answer's reasoning block (`additional_kwargs["reasoning_content"]`), never content or calls."""
 
 
 @dataclass
@@ -136,18 +145,25 @@ def call_usage(session: AnySession, before: SessionStats, after: SessionStats) -
 
 
 def read_answer(
-    text: str, tools: Sequence[Mapping[str, Any]], visible: ToolCallStreamFilter | None
-) -> tuple[str, list[ToolCall], list[InvalidToolCall], str]:
-    """`(content, tool_calls, invalid_tool_calls, rest)` of an answer's whole text.
+    text: str,
+    tools: Sequence[Mapping[str, Any]],
+    visible: ToolCallStreamFilter | None,
+    chat_format: ChatFormat | None = None,
+) -> tuple[str, list[ToolCall], list[InvalidToolCall], str, str | None]:
+    """`(content, tool_calls, invalid_tool_calls, rest, reasoning)` of an answer's whole text.
 
-    Without tools bound (`visible` is None) the text is the content. With tools, calls to a
-    tool that is listed in the prompt but not bound to this call become invalid calls that
-    say so; `rest` is the content the stream filter has not shown yet.
+    A reasoning block (`<think>…</think>` in a family that thinks) is split off first: it
+    is never content and never read for calls. Without tools bound the rest is the
+    content; with tools, calls are read in the backend's tool format, and calls to a tool
+    that is listed in the prompt but not bound to this call become invalid calls that say
+    so; `rest` is the content the stream filter has not shown yet.
     """
-    if visible is None:
-        return text, [], [], ""
-    content, calls, invalid = parse_tool_calls(text)
-    rest = visible.rest(content)
+    reasoning, answer = split_answer(text, chat_format.reasoning if chat_format is not None else None)
+    if not tools:
+        return answer, [], [], visible.rest(answer) if visible is not None else "", reasoning
+    fmt = chat_format.tool_format if chat_format is not None else None
+    content, calls, invalid = parse_tool_calls(answer, fmt) if fmt is not None else parse_tool_calls(answer)
+    rest = visible.rest(content) if visible is not None else ""
     bound = ", ".join(tool_names(tools))
     for i in reversed(outside(calls, tools)):
         call = calls.pop(i)
@@ -160,7 +176,7 @@ def read_answer(
                 error=f"tool {call['name']!r} is not bound to this call; bound: {bound}",
             ),
         )
-    return content, calls, invalid, rest
+    return content, calls, invalid, rest, reasoning
 
 
 _BANS: dict[int, ToolCallBan] = {}

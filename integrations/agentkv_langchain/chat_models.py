@@ -381,6 +381,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             final = next(item for item in answer if isinstance(item, CallAnswer))
         message = AIMessage(
             content=final.content,
+            additional_kwargs={"reasoning_content": final.reasoning} if final.reasoning else {},
             id=final.message_id,
             tool_calls=final.tool_calls,
             invalid_tool_calls=final.invalid_tool_calls,
@@ -484,6 +485,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(
                         content=item.rest,
+                        additional_kwargs={"reasoning_content": item.reasoning} if item.reasoning else {},
                         id=item.message_id,
                         tool_call_chunks=calls,
                         chunk_position="last",
@@ -505,6 +507,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         started = time.perf_counter()
         session = self._session(metadata)
         plan = self._plan(messages, stop, kwargs, session)
+        chat_format = self.backend.chat_format
+        fmt = chat_format.tool_format
         raw: list[str] = []
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
@@ -518,12 +522,17 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
                 if isinstance(session, Session):
-                    name = choose_tool(session.answer_logprob, names)
-                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name))
-            visible = ToolCallStreamFilter() if plan.tools else None
+                    name = choose_tool(session.answer_logprob, names, fmt)
+                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name), fmt)
+            reasoning = chat_format.reasoning
+            visible = (
+                ToolCallStreamFilter(fmt if plan.tools else None, reasoning)
+                if plan.tools or reasoning is not None
+                else None
+            )
             if visible is not None:
                 visible.feed(prefix)
-            call_end = CallEnd(prefix) if prefix and not plan.parallel else None
+            call_end = CallEnd(prefix, fmt) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
                 options["logits_processor"] = grammar_processor(
@@ -532,7 +541,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
             elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
-                options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
+                options["stop"] = [*options["stop"], fmt.trigger or TOOL_CALL_OPEN]
             pieces = session.stream(**options)
             try:
                 for piece in pieces:
@@ -547,7 +556,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             finally:
                 close_iterator(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
-            content, calls, invalid, rest = read_answer(prefix + "".join(raw), plan.tools, visible)
+            content, calls, invalid, rest, thought = read_answer(
+                prefix + "".join(raw), plan.tools, visible, chat_format
+            )
             # The caller gets exactly this message back; binding it lets the next call
             # match it to the produced token ids instead of re-encoding it.
             session.bind_message(
@@ -556,6 +567,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                     "content": content,
                     "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in calls],
                     "id": message_id,
+                    **({"reasoning_content": thought} if thought else {}),
                 }
             )
             output_tokens = after.generated_tokens - before.generated_tokens
@@ -585,6 +597,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 "time_to_first_token_s": first_token_s,
             },
             generation_info={"finish_reason": finish},
+            reasoning=thought,
         )
 
     def _session(self, metadata: Mapping[str, Any]) -> AnySession:
