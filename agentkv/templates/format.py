@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, check_unicode
+from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, ToolCall, check_unicode
 from agentkv.templates.probe import probe_rules
 from agentkv.templates.roles import RoleRules, template_dicts
 from agentkv.templates.segments import Cached, Split, common_prefix, safe_cut, split_history
@@ -88,8 +88,30 @@ class ChatFormat:
         """Special tokens left out of an answer's text: all but those a call or reasoning is written with."""
         self.rules: RoleRules = probe_rules(self._render_dicts)
         self._gen_extends = self._generation_prompt_extends()
+        self._tail_stable = self._answers_extend()
         self._suffix: str | None = None
+        self._grammar_specials: dict[str, int] | None = None
         self._stop_ids: frozenset[int] | None = None
+
+    @property
+    def grammar_specials(self) -> dict[str, int]:
+        """Added tokens the grammar library matches only by id (text → id), for grammars' literals."""
+        if self._grammar_specials is None:
+            from agentkv.grammar.tokenizer import grammar_tokenizer  # builds the library's tokenizer once
+
+            library = grammar_tokenizer(self.tokenizer, self.stop_token_ids())
+            self._grammar_specials = {
+                text: i for text, i in _added_token_ids(self.tokenizer).items() if library.is_special_token(i)
+            }
+        return self._grammar_specials
+
+    def use_tool_format(self, name: str) -> None:
+        """Write, constrain and read calls in the format called `name` from now on (ValueError if unknown).
+
+        Held messages whose calls render differently in it are re-encoded on the next call.
+        """
+        self.tool_format = tool_format_named(name)
+        self.hidden_special_ids = self._hidden_special_ids()
 
     @property
     def tools_in_template(self) -> bool:
@@ -130,16 +152,23 @@ class ChatFormat:
         return self._render_dicts(dicts, tools, add_generation_prompt=add_generation_prompt)
 
     def history_text(self, messages: Sequence[ChatMessage]) -> str:
-        """A conversation's text as history: what it renders to and what an answer would follow.
+        """A conversation's text as history: the part of its rendering that an answer follows.
 
-        Most templates render the same text either way; one that closes the conversation
-        when no answer is asked for (Phi-3.5 writes `eos`) has that close left out.
+        Most templates render the same text either way. One that closes the conversation
+        when no answer follows (Phi-3.5 writes `eos`; DeepSeek-R1 closes its tool outputs)
+        has that close left out: it is part of the generation prompt instead.
         """
         plain = self.render(messages)
-        if self._gen_extends:
+        if self._gen_extends and self._tail_stable:
             return plain
-        prompted = self.render(messages, add_generation_prompt=True)
-        return plain[: safe_cut(plain, common_prefix(plain, prompted), self._specials_by_length)]
+        cut = common_prefix(plain, self.render(messages, add_generation_prompt=True))
+        if messages:
+            try:
+                answered = self.render([*messages, ChatMessage("assistant", _PROBE_ANSWER)])
+            except Exception:  # noqa: BLE001 - no answer may follow (strict alternation): the prompt decides
+                answered = plain
+            cut = min(cut, common_prefix(plain, answered))
+        return plain[: safe_cut(plain, cut, self._specials_by_length)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a piece of template text (special tokens written in it are parsed)."""
@@ -234,6 +263,20 @@ class ChatFormat:
                 ids.add(vocab[token])
         return ids
 
+    def _answers_extend(self) -> bool:
+        """Whether appending an answer only appends to a conversation's rendering (most templates)."""
+        user = ChatMessage("user", "Hello.")
+        call = ChatMessage("assistant", "", tool_calls=(ToolCall("a1b2c3d4e", "probe_tool_fn", {"x": "1"}),))
+        result = ChatMessage("tool", "Result.", tool_call_id="a1b2c3d4e")
+        answer = ChatMessage("assistant", _PROBE_ANSWER)
+        for conversation in ([user], [user, call, result]):
+            try:
+                if not self.render([*conversation, answer]).startswith(self.render(conversation)):
+                    return False
+            except Exception:  # noqa: BLE001 - a template that refuses the probe: compare every time
+                return False
+        return True
+
     def _needs_tool_list(self) -> bool:
         """Whether the template fails without a tool list (then it gets an empty one).
 
@@ -294,5 +337,10 @@ def _special_tokens(tokenizer: Any) -> dict[str, int]:
 
 def _added_tokens(tokenizer: Any) -> set[str]:
     """The text of every token added to the tokenizer's vocabulary (special or not)."""
+    return set(_added_token_ids(tokenizer))
+
+
+def _added_token_ids(tokenizer: Any) -> dict[str, int]:
+    """Every token added to the tokenizer's vocabulary (special or not), text → id."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {str(token) for token in decoder.values() if str(token)}
+    return {str(token): int(i) for i, token in decoder.items() if str(token)}

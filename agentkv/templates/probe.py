@@ -25,6 +25,7 @@ _SYSTEM = "Probe system text."
 _USER = "Probe user text."
 _USER2 = "Probe second question."
 _ANSWER = "Probe answer text."
+_NOTE = "Probe note."
 _RESULT = "Probe tool result."
 _TOOL = "probe_tool_fn"
 _TOOLS = [
@@ -84,6 +85,10 @@ def probe_rules(render: Render) -> RoleRules:
         and _SYSTEM in with_system
         and _stays(render, [system, user], [system, user, answer, user2], _USER)
     )
+    note = {"role": "system", "content": _NOTE}
+    notes_ok = system_ok and _stays(
+        render, [system, user, answer], [system, user, answer, note, user2], _ANSWER
+    )
     rendered_call = _try(render, [user, _CALL])
     calls_ok = rendered_call is not None and _TOOL in rendered_call
     call = _CALL if calls_ok else {"role": "assistant", "content": "call"}
@@ -101,7 +106,12 @@ def probe_rules(render: Render) -> RoleRules:
     )
     alternation = _try(render, [user, user2]) is None and _try(render, [user, answer, user2]) is not None
     rules = RoleRules(
-        system=system_ok, tool=tool_ok, tool_calls=calls_ok, tools=tools_ok, alternation=alternation
+        system=system_ok,
+        notes=notes_ok,
+        tool=tool_ok,
+        tool_calls=calls_ok,
+        tools=tools_ok,
+        alternation=alternation,
     )
     logger.debug("chat template rules: %s", rules)
     return rules

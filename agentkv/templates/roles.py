@@ -33,7 +33,9 @@ class RoleRules:
     """What a chat template renders itself (found by `agentkv.templates.probe`)."""
 
     system: bool = True
-    """A system message, rendered in place (append-only)."""
+    """A first system message, rendered in place (append-only)."""
+    notes: bool = True
+    """A later system message (a note), rendered in place without changing what comes before."""
     tool: bool = True
     """Tool results (role "tool")."""
     tool_calls: bool = True
@@ -91,9 +93,15 @@ def fold(dicts: Sequence[Mapping[str, Any]], rules: RoleRules, fmt: ToolFormat) 
         if role == "tool" and not rules.tool:
             entry = {"role": "user", "content": fmt.render_result(str(entry.get("content", "")))}
             role = "user"
-        if role == "system" and not rules.system:
+        if role == "system" and not (rules.system if not seen_user else rules.system and rules.notes):
             if not seen_user:
                 pending_system.append(str(entry.get("content", "")))
+                continue
+            previous = out[-1] if out else None
+            if rules.alternation and previous is not None and previous["role"] == "tool":
+                # A note after a tool result: part of that turn (a new user turn would break alternation).
+                texts = [t for t in (str(previous.get("content", "")), str(entry.get("content", ""))) if t]
+                previous["content"] = TURN_JOINER.join(texts)
                 continue
             entry = {"role": "user", "content": entry.get("content", "")}
             role = "user"

@@ -138,6 +138,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
     forces a call (to the tool the model prefers) on a turn's first step and a text answer
     after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    tool_format: str | None = None
+    """The tool-call format (hermes, qwen, llama3_json, mistral, granite, phi4, pythonic); None: the
+    backend's (detected from the chat template, or `agentkv.chat.tool_format`). Set, it becomes the
+    backend's: history renders calls in it too. See docs/tool-formats.md."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -183,6 +187,13 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         if self.config is not None:
             wanted = resolve_config(self.config, model=self.model)
             self._session_config = session_settings(wanted, self.backend.config)
+        return self
+
+    @model_validator(mode="after")
+    def _named_tool_format(self) -> Self:
+        """`tool_format=` sets the backend's format (it renders history, so it is backend-wide)."""
+        if self.tool_format is not None and self.tool_format != self.backend.chat_format.tool_format.name:
+            self.backend.chat_format.use_tool_format(self.tool_format)
         return self
 
     @model_validator(mode="after")

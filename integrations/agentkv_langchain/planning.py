@@ -116,7 +116,7 @@ class CallPlanning:
         ban = (bool(tools) and choice == "none") or (not tools and bool(block))
         constrained = self.grammar and (session is None or isinstance(session, Session))
         grammar, prefix = None, ""
-        specials = chat_format.special_tokens
+        specials = chat_format.grammar_specials if constrained else {}
         if tools and choice not in (None, "none"):
             close = fmt.call_close.strip() if isinstance(fmt, JsonCallFormat) else ""
             if not constrained and close:  # the grammar ends the call itself; its strings may hold the tag
