@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from chat_families import FAMILIES, Family, family_tokenizer
+from conftest import tiny_llama_config
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -25,8 +27,6 @@ from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
 from agentkv.templates import ChatFormat
 from agentkv_langchain import ChatAgentKV
-from chat_families import FAMILIES, Family, family_tokenizer
-from conftest import tiny_llama_config
 
 
 @tool
