@@ -22,10 +22,10 @@ from typing import Any
 
 from gold_at_answer import _precision, gold_offsets
 
-import agentkv_langchain.call_bench as bench
-from agentkv.bench.methods import METHODS
+import agentkv_bench.call_bench as bench
 from agentkv.models import load_model
 from agentkv.spans import SpanKind
+from agentkv_bench.methods import METHODS
 
 
 def leaves(value: Any) -> Iterator[str]:

@@ -17,7 +17,7 @@ float32 full cache, which is how far calls move on noise no budget causes.
 
 The comparison prints, per method and budget, on the calls replayed: how many have the
 full cache's tool, its tool and arguments, with the tool forced its arguments, and the
-trace's values written (`agentkv_langchain.call_bench.calls_summary`'s shares, as counts),
+trace's values written (`agentkv_bench.call_bench.calls_summary`'s shares, as counts),
 and the mean device / host / total MiB at the call, beside the same figures for the
 defaults' budgeted rows on the same calls.
 """
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.methods import METHODS
 from agentkv.models import load_model
-from agentkv_langchain.call_bench import CallRow, calls_summary, load_call_traces, replay_calls
+from agentkv_bench.call_bench import CallRow, calls_summary, load_call_traces, replay_calls
+from agentkv_bench.methods import METHODS
 
 REFERENCE = "agentkv-nohost"
 """The method whose budgeted rows the comparison pairs with."""

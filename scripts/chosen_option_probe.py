@@ -20,10 +20,10 @@ import argparse
 import torch
 
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.memory import answer_text, replay
-from agentkv.bench.methods import METHODS
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
+from agentkv_bench.memory import answer_text, replay
+from agentkv_bench.methods import METHODS
+from agentkv_bench.workloads import load_workloads
 
 
 def score(model, ids: list[int], positions: list[int], n_target: int) -> tuple[float, list[int]]:  # noqa: ANN001

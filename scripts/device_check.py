@@ -49,10 +49,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentkv import load_model
 from agentkv.backend.runner import Feed, ModelRunner
-from agentkv.bench.conversation import SYSTEM_PROMPT, build_conversation
 from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
 from agentkv.store.host import HostBlock
+from agentkv_bench.conversation import SYSTEM_PROMPT, build_conversation
 
 MODES: dict[str, LayerFactory] = {
     "full": SharedPrefixLayer,

@@ -28,8 +28,8 @@ import torch
 from key_noise_probe import RESIDUAL, grouped_scores, question_tokens, render
 from transformers import AttentionInterface, DynamicCache
 
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
+from agentkv_bench.workloads import load_workloads
 
 FRACS = [float(f) for f in os.environ.get("FRACS", "0.25,0.5").split(",")]
 PAGE = 64

@@ -1,6 +1,6 @@
 r"""Where each question's fact is when the model answers it: exact, int4 in attention, or not attended.
 
-Runs one workload under one budget with the bench's own loop (`agentkv.bench.memory.run_one`)
+Runs one workload under one budget with the bench's own loop (`agentkv_bench.memory.run_one`)
 and, at each question's answer step, finds the spans whose text holds the gold answer and
 whether the gold's tokens are held at full precision (`exact`), quantized in attention with
 their 8-bit key planes (`k8`) or at 4-bit keys (`int4`), or not attended (`out`), next to how
@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from recall_bench import full_tokens
 
-import agentkv.bench.memory as memory
+import agentkv_bench.memory as memory
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.methods import METHODS
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
+from agentkv_bench.methods import METHODS
+from agentkv_bench.workloads import load_workloads
 
 
 def gold_offsets(tokenizer: Any, token_ids: list[int], gold: str) -> list[int]:

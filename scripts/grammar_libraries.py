@@ -26,7 +26,7 @@ import xgrammar
 from agentkv import load_model
 from agentkv.grammar import strict_schema
 from agentkv.grammar.grammars import JSON_FORMAT
-from agentkv_langchain.tool_bench import load_tool_set
+from agentkv_bench.tool_bench import load_tool_set
 
 
 def sample_args(schema: dict[str, Any]) -> Any:

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
 from agentkv.store.kivi import key_groups, quantize_along, value_groups
+from agentkv_bench.workloads import load_workloads
 
 SINKS, RESIDUAL, GROUP, BITS, GOLD_MARGIN = 4, 64, 32, 4, 16
 

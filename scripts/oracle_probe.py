@@ -44,9 +44,9 @@ from focus_probe import MASKED, MASS, gold_read, pages, probe_attention
 from key_noise_probe import GOLD_MARGIN, RESIDUAL, SINKS, quantized, question_tokens, render
 from transformers import AttentionInterface
 
-from agentkv.bench.workloads import load_workloads
 from agentkv.lifecycle.rungs import ARCHIVE_DEVICE_SHARE
 from agentkv.models import load_model
+from agentkv_bench.workloads import load_workloads
 
 BUDGETS = [float(b) for b in os.environ.get("BUDGETS", "0.25,0.125").split(",")]
 LADDERS = os.environ.get("LADDERS", "int4").split(",")

@@ -21,12 +21,12 @@ import torch
 from transformers import DynamicCache
 
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.memory import ANSWER_EXTRA_TOKENS, replay
-from agentkv.bench.methods import METHODS
-from agentkv.bench.scoring import answer_text, decided, exact_match
-from agentkv.bench.workloads import load_workloads
 from agentkv.chat import normalize_messages
 from agentkv.models import load_model
+from agentkv_bench.memory import ANSWER_EXTRA_TOKENS, replay
+from agentkv_bench.methods import METHODS
+from agentkv_bench.scoring import answer_text, decided, exact_match
+from agentkv_bench.workloads import load_workloads
 
 SINK, RECENT, G = 4, 64, 32
 

@@ -20,10 +20,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.memory import replay, run_one
-from agentkv.bench.methods import METHODS
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
+from agentkv_bench.memory import replay, run_one
+from agentkv_bench.methods import METHODS
+from agentkv_bench.workloads import load_workloads
 
 
 def full_tokens(backend: TransformersBackend, workload) -> int:  # noqa: ANN001 - a Workload

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from agentkv.bench.workloads import WORKLOAD_DIR
 from agentkv.lifecycle.recall_ranking import rank_for_recall
 from agentkv.models import load_model
 from agentkv.spans import Span, SpanKind, SpanState
+from agentkv_bench.workloads import WORKLOAD_DIR
 
 
 def messages(data: dict) -> list[tuple[int, str]]:

@@ -11,7 +11,7 @@ over the runs (lifecycle + policy + store seconds over forward seconds).
 `--diff A B` lists the questions method A answers right and B wrong (gained) and the
 reverse (lost), per budget, with the EM difference, its 95% interval from a bootstrap
 over workloads and McNemar's exact p, and the mean difference of the gold answer's
-teacher-forced log-prob with its interval (`agentkv.bench.paired`); B may be a method run at
+teacher-forced log-prob with its interval (`agentkv_bench.paired`); B may be a method run at
 one budget only (the full cache), then compared at every budget of A.
 
     .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
@@ -25,10 +25,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.paired import paired_difference, paired_mean
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import converted_model_dir
 from agentkv.store.kivi import token_bytes
+from agentkv_bench.paired import paired_difference, paired_mean
+from agentkv_bench.workloads import load_workloads
 
 SOURCES = ("user", "tool", "confirmed", "chosen")
 STYLES = ("quote", "paraphrase")
@@ -141,7 +141,7 @@ def diff(rows: list[dict[str, Any]], a: str, b: str) -> str:
 
     Per budget of `a`: the EM difference with its 95% workload-bootstrap interval and
     McNemar's p, the mean gold log-prob difference with its interval
-    (`agentkv.bench.paired`), then the questions gained and lost. A method run at one
+    (`agentkv_bench.paired`), then the questions gained and lost. A method run at one
     budget only (the full cache) is compared at every budget of `a`.
     """
     right: dict[str, dict[tuple[str, float, str], bool]] = defaultdict(dict)

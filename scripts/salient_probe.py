@@ -27,8 +27,8 @@ import torch
 from key_noise_probe import GOLD_MARGIN, RESIDUAL, SINKS, quantized, question_tokens, render
 from transformers import DynamicCache
 
-from agentkv.bench.workloads import load_workloads
 from agentkv.models import load_model
+from agentkv_bench.workloads import load_workloads
 
 FRACS = os.environ.get("FRACS", "0.05,0.1").split(",")
 

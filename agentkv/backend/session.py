@@ -28,7 +28,7 @@ from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
-from agentkv.events import Event, SessionClosed, TurnEnded
+from agentkv.events import Event, SessionClosed, TurnEnded, validate_event
 from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.manager import LifecycleManager
@@ -50,17 +50,7 @@ class Session(SessionCore):
     def _start(self, parent: Session | None) -> None:
         """The local model's runner and a `KVStore`; a branch forks its parent's cache."""
         self.runner = self.backend.runner
-        self.store = KVStore(
-            self.runner.num_layers,
-            self.runner.device,
-            group_size=self.config.quantization.group_size,
-            residual_tokens=self.config.quantization.residual_tokens,
-            attended_bits=self.config.quantization.attended_bits,
-            attended_residual_tokens=self.config.quantization.attended_residual_tokens,
-            attended_key_bits=self.config.quantization.attended_key_bits,
-            attended_sink_tokens=self.config.quantization.attended_sink_tokens,
-            host_bits=self.config.quantization.host_bits,
-        )
+        self.store = KVStore(self.runner.num_layers, self.runner.device, self.config.quantization)
         self.table = SpanTable(self.session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
         self.last_logits: torch.Tensor | None = None
@@ -129,6 +119,8 @@ class Session(SessionCore):
                 Their results are `ExtendResult.applied`.
         """
         started = time.perf_counter()
+        for event in events:  # before anything changes; the manager trusts them
+            validate_event(event)
         with self.lock:
             incoming, message_spans, k, texts = self._match(messages)
             if any(m.role == "user" for m in incoming[k:]):

@@ -15,7 +15,7 @@ from agentkv.backend.contracts import BackendHost, SessionClosedError
 from agentkv.backend.readout import SessionReadout
 from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
-from agentkv.events import Event
+from agentkv.events import Event, validate_event
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.policies import Policy, SpanView
@@ -204,7 +204,12 @@ class SessionCore(SessionReadout):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def apply(self, event: Event) -> ApplyResult:
-        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops)."""
+        """Apply a lifecycle event (idempotent; unknown targets are logged no-ops).
+
+        Raises:
+            TypeError: `event` is not a well-formed event (`validate_event`; checked here, once).
+        """
+        validate_event(event)
         with self.lock:
             self._check_open()
             return self._apply_locked(event, enforce=True)

@@ -22,7 +22,7 @@ from agentkv.backend.session_core import SessionCore
 from agentkv.engines.admission import Admission, AdmissionGate
 from agentkv.engines.store import EngineStore, EngineTarget, common_prefix
 from agentkv.engines.vllm import VLLMClient
-from agentkv.events import Event, TurnEnded
+from agentkv.events import Event, TurnEnded, validate_event
 from agentkv.lifecycle import ApplyResult, LifecycleManager, SpanTable
 from agentkv.spans import Span
 
@@ -127,6 +127,8 @@ class EngineSession(SessionCore):
         plan for them, as in `Session.extend`.
         """
         started = time.perf_counter()
+        for event in events:  # before anything changes; the manager trusts them
+            validate_event(event)
         with self.lock:
             incoming, message_spans, k, texts = self._match(messages)
             reused = sum(s.length for s in message_spans[:k])

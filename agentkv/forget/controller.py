@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentkv.backend.public import AgentSession
-from agentkv.config import ForgetConfig
+from agentkv.chat import ChatMessage
+from agentkv.config import AgentKVConfig, ForgetConfig
 from agentkv.config_sections import FORGET_PROMPT_FIELD
 from agentkv.events import Event, TurnEnded
 from agentkv.forget.protocol import (
@@ -27,6 +27,7 @@ from agentkv.forget.protocol import (
     went_astray,
 )
 from agentkv.lifecycle.results import ApplyResult
+from agentkv.metrics import SessionStats
 from agentkv.spans import Span, SpanKind, SpanState
 
 logger = logging.getLogger("agentkv.forget")
@@ -100,15 +101,63 @@ class ForgetStats:
 # ---------------------------------------------------------------------------- the controller
 
 
-class ForgetSession(AgentSession, Protocol):
-    """What the controller uses of its session: the public session protocol, and the backend that opened it.
+class SideThread(Protocol):
+    """What the controller uses of the side thread's fork of its session."""
 
-    A protocol rather than an import: the session owns a controller, so the controller must
-    not import the session's module (`agentkv.backend.session`).
+    session_id: str
+
+    def extend(self, messages: Sequence[Any]) -> Any:
+        """Bring the fork in line with `messages`."""
+        ...
+
+    def stream(self, max_new_tokens: int, *, prefix: str) -> Iterator[str]:
+        """Answer after the prefilled `prefix`, piece by piece."""
+        ...
+
+    def stats(self) -> SessionStats:
+        """What the fork encoded and generated."""
+        ...
+
+
+class ForgetSession(Protocol):
+    """What the controller uses of its session (`Session` provides it).
+
+    Declared here, below the backend: the session owns a controller, so the controller
+    imports neither the session's module nor the backend's session protocol.
     """
 
+    session_id: str
+    config: AgentKVConfig
     backend: Any
     """The backend that opened the session (the side thread's fork is closed through it)."""
+
+    @property
+    def turn(self) -> int:
+        """The current user turn."""
+        ...
+
+    @property
+    def spans(self) -> list[Span]:
+        """The logical sequence's spans."""
+        ...
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation's messages."""
+        ...
+
+    @property
+    def manager(self) -> Any:
+        """The session's `LifecycleManager` (its budget, its recallable set)."""
+        ...
+
+    def apply(self, event: Event) -> ApplyResult:
+        """Apply a lifecycle event."""
+        ...
+
+    def fork(self, branch: str, *, config: AgentKVConfig | None = None) -> SideThread:
+        """A branch of the session, with its own settings."""
+        ...
 
 
 class ForgetController:
@@ -401,7 +450,7 @@ class ForgetController:
         return results
 
 
-def _until_list_end(fork: ForgetSession, max_new_tokens: int, offered: Sequence[str]) -> str:
+def _until_list_end(fork: SideThread, max_new_tokens: int, offered: Sequence[str]) -> str:
     """Greedy answer after the prefilled opening, stopped when the list closes or cannot be valid."""
     pieces: list[str] = []
     stream = fork.stream(max_new_tokens, prefix=side_thread_opening())

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 
 from agentkv.chat import ChatMessage
-from agentkv.events import Event, TurnEnded, validate_event
+from agentkv.events import Event, TurnEnded
 from agentkv.lifecycle.budget import BudgetKeeper
 from agentkv.lifecycle.compression import Compressor, span_view
 from agentkv.lifecycle.dispatch import EventDispatcher
@@ -131,9 +131,9 @@ class LifecycleManager:
         `enforce=False` leaves the budget check to the caller: events that arrive with
         a message are applied before the budget plans that message's pressure
         (`Session.extend(messages, events=...)`), so a confirmation pins its span
-        before the pressure the confirming message adds can demote it.
+        before the pressure the confirming message adds can demote it. The session
+        validated the event (`agentkv.events.validate_event`) where it came in.
         """
-        validate_event(event)
         with self.timer.timed("lifecycle_seconds"):
             result = self.events.apply(event)
         if enforce:

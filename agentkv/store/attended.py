@@ -50,12 +50,7 @@ from agentkv.store.attended_memo import HELD, LAST_READ
 from agentkv.store.attended_read import ReadPlan, read_layer, read_plan
 from agentkv.store.cache import SharedPrefixLayer
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, add_fine, coarse_stats, split_planes
-from agentkv.store.kivi import (
-    quantize_keys,
-    quantize_values,
-    token_bytes,
-    unpack_codes,
-)
+from agentkv.store.kivi import key_codes, token_bytes, unpack_codes, value_codes
 
 ATTENDED_BITS: tuple[int, ...] = (4, 2)
 """Bit widths the attended quantized tier supports."""
@@ -551,12 +546,12 @@ def quantize_layers(
             dev = rows.to(first.keys.device)
             k = torch.cat([layer.keys.index_select(-2, dev) for layer in chunk if layer.keys is not None])
             v = torch.cat([layer.values.index_select(-2, dev) for layer in chunk if layer.values is not None])
-            kc, ks, kz, groups = quantize_keys(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
+            kc, ks, kz, groups = key_codes(k, first.key_bits, first.group_size)  # [len(chunk) * B, ...]
             if first.planes:
                 kc, fine_part = split_planes(kc)  # 8-bit codes as coarse and fine 4-bit planes
                 fine_parts.append(fine_part)
             key_parts.append((kc, ks, kz, groups + offset))
-            value_parts.append(quantize_values(v, first.bits, first.group_size))
+            value_parts.append(value_codes(v, first.bits, first.group_size))
             offset += int(ks.shape[2])
         kc, ks, kz = (torch.cat([p[i] for p in key_parts], dim=2) for i in range(3))
         groups = torch.cat([p[3] for p in key_parts])

@@ -51,9 +51,10 @@ def value_groups(v: torch.Tensor, group_size: int) -> torch.Tensor:
     return v.float().reshape(b, h, n, d // g, g)
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens (`key_groups`).
+def key_codes(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Per-channel key quantization of `[B, H, n, D]` over runs of `group_size` tokens (`key_groups`), packed.
 
+    The attended tier's layout (the public, checked quantizer is `agentkv.store.quantize_keys`).
     Returns codes `[B, H, n, D / p]`, scales and zeros `[B, H, ceil(n / G), D]` and the
     group of each token (`long [n]`).
     """
@@ -64,8 +65,8 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Te
     return pack_codes(codes, bits), scales, zeros, groups
 
 
-def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Per-token value quantization of `[B, H, n, D]` in groups of channels (`value_groups`)."""
+def value_codes(v: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Per-token value quantization of `[B, H, n, D]` in groups of channels (`value_groups`), packed."""
     codes, scales, zeros = quantize_along(value_groups(v, group_size), bits, dim=-1)
     return pack_codes(codes.reshape(v.shape), bits), scales, zeros
 

@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from agentkv.config_sections import QuantizationConfig
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
@@ -45,16 +46,16 @@ class KVStore:
         self,
         num_layers: int,
         device: torch.device,
+        quantization: QuantizationConfig | None = None,
         *,
-        group_size: int = 32,
-        residual_tokens: int = 0,
         host_limit_bytes: int | None = None,
-        attended_bits: int | None = None,
-        attended_residual_tokens: int = 64,
-        attended_key_bits: int | None = None,
-        attended_sink_tokens: int = 4,
-        host_bits: int | None = None,
     ) -> None:
+        """A store for `num_layers` layers on `device`, quantized as `quantization` says (None: defaults)."""
+        quantization = quantization if quantization is not None else QuantizationConfig()
+        group_size = quantization.group_size
+        attended_bits: int | None = quantization.attended_bits
+        attended_residual_tokens = quantization.attended_residual_tokens
+        attended_key_bits: int | None = quantization.attended_key_bits
         factory: LayerFactory = SharedPrefixLayer
         if attended_bits is not None:
             check_attended_spec(
@@ -70,13 +71,13 @@ class KVStore:
         """The most recent tokens (by position) are never quantized in attention (KIVI's residual window)."""
         self.attended_key_bits = attended_key_bits
         """Bits of the attended tier's keys (None: `attended_bits`)."""
-        self.attended_sink_tokens = attended_sink_tokens
+        self.attended_sink_tokens = quantization.attended_sink_tokens
         """The first positions are never quantized in attention (attention sinks: StreamingLLM, KVQuant)."""
         self.device = device
         self.group_size = group_size
-        self.residual_tokens = residual_tokens
+        self.residual_tokens = quantization.residual_tokens
         self.host_limit_bytes = host_limit_bytes
-        self.host_bits = host_bits
+        self.host_bits = quantization.host_bits
         """Bits of the host archive's quantized copies (None: full precision, restored exactly)."""
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
 
@@ -137,20 +138,13 @@ class KVStore:
 
     # -- moves -----------------------------------------------------------------------------
 
-    def quantize_attended(self, span: Span) -> MoveResult:
-        """Hold an attended span's tokens quantized, still attended (the first demotion); freed bytes, tier.
-
-        The attention sinks (the first `attended_sink_tokens` positions) and the residual
-        window (the last `attended_residual_tokens` positions held) stay in full precision,
-        as KIVI and KVQuant keep them; so do tokens already quantized. 0 when the store has
-        no attended quantized tier or nothing of the span can be quantized.
-        """
-        return self.quantize_attended_until([span], None)
-
     def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
         """Quantize `spans` in attention, in order, until `free_bytes` are freed (None: all).
 
         Returns the bytes freed and, for each span quantized, its tier (ATTENDED_QUANTIZED).
+        The attention sinks (the first `attended_sink_tokens` positions) and the residual
+        window (the last `attended_residual_tokens` positions held) stay in full precision,
+        as KIVI and KVQuant keep them; so do tokens already quantized.
 
         The spans one-by-one demotion would quantize, quantized in one pass over the layers:
         each span's saving is known before it is quantized (`quantized_bytes`: the exact
@@ -250,11 +244,11 @@ class KVStore:
         return int(layers[0].is_fine(slots).sum())
 
     def quantizable_tokens(self, span: Span) -> int:
-        """The span's slots `quantize_attended` would quantize now (exact, neither sinks nor residual)."""
+        """The span's slots quantizing it would take now (exact, neither sinks nor residual)."""
         return int(self._attended_candidates(span, self._quantization_masks()[1]).numel())
 
     def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
-        """By span id: (slots held quantized in attention, slots `quantize_attended` would quantize now).
+        """By span id: (slots held quantized in attention, slots quantizing the span would take now).
 
         What `attended_quantized_tokens` and `quantizable_tokens` say span by span, from
         one pass over the slots (the placement planner asks for every span on every plan).

@@ -256,17 +256,11 @@ class WholeSpanStore:
 class AttendedQuantizer(Protocol):
     """A store with an attended quantized tier: a span can be held quantized and still be attended."""
 
-    def quantize_attended(self, span: Span) -> MoveResult:
-        """Hold an attended span quantized in attention (sinks and residual window excepted).
-
-        Bytes freed, and ATTENDED_QUANTIZED for the span when any of its tokens is now held quantized.
-        """
-        ...
-
     def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
-        """`quantize_attended` over `spans` in order until `free_bytes` are freed (one pass).
+        """Hold `spans` quantized in attention, in order, until `free_bytes` are freed (None: all; one pass).
 
-        Bytes freed, and ATTENDED_QUANTIZED for every span it quantized.
+        Sinks and the residual window stay full precision. Bytes freed, and
+        ATTENDED_QUANTIZED for every span any of whose tokens it quantized.
         """
         ...
 
@@ -290,7 +284,7 @@ class AttendedQuantizer(Protocol):
         ...
 
     def attended_token_counts(self, spans: Sequence[Span]) -> dict[int, tuple[int, int]]:
-        """By span id: (slots held quantized in attention, slots `quantize_attended` would quantize now).
+        """By span id: (slots held quantized in attention, slots quantizing the span would take now).
 
         One pass for every span: the placement planner's estimate on every plan.
         """

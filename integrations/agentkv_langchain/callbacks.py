@@ -28,9 +28,11 @@ for the end of the top-level run, whichever comes first; `flush()` sends them no
 Which session an event goes to is decided exactly as `ChatAgentKV` decides it, with
 `agentkv_langchain.sessions.SessionKey.from_metadata`: start events carry the run
 metadata (`thread_id`, `agentkv_branch`, LangGraph's `langgraph_*` keys), end and
-error events do not, so a `run_id → context` map is filled at start and children
-inherit their parent's context. Parallel branches call the handler from worker
-threads: one lock guards the map.
+error events do not, so each run's start leaves a `RunRecord` (children inherit their
+parent's) in the handler's `RunBook` (`agentkv_langchain.runs`: one typed record per
+run, session and thread, under one lock: parallel branches call the handler from
+worker threads). How a run or a tool call ended is `agentkv_langchain.outcomes.decide`,
+the same decision `AgentKVMiddleware` makes.
 
 Hints never break a run: by default every exception inside the handler is logged
 (logger `agentkv.callbacks`), counted in `errors` and swallowed; with
@@ -53,18 +55,16 @@ from langchain_core.messages import AIMessage, ToolMessage
 from agentkv import (
     AgentKVConfig,
     Backend,
+    BranchOpened,
     BranchPruned,
     BranchSelected,
     Custom,
     Event,
     Lease,
-    ToolCallCompleted,
     ToolCallFailed,
+    TransformersBackend,
     TurnEnded,
-    UserConfirmed,
-    UserRejected,
 )
-from agentkv.session_ids import is_branch_of
 from agentkv_langchain.decisions import (
     CONFIRM_EVENT,
     CUSTOM_EVENTS,
@@ -75,20 +75,14 @@ from agentkv_langchain.decisions import (
     REJECT_EVENT,
     SELECT_BRANCH_EVENT,
     ToolCallRecord,
-    answered_interrupts,
-    custom_event_from,
+    custom_event,
     decision_events,
     resume_decision,
 )
-from agentkv_langchain.fanout import BranchSelector
-from agentkv_langchain.replays import NodeReplays
-from agentkv_langchain.runs import (
-    RunContext,
-    RunTracking,
-    graph_step,
-    is_bubble_up,
-    is_resume_command,
-)
+from agentkv_langchain.fanout import BranchSelector, settlement
+from agentkv_langchain.outcomes import Outcome, decide, is_bubble_up, tool_event, tool_message
+from agentkv_langchain.replays import GraphTasks
+from agentkv_langchain.runs import RunBook, RunRecord, graph_step, is_resume_command
 from agentkv_langchain.sessions import THREAD_KEY, SessionKey
 
 if TYPE_CHECKING:
@@ -140,7 +134,7 @@ def _guarded(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, 
     return wrapper
 
 
-class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
+class KVLifecycleCallbackHandler(_HandlerBase):
     """Turns agent runs into lifecycle events on a `TransformersBackend`'s sessions.
 
     Register it like any LangChain callback (`config={"callbacks": [handler]}`), or
@@ -200,21 +194,11 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         self.errors = 0
         """Exceptions caught inside callbacks (each one logged)."""
         self._lock = threading.RLock()
-        self._runs: dict[UUID, RunContext] = {}
-        self._interrupts: dict[str, dict[str, Any]] = {}
-        """Per thread: pending interrupt id → its value (what a resume answers)."""
-        self._tool_calls: dict[str, list[ToolCallRecord]] = {}
-        """Per session: the calls of the latest assistant message that made any (HITL matches them)."""
-        self._branches: dict[tuple[str, str], int | None] = {}
-        """Open branches `(thread, branch)` → the graph step that opened them (settled ones leave)."""
-        self._selected: set[tuple[str, str]] = set()
-        """Open branches a `select_branch` (or the selector) kept: adopted or pruned at the next call."""
-        self._pending: dict[str, list[Event]] = {}
-        """Per session: tool outcomes waiting for the result to be encoded."""
-        self._failed_inputs: set[tuple[str, str]] = set()
-        """`(session, tool_call_id)` of error results already reported (from a tool run or an input)."""
-        self.replays = NodeReplays()
-        """Answers per graph task; decisions held for a node that asks the model again on resume."""
+        """Guards the records above (`events`, `leases`, `adopted`, `errors`)."""
+        self.book = RunBook(session_id)
+        """What the handler holds between callbacks: one record per run, session and thread."""
+        self.tasks = GraphTasks()
+        """One record per graph task: decisions held for a node that asks the model again on resume."""
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -225,6 +209,10 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         logger.debug("session %s <- %r", session_id, event)
         return self.backend.apply(session_id, event)
 
+    def defer(self, session_id: str, event: Event) -> None:
+        """Queue an event for the session, sent when the session's model run ends (not mid-forward)."""
+        self.book.defer(session_id, event)
+
     def flush(self, session_id: str | None = None, *, thread: str | None = None) -> None:
         """Send the tool outcomes still waiting for their results to be encoded (see the module doc).
 
@@ -232,15 +220,7 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
             session_id: Only this session's; None = every session's (or `thread`'s).
             thread: Only the sessions of this thread (its own and its branches').
         """
-        with self._lock:
-            if session_id is not None:
-                wanted = [session_id] if session_id in self._pending else []
-            elif thread is not None:
-                wanted = [s for s in self._pending if s == thread or is_branch_of(s, thread)]
-            else:
-                wanted = list(self._pending)
-            batches = [(sid, self._pending.pop(sid)) for sid in wanted]
-        for sid, events in batches:
+        for sid, events in self.book.take_pending(session_id, thread=thread):
             for event in events:
                 self._emit(sid, event)
 
@@ -261,7 +241,17 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         with self._lock:
             return [event for sid, event in self.events if sid == session_id]
 
-    # -- runs: starts fill the context map, ends use it -------------------------------------------
+    def report_failure(self, where: str, error: Exception) -> None:
+        """Count a failure in agentkv code: raise it when `raise_error`, else log it (the run goes on)."""
+        with self._lock:
+            self.errors += 1
+        if self.raise_error:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, _REPORTED, True)
+            raise error
+        logger.warning("agentkv callback %s failed (the run goes on): %r", where, error, exc_info=error)
+
+    # -- runs: starts fill the run book, ends read it -------------------------------------------
 
     @_guarded
     def on_chain_start(
@@ -275,10 +265,10 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         **kwargs: Any,
     ) -> None:
         """Remember the run; a top-level `Command(resume=...)` is held until LangGraph confirms the resume."""
-        context = self._enter(run_id, parent_run_id, metadata)
+        run = self._enter(run_id, parent_run_id, metadata)
         if parent_run_id is None and is_resume_command(inputs):
-            with self._lock:
-                context.resume[:] = [inputs.resume]
+            with self.book.lock:
+                run.resume = inputs.resume
 
     @_guarded
     def on_chat_model_start(
@@ -297,22 +287,18 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         agent's tool node) reports its failure only as `ToolMessage(status="error")` in
         the history; the event waits for the end of this call, when the result is encoded.
         """
-        context = self._enter(run_id, parent_run_id, metadata, model=True)
-        if context.branch is None and messages:
-            self._settle(context.thread, step=graph_step(metadata), messages=messages[0])
+        run = self._enter(run_id, parent_run_id, metadata, model=True)
+        if run.branch is None and messages:
+            self._settle(run.thread, step=graph_step(metadata), messages=messages[0])
         for batch in messages or []:
             for message in batch or []:
-                if not (isinstance(message, ToolMessage) and message.status == "error"):
+                if not isinstance(message, ToolMessage):
                     continue
-                key = (context.session_id, message.tool_call_id)
-                with self._lock:
-                    if key in self._failed_inputs:
-                        continue
-                    self._failed_inputs.add(key)
-                self.defer(
-                    context.session_id,
-                    ToolCallFailed(tool_call_id=message.tool_call_id, error=_text(message.content)),
-                )
+                event = tool_event(message.tool_call_id, message)
+                if isinstance(event, ToolCallFailed) and self.book.first_failure(
+                    run.session_id, event.tool_call_id
+                ):
+                    self.defer(run.session_id, event)
 
     @_guarded
     def on_llm_start(
@@ -331,32 +317,33 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
     @_guarded
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         """Record which message holds which tool call (human review names calls, events name messages)."""
-        context = self._exit(run_id)
-        if context is None:
+        run = self.book.exit(run_id)
+        if run is None:
             return
         due: list[Event] = []
         for generations in getattr(response, "generations", None) or []:
             for generation in generations:
                 message = getattr(generation, "message", None)
-                if isinstance(message, AIMessage) and message.id and context.checkpoint_ns:
-                    due += self.replays.answered(context.session_id, context.checkpoint_ns, message.id)
+                if isinstance(message, AIMessage) and message.id and run.task:
+                    due += self.tasks.answered(run.session_id, run.task, message.id)
                 if isinstance(message, AIMessage) and message.tool_calls:
-                    records = [
-                        ToolCallRecord(
-                            str(call.get("id") or ""), call["name"], call.get("args") or {}, message.id
-                        )
-                        for call in message.tool_calls
-                    ]
-                    with self._lock:
-                        self._tool_calls[context.session_id] = records
-        self.flush(context.session_id)
+                    self.book.made_calls(
+                        run.session_id,
+                        (
+                            ToolCallRecord(
+                                str(call.get("id") or ""), call["name"], call.get("args") or {}, message.id
+                            )
+                            for call in message.tool_calls
+                        ),
+                    )
+        self.flush(run.session_id)
         for event in due:  # a decision about this answer's first version, made before the node re-ran
-            self._emit(context.session_id, event)
+            self._emit(run.session_id, event)
 
     @_guarded
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         """Forget the model call."""
-        self._exit(run_id)
+        self.book.exit(run_id)
 
     @_guarded
     def on_tool_start(
@@ -371,119 +358,83 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         **kwargs: Any,
     ) -> None:
         """Remember the tool run and its `tool_call_id` (the end may report a bare string)."""
-        context = self._enter(run_id, parent_run_id, metadata)
+        run = self._enter(run_id, parent_run_id, metadata)
         call_id = kwargs.get("tool_call_id")
         if not call_id and isinstance(inputs, Mapping):
             call_id = inputs.get("tool_call_id")
-        context.tool_call_id = str(call_id) if call_id else None
+        run.tool_call_id = str(call_id) if call_id else None
 
     @_guarded
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         """A tool returned: commit its result, release the call (or release both when it reports an error)."""
-        context = self._exit(run_id)
-        message = _tool_message(output, context.tool_call_id if context else None)
-        call_id = message.tool_call_id if message is not None else context.tool_call_id if context else None
-        if not call_id or context is None:
+        run = self.book.exit(run_id)
+        message = tool_message(output, run.tool_call_id if run else None)
+        call_id = message.tool_call_id if message is not None else run.tool_call_id if run else None
+        if not call_id or run is None:
             logger.debug("tool run %s has no tool_call_id: no span names its result", run_id)
             return
-        session_id = self._session_of_call(call_id) or context.session_id
-        if message is not None and message.status == "error":
-            with self._lock:
-                self._failed_inputs.add((session_id, call_id))
-            self.defer(session_id, ToolCallFailed(tool_call_id=call_id, error=_text(message.content)))
-        else:
-            self.defer(session_id, ToolCallCompleted(tool_call_id=call_id))
+        self._tool_ended(run, call_id, output, None)
 
     @_guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         """A tool raised: release the call and its output; an interrupt raised inside a tool is a pause."""
-        context = self._exit(run_id)
-        if context is None:
+        run = self.book.exit(run_id)
+        if run is None:
             return
-        if is_bubble_up(error):
-            self._mark_interrupted(context.root)
-            return
-        if context.tool_call_id:
-            error_event = ToolCallFailed(tool_call_id=context.tool_call_id, error=repr(error))
-            session_id = self._session_of_call(context.tool_call_id) or context.session_id
-            with self._lock:  # the error ToolMessage made of it is the same failure
-                self._failed_inputs.add((session_id, context.tool_call_id))
-            self.defer(session_id, error_event)
+        if decide(error=error) is Outcome.INTERRUPTED:
+            self.book.mark_interrupted(run.root)
+        elif run.tool_call_id:
+            self._tool_ended(run, run.tool_call_id, None, error)
 
     @_guarded
     def on_chain_end(
         self, outputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any
     ) -> None:
         """The end of a top-level run ends the turn, unless the run stopped at an interrupt."""
-        context = self._exit(run_id)
-        if parent_run_id is not None or context is None:
-            return
-        self._forget_root(run_id)
-        self.flush(thread=context.thread)
-        interrupted = context.interrupted or (isinstance(outputs, Mapping) and "__interrupt__" in outputs)
-        for event in self.replays.finish(context.session_id, interrupted=interrupted):
-            self._emit(context.session_id, event)
-        if interrupted:
-            logger.debug("run %s paused at an interrupt: the turn goes on", run_id)
-            return
-        if context.branch is None:  # a run that is itself a branch settles nothing
-            self._settle(context.thread, at_end=True)
-        if self.end_turn_on_root:
-            self._emit(context.session_id, TurnEnded())
+        run = self.book.exit(run_id)
+        if parent_run_id is None and run is not None:
+            self._root_ended(run, decide(outputs, interrupted=run.outcome is Outcome.INTERRUPTED))
 
     @_guarded
     def on_chain_error(
         self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any
     ) -> None:
         """A failed run changes nothing (the next user turn ends it); an interrupt marks the turn paused."""
-        context = self._exit(run_id)
-        if context is not None and is_bubble_up(error):
-            self._mark_interrupted(context.root)
-            if context.checkpoint_ns:
-                self.replays.paused(context.session_id, context.checkpoint_ns)
+        run = self.book.exit(run_id)
+        if run is None:
+            if parent_run_id is None:
+                self.book.forget_root(run_id)
+            return
+        outcome = decide(error=error, interrupted=run.outcome is Outcome.INTERRUPTED)
+        if is_bubble_up(error):
+            self.book.mark_interrupted(run.root)
+            if run.task:
+                self.tasks.paused(run.session_id, run.task)
         if parent_run_id is None:
-            self._forget_root(run_id)
-            if context is not None:
-                self.flush(thread=context.thread)
-                paused = context.interrupted or is_bubble_up(error)
-                for event in self.replays.finish(context.session_id, interrupted=paused):
-                    self._emit(context.session_id, event)
-                if context.branch is None and not (context.interrupted or is_bubble_up(error)):
-                    self._settle(context.thread, at_end=True)
+            self._root_ended(run, outcome)
 
     # -- LangGraph: interrupt and resume -------------------------------------------------------
 
     @_guarded
     def on_interrupt(self, event: Any) -> None:
         """LangGraph paused: remember the interrupts (their values say what a resume answers)."""
-        context = self._context(getattr(event, "run_id", None))
-        if context is None:
+        run = self.book.get(getattr(event, "run_id", None))
+        if run is None:
             return
-        self._mark_interrupted(context.root)
-        with self._lock:
-            pending = self._interrupts.setdefault(context.thread, {})
-            for item in getattr(event, "interrupts", ()) or ():
-                pending[str(getattr(item, "id", len(pending)))] = getattr(item, "value", None)
+        self.book.mark_interrupted(run.root)
+        self.book.interrupted(run.thread, getattr(event, "interrupts", ()) or ())
 
     @_guarded
     def on_resume(self, event: Any) -> None:
         """LangGraph resumed from a checkpoint: the held `Command(resume=...)` becomes confirm/reject."""
-        context = self._context(getattr(event, "run_id", None))
-        if context is None:
+        run = self.book.get(getattr(event, "run_id", None))
+        resumed = self.book.resume(run) if run is not None else None
+        if resumed is None:
             return
-        with self._lock:
-            root = self._runs.get(context.root, context)
-            if not root.resume:
-                return
-            resume = root.resume.pop()
-            pending = self._interrupts.get(context.thread, {})
-            answered = answered_interrupts(resume, pending)
-            for interrupt_id, _, _ in answered:
-                pending.pop(interrupt_id, None)
-            session_id = root.session_id
-            records = list(self._tool_calls.get(session_id, ()))
+        session_id, answered = resumed
+        decisions = decision_events(answered, self.book.tool_calls(session_id))
         # A decision about an answer the resumed node makes again waits for that new answer.
-        for event_ in self.replays.resumed(session_id, decision_events(answered, records)):
+        for event_ in self.tasks.resumed(session_id, decisions):
             self._emit(session_id, event_)
 
     # -- custom events ---------------------------------------------------------------------------
@@ -501,42 +452,116 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         """`agentkv.*` events dispatched by `agentkv_langchain.helpers` (or by hand)."""
         if name not in CUSTOM_EVENTS:
             return
-        context = self._context(run_id) or self._context_from(run_id, None, metadata)
-        data = data if data is not None else {}
-        if name == GENERIC_EVENT:
-            self._emit(context.session_id, custom_event_from(data))
-            return
-        if not isinstance(data, Mapping):
-            msg = f"{name}: data must be a mapping, got {type(data).__name__}"
-            raise TypeError(msg)
-        owner = data.get("owner")
-        owner = str(owner) if owner is not None else None
-        if name == CONFIRM_EVENT:
-            self._emit(context.session_id, UserConfirmed(owner=owner))
-        elif name == REJECT_EVENT:
-            self._emit(context.session_id, UserRejected(owner=owner))
-        elif name == PIN_EVENT:
-            self._pin(context.session_id, owner)
-        else:
-            branch = data.get("branch")
-            if not isinstance(branch, str) or not branch:
-                msg = f"{name}: data['branch'] must be a non-empty string, got {branch!r}"
-                raise ValueError(msg)
-            event = (
-                BranchPruned(branch=branch) if name == PRUNE_BRANCH_EVENT else BranchSelected(branch=branch)
-            )
+        run = self.book.get(run_id) or self.book.record_for(run_id, None, metadata)
+        event = custom_event(name, data)
+        if name == PIN_EVENT and isinstance(event, Custom) and event.owner is not None:
+            self._pin(run.session_id, event.owner)  # pinned here, the lease kept (`release`)
+        elif isinstance(event, (BranchPruned, BranchSelected)):
             # A branch is settled by its parent, whichever run (a judge node, the branch itself) says so.
-            self._emit(context.thread, event)
-            pruned = name == PRUNE_BRANCH_EVENT
-            with self._lock:  # settled branches need no more BranchOpened bookkeeping
-                for t, b in list(self._branches):
-                    if t == context.thread and (b == branch if pruned else b != branch):
-                        del self._branches[(t, b)]
-                        self._selected.discard((t, b))
-                if not pruned:
-                    self._selected.add((context.thread, branch))
+            self._emit(run.thread, event)
+            self.book.decided(run.thread, event.branch, selected=isinstance(event, BranchSelected))
+        else:
+            self._emit(run.session_id, event)
+
+    # -- views of the run book (what the tests check is left empty) -------------------------------
+
+    @property
+    def _runs(self) -> dict[UUID, RunRecord]:
+        """The live runs (empty once every run ended)."""
+        return self.book.runs
+
+    @property
+    def _pending(self) -> dict[str, list[Event]]:
+        """Tool outcomes waiting for their results to be encoded, by session."""
+        return self.book.pending()
+
+    @property
+    def _interrupts(self) -> dict[str, dict[str, Any]]:
+        """Interrupts waiting for a resume, by thread."""
+        return self.book.interrupts()
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _enter(
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        model: bool = False,
+    ) -> RunRecord:
+        """Track a run; the first run inside a branch opens it on the parent session."""
+        run, opened = self.book.enter(run_id, parent_run_id, metadata, model=model)
+        if opened and run.branch is not None:
+            self._emit(run.thread, BranchOpened(branch=run.branch, parent=run.thread))
+        return run
+
+    def _tool_ended(self, run: RunRecord, call_id: str, output: Any, error: BaseException | None) -> None:
+        """Hold a tool's outcome for the session whose model made the call (sent once the result is in it)."""
+        event = tool_event(call_id, output, error)
+        if event is None:
+            return
+        session_id = self.book.session_of_call(call_id) or run.session_id
+        if isinstance(event, ToolCallFailed):  # the error ToolMessage made of it is the same failure
+            self.book.first_failure(session_id, call_id)
+        self.defer(session_id, event)
+
+    def _root_ended(self, run: RunRecord, outcome: Outcome) -> None:
+        """A top-level run ended: outcomes go out; a completed or failed one settles its fan-out.
+
+        Completed, it also ends the turn (`end_turn_on_root`); interrupted, the turn goes on.
+        """
+        self.book.forget_root(run.root)
+        self.flush(thread=run.thread)
+        for event in self.tasks.finish(run.session_id, outcome):
+            self._emit(run.session_id, event)
+        if outcome is Outcome.INTERRUPTED:
+            logger.debug("run %s paused at an interrupt: the turn goes on", run.root)
+            return
+        if run.branch is None:  # a run that is itself a branch settles nothing
+            self._settle(run.thread, at_end=True)
+        if outcome is Outcome.COMPLETED and self.end_turn_on_root:
+            self._emit(run.session_id, TurnEnded())
+
+    def _settle(
+        self, thread: str, *, step: int | None = None, messages: Any = None, at_end: bool = False
+    ) -> None:
+        """Settle the thread's open branches (see `agentkv_langchain.fanout.settlement`).
+
+        Branches opened at graph step `step` or later are still running and stay open;
+        `messages` is the input of the thread-level call settling them.
+        """
+        settling, selected = self.book.settling(thread, step)
+        if not settling:
+            return
+        plan = settlement(
+            self.backend,
+            thread,
+            settling,
+            selected,
+            messages=messages,
+            at_end=at_end,
+            adopt=self.adopt_branches,
+            selector=self.branch_selector,
+        )
+        for branch in plan.pruned:
+            self._emit(thread, BranchPruned(branch=branch))
+        self.book.settled(thread, settling, set(plan.kept))
+        if plan.adopted is not None and isinstance(self.backend, TransformersBackend):
+            self._adopt(self.backend, thread, plan.adopted)
+
+    def _adopt(self, backend: TransformersBackend, thread: str, branch: str) -> None:
+        """The thread goes on with `branch`: its session becomes the thread's (nothing is re-encoded)."""
+        with self._lock:
+            self.events.append((thread, BranchSelected(branch=branch)))
+        try:
+            backend.adopt(thread, branch)
+        except Exception as e:
+            self.report_failure(f"adopting branch {branch!r} of {thread!r}", e)
+        else:
+            with self._lock:
+                self.adopted.append((thread, branch))
+            logger.debug("thread %s goes on with branch %s: adopted", thread, branch)
 
     def _emit(self, session_id: str, event: Event) -> None:
         """`send` from inside a callback: one failing event is logged and counted, the others still go."""
@@ -545,51 +570,12 @@ class KVLifecycleCallbackHandler(RunTracking, _HandlerBase):
         except Exception as e:
             self.report_failure(f"{event.name} for session {session_id!r}", e)
 
-    def defer(self, session_id: str, event: Event) -> None:
-        """Queue an event for the session, sent when the session's model run ends (not mid-forward)."""
-        with self._lock:
-            self._pending.setdefault(session_id, []).append(event)
-
-    def report_failure(self, where: str, error: Exception) -> None:
-        """Count a failure in agentkv code: raise it when `raise_error`, else log it (the run goes on)."""
-        with self._lock:
-            self.errors += 1
-        if self.raise_error:
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(error, _REPORTED, True)
-            raise error
-        logger.warning("agentkv callback %s failed (the run goes on): %r", where, error, exc_info=error)
-
     def _thread(self, thread_id: str | None) -> str:
         return SessionKey.from_metadata({THREAD_KEY: thread_id} if thread_id else {}, self.session_id).thread
 
-    def _pin(self, session_id: str, owner: str | None) -> None:
-        if owner is None:
-            msg = f"{PIN_EVENT}: data['owner'] is required (the span owner to pin)"
-            raise ValueError(msg)
+    def _pin(self, session_id: str, owner: str) -> None:
         with self._lock:
             if (session_id, owner) in self.leases or session_id not in self.backend:
                 return  # already pinned (a re-run node pins again), or no such session: a no-op hint
             self.events.append((session_id, Custom(event="pin", owner=owner)))
             self.leases[(session_id, owner)] = self.backend.get(session_id).pin(owner, reason=PIN_EVENT)
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _tool_message(output: Any, call_id: str | None) -> ToolMessage | None:
-    """The `ToolMessage` a tool run produced: itself, or inside a `Command(update={"messages": [...]})`."""
-    if isinstance(output, ToolMessage):
-        return output
-    update = getattr(output, "update", None)
-    messages = update.get("messages") if isinstance(update, Mapping) else None
-    for message in messages or []:
-        if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
-            return message
-    return None
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return str(content)

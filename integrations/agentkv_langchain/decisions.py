@@ -2,7 +2,7 @@
 
 `resume_decision` reads a resume value or a human-in-the-loop decision as confirm
 or reject; `decisions_for` maps one answered interrupt to `(owner, decision)`
-pairs; `custom_event_from` reads the `agentkv.event` custom event. The callback
+pairs; `custom_event` reads an `agentkv.*` custom event. The callback
 handler (`agentkv_langchain.callbacks`) turns the results into events.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentkv import Custom, Event, UserConfirmed, UserRejected
+from agentkv import BranchPruned, BranchSelected, Custom, Event, UserConfirmed, UserRejected
 
 __all__ = [
     "answered_interrupts",
@@ -27,6 +27,7 @@ __all__ = [
     "SELECT_BRANCH_EVENT",
     "Decision",
     "ToolCallRecord",
+    "custom_event",
     "custom_event_from",
     "decisions_for",
     "resume_decision",
@@ -171,6 +172,43 @@ def match_request(request: Any, records: Sequence[ToolCallRecord]) -> ToolCallRe
     exact = [r for r in same_name if dict(r.args) == dict(request.get("args") or {})]
     candidates = exact or same_name
     return candidates[0] if candidates else None
+
+
+def custom_event(name: str, data: Any) -> Event:
+    """The event an `agentkv.*` custom event (one of `CUSTOM_EVENTS`) stands for.
+
+    `PIN_EVENT` gives `Custom(event="pin", owner=...)`: the handler pins the owner
+    (keeping the lease) rather than sending it. Branch decisions name the branch; the
+    handler sends them to the thread (the branch's parent).
+
+    Raises:
+        TypeError: `data` is not a mapping (or, for `GENERIC_EVENT`, an `Event`).
+        ValueError: an unknown name, a pin without an owner, a branch decision without a branch.
+    """
+    data = data if data is not None else {}
+    if name == GENERIC_EVENT:
+        return custom_event_from(data)
+    if not isinstance(data, Mapping):
+        msg = f"{name}: data must be a mapping, got {type(data).__name__}"
+        raise TypeError(msg)
+    owner = str(data["owner"]) if data.get("owner") is not None else None
+    if name == CONFIRM_EVENT:
+        return UserConfirmed(owner=owner)
+    if name == REJECT_EVENT:
+        return UserRejected(owner=owner)
+    if name == PIN_EVENT:
+        if owner is None:
+            msg = f"{PIN_EVENT}: data['owner'] is required (the span owner to pin)"
+            raise ValueError(msg)
+        return Custom(event="pin", owner=owner)
+    if name not in (PRUNE_BRANCH_EVENT, SELECT_BRANCH_EVENT):
+        msg = f"unknown agentkv custom event {name!r}; allowed: {', '.join(CUSTOM_EVENTS)}"
+        raise ValueError(msg)
+    branch = data.get("branch")
+    if not isinstance(branch, str) or not branch:
+        msg = f"{name}: data['branch'] must be a non-empty string, got {branch!r}"
+        raise ValueError(msg)
+    return BranchPruned(branch=branch) if name == PRUNE_BRANCH_EVENT else BranchSelected(branch=branch)
 
 
 def custom_event_from(data: Any) -> Event:

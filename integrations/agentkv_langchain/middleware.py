@@ -4,8 +4,10 @@ An alternative to registering `KVLifecycleCallbackHandler` as a callback, for
 agents built with `create_agent(model, tools, middleware=[...])`:
 
 - `wrap_tool_call`: each tool call's outcome becomes `ToolCallCompleted` (or
-  `ToolCallFailed` for an error `ToolMessage` or a raised exception); like the
-  handler, it is sent once the result is encoded, at the next `after_model`;
+  `ToolCallFailed` for an error `ToolMessage` or a raised exception; nothing for a
+  call paused by `interrupt()`), decided as the handler decides it
+  (`agentkv_langchain.outcomes`); like the handler, it is sent once the result is
+  encoded, at the next `after_model`;
 - `after_model`: pending tool outcomes are sent, and `HumanInTheLoopMiddleware`
   decisions that are visible in the state become `UserConfirmed` / `UserRejected`
   for the message that made the calls (see `AgentKVMiddleware`);
@@ -38,17 +40,10 @@ from langgraph.config import get_config
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from agentkv import (
-    Backend,
-    Event,
-    ToolCallCompleted,
-    ToolCallFailed,
-    TurnEnded,
-    UserConfirmed,
-    UserRejected,
-)
+from agentkv import Backend, Event, TurnEnded, UserConfirmed, UserRejected
 from agentkv_langchain.backends import ConfigLike, resolve_config, shared_backend
 from agentkv_langchain.callbacks import KVLifecycleCallbackHandler
+from agentkv_langchain.outcomes import tool_event
 from agentkv_langchain.sessions import THREAD_KEY, SessionKey
 
 __all__ = ["HITL_SOURCE", "AgentKVMiddleware"]
@@ -178,19 +173,13 @@ class AgentKVMiddleware(AgentMiddleware):
     def _outcome(
         self, session_id: str, call: Mapping[str, Any], result: Any, error: BaseException | None
     ) -> None:
+        """Hold a tool call's outcome (`outcomes.tool_event`; none for a call paused by an interrupt)."""
+
         def record() -> None:
             call_id = str(call.get("id") or "")
-            if not call_id:
-                return
-            message = result if isinstance(result, ToolMessage) else _message_in_command(result, call_id)
-            event: Event
-            if error is not None:
-                event = ToolCallFailed(tool_call_id=call_id, error=repr(error))
-            elif message is not None and message.status == "error":
-                event = ToolCallFailed(tool_call_id=call_id, error=str(message.content))
-            else:
-                event = ToolCallCompleted(tool_call_id=call_id)
-            self.handler.defer(session_id, event)
+            event = tool_event(call_id, result, error) if call_id else None
+            if event is not None:
+                self.handler.defer(session_id, event)
 
         self._guard(record)
 
@@ -233,11 +222,3 @@ class AgentKVMiddleware(AgentMiddleware):
         if all(d == "reject" for d in decisions):
             return [UserRejected(owner=ai.id)]
         return [UserConfirmed(owner=ai.id)]
-
-
-def _message_in_command(result: Any, call_id: str) -> ToolMessage | None:
-    update = getattr(result, "update", None)
-    for message in (update.get("messages") if isinstance(update, Mapping) else None) or []:
-        if isinstance(message, ToolMessage) and message.tool_call_id == call_id:
-            return message
-    return None

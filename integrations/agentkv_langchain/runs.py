@@ -1,56 +1,61 @@
-"""What `KVLifecycleCallbackHandler` remembers about runs, and settling fan-outs.
+"""What `KVLifecycleCallbackHandler` holds between callbacks: one typed record per run, session and thread.
 
-`RunContext` is what a run's start told the handler (thread, branch, node, root),
-for the end/error callbacks that carry no metadata. `RunTracking`, which the
-handler inherits, enters and exits runs, finds a run's session, and settles a
-thread's open branches (see `agentkv_langchain.fanout`). Also how LangGraph's
-control flow looks from a callback: bubble-up exceptions, resume commands.
+LangChain reports a run in pieces: its start carries the metadata (thread, branch,
+graph node and task), its end and error do not. `RunBook` keeps, under one lock:
+
+- a `RunRecord` per live run: its session, its root, its graph task, the tool call it
+  runs, its outcome once known, a top-level run's pending resume value;
+- a `SessionRecord` per session: tool outcomes waiting for their result to be encoded,
+  failed calls already reported, the latest assistant message's tool calls;
+- a `ThreadRecord` per thread: interrupts waiting for a resume, open fan-out branches.
+
+A graph task's answers (what a resumed node makes again) are `replays.GraphTasks`';
+how each unit ended is `outcomes.decide`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
-from agentkv import (
-    Backend,
-    BranchOpened,
-    BranchPruned,
-    BranchSelected,
-    Event,
-    TransformersBackend,
-)
-from agentkv.session_ids import branch_session_id
-from agentkv_langchain.decisions import ToolCallRecord
-from agentkv_langchain.fanout import BranchSelector, continued_branch
+from agentkv import Event
+from agentkv.session_ids import branch_session_id, is_branch_of
+from agentkv_langchain.decisions import ToolCallRecord, answered_interrupts
+from agentkv_langchain.outcomes import Outcome
 from agentkv_langchain.sessions import BRANCH_KEY, THREAD_KEY, SessionKey, current_metadata
 
-__all__ = ["BUBBLE_UPS", "RunContext", "RunTracking", "graph_step", "is_bubble_up", "is_resume_command"]
-
-logger = logging.getLogger("agentkv.callbacks")
-
-BUBBLE_UPS = frozenset({"GraphBubbleUp", "GraphInterrupt", "NodeInterrupt", "ParentCommand"})
-"""LangGraph's control-flow exceptions: an interrupt is a pause, not a failure."""
+__all__ = [
+    "RunBook",
+    "RunRecord",
+    "SessionRecord",
+    "ThreadRecord",
+    "graph_step",
+    "is_resume_command",
+]
 
 
 @dataclass
-class RunContext:
-    """What a run's start told us, for the end/error callbacks that carry no metadata."""
+class RunRecord:
+    """One LangChain run (a graph, node, model call or tool), from its start callback to its end."""
 
     thread: str
     branch: str | None
     root: UUID
+    """The top-level run it belongs to (itself for a top-level run)."""
     node: str | None = None
-    checkpoint_ns: str | None = None
+    """The LangGraph node it runs in (`langgraph_node`)."""
+    task: str | None = None
+    """The LangGraph task it runs in (its checkpoint namespace, which a resumed task keeps)."""
     triggers: tuple[str, ...] = ()
     tool_call_id: str | None = None
-    interrupted: bool = False
-    resume: list[Any] = field(default_factory=list)
-    """A top-level run's pending `Command(resume=...)` value (at most one), applied at `on_resume`."""
+    """The call a tool run answers (its end may report a bare string)."""
+    outcome: Outcome | None = None
+    """None while it runs; `INTERRUPTED` as soon as an interrupt is seen inside it."""
+    resume: Any = None
+    """A top-level run's `Command(resume=...)` value, until LangGraph confirms the resume (`on_resume`)."""
 
     @property
     def session_id(self) -> str:
@@ -58,182 +63,269 @@ class RunContext:
         return branch_session_id(self.thread, self.branch)
 
 
-class RunTracking:
-    """The run-tracking half of `KVLifecycleCallbackHandler` (its state is the handler's)."""
+@dataclass
+class SessionRecord:
+    """What the handler holds for one agentkv session."""
 
-    if TYPE_CHECKING:
-        backend: Backend
-        session_id: str | None
-        adopt_branches: bool
-        branch_selector: BranchSelector | None
-        adopted: list[tuple[str, str]]
-        events: list[tuple[str, Event]]
-        _lock: threading.RLock
-        _runs: dict[UUID, RunContext]
-        _tool_calls: dict[str, list[ToolCallRecord]]
-        _branches: dict[tuple[str, str], int | None]
-        _selected: set[tuple[str, str]]
+    pending: list[Event] = field(default_factory=list)
+    """Tool outcomes waiting for their results to be encoded (the end of the session's next model call)."""
+    failed_calls: set[str] = field(default_factory=set)
+    """`tool_call_id`s whose failure was reported (by a tool run, or an error result in a model's input)."""
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    """The calls of the latest assistant message that made any (human review names calls)."""
 
-        def _emit(self, session_id: str, event: Event) -> None: ...
 
-        def report_failure(self, where: str, error: Exception) -> None:
-            """Count (and maybe raise) a failure: the handler's."""
+@dataclass
+class ThreadRecord:
+    """What the handler holds for one conversation (a thread and its branches)."""
 
-    def _context(self, run_id: UUID | None) -> RunContext | None:
+    interrupts: dict[str, Any] = field(default_factory=dict)
+    """Pending interrupt id → its value (what a resume answers)."""
+    branches: dict[str, int | None] = field(default_factory=dict)
+    """Open branches → the graph step of their first run (None outside a graph); settled ones leave."""
+    selected: set[str] = field(default_factory=set)
+    """Branches a `select_branch` (or the selector) kept: adopted or pruned at the thread's next call."""
+
+
+class RunBook:
+    """The handler's state: runs, sessions and threads, each a typed record, under one lock (thread-safe).
+
+    Args:
+        fixed_session: A fixed session id (`ChatAgentKV(session_id=...)`); None = from the run metadata.
+    """
+
+    def __init__(self, fixed_session: str | None = None) -> None:
+        self.fixed_session = fixed_session
+        self.lock = threading.RLock()
+        self.runs: dict[UUID, RunRecord] = {}
+        """Live runs, by run id (a finished top-level run leaves nothing behind)."""
+        self.sessions: dict[str, SessionRecord] = {}
+        self.threads: dict[str, ThreadRecord] = {}
+
+    # -- runs --------------------------------------------------------------------------------------
+
+    def get(self, run_id: UUID | None) -> RunRecord | None:
+        """The live run `run_id`, if any."""
         if run_id is None:
             return None
-        with self._lock:
-            return self._runs.get(run_id)
+        with self.lock:
+            return self.runs.get(run_id)
 
-    def _context_from(
+    def record_for(
         self,
         run_id: UUID,
         parent_run_id: UUID | None,
         metadata: Mapping[str, Any] | None,
         *,
         model: bool = False,
-    ) -> RunContext:
-        """A run's context: its own metadata where it says something, its parent's otherwise.
+    ) -> RunRecord:
+        """A run's record: its own metadata where it says something, its parent's otherwise (not entered).
 
         Only a model call inside a `Send` task runs on the task's fork (`model=True`); a
         node or tool run there belongs to the thread, unless `agentkv_branch` names a branch.
         """
         metadata = metadata or {}
-        parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+        with self.lock:
+            parent = self.runs.get(parent_run_id) if parent_run_id is not None else None
         if parent is None and not metadata.get(THREAD_KEY):
             # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
             # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
             metadata = current_metadata(metadata)
-        key = SessionKey.from_metadata(metadata, self.session_id, send_forks=model)
-        thread = (
-            key.thread if (THREAD_KEY in metadata or self.session_id or parent is None) else parent.thread
-        )
+        key = SessionKey.from_metadata(metadata, self.fixed_session, send_forks=model)
+        own_thread = THREAD_KEY in metadata or self.fixed_session or parent is None
+        thread = key.thread if own_thread or parent is None else parent.thread
         branch = key.branch
         if branch is None and BRANCH_KEY not in metadata and parent is not None and parent.thread == thread:
             branch = parent.branch
         triggers = metadata.get("langgraph_triggers") or (parent.triggers if parent else ())
-        return RunContext(
+        return RunRecord(
             thread=thread,
             branch=branch,
             root=parent.root if parent is not None else run_id,
             node=metadata.get("langgraph_node") or (parent.node if parent else None),
-            checkpoint_ns=metadata.get("langgraph_checkpoint_ns")
-            or (parent.checkpoint_ns if parent else None),
+            task=metadata.get("langgraph_checkpoint_ns") or (parent.task if parent else None),
             triggers=tuple(triggers)
             if isinstance(triggers, Sequence) and not isinstance(triggers, str)
             else (),
         )
 
-    def _enter(
+    def enter(
         self,
         run_id: UUID,
         parent_run_id: UUID | None,
         metadata: Mapping[str, Any] | None,
         *,
         model: bool = False,
-    ) -> RunContext:
-        with self._lock:
-            context = self._context_from(run_id, parent_run_id, metadata, model=model)
-            self._runs[run_id] = context
-            opened = context.branch is not None and (context.thread, context.branch) not in self._branches
-            if opened and context.branch is not None:
-                self._branches[(context.thread, context.branch)] = graph_step(metadata)
-        if opened and context.branch is not None:
-            self._emit(context.thread, BranchOpened(branch=context.branch, parent=context.thread))
-        return context
+    ) -> tuple[RunRecord, bool]:
+        """Start tracking a run; returns its record and whether it opened a branch of its thread."""
+        with self.lock:
+            record = self.record_for(run_id, parent_run_id, metadata, model=model)
+            self.runs[run_id] = record
+            branches = self._thread(record.thread).branches if record.branch is not None else {}
+            opened = record.branch is not None and record.branch not in branches
+            if opened and record.branch is not None:
+                branches[record.branch] = graph_step(metadata)
+        return record, opened
 
-    def _settle(
-        self, thread: str, *, step: int | None = None, messages: Any = None, at_end: bool = False
-    ) -> None:
-        """Settle the thread's open branches (see `agentkv_langchain.fanout`).
+    def exit(self, run_id: UUID) -> RunRecord | None:
+        """Stop tracking a run; its record (None when it was never entered)."""
+        with self.lock:
+            return self.runs.pop(run_id, None)
 
-        Args:
-            thread: The thread whose fan-out is settled.
-            step: The graph step of the thread-level call settling it; branches opened at
-                that step or later are still running and stay open.
-            messages: That call's input: a branch it continues is adopted.
-            at_end: The run ended: selected branches stay for the next run, others go.
-        """
-        with self._lock:
-            settling = [
-                b
-                for (t, b), opened in self._branches.items()
-                if t == thread and (step is None or opened is None or opened < step)
-            ]
-            selected = {b for b in settling if (thread, b) in self._selected}
-        if not settling:
-            return
-        winner = None
-        keep: set[str] = set()
-        backend = self.backend
-        # Adoption moves a local session (`TransformersBackend.adopt`); an engine's branches are pruned.
-        if messages is not None and self.adopt_branches and isinstance(backend, TransformersBackend):
-            winner = continued_branch(backend, thread, settling, messages)
-        if at_end:
-            keep = set(selected)
-            if not keep and self.branch_selector is not None:
-                pick = self.branch_selector(thread, sorted(settling))
-                keep = {pick} if pick in settling else set()
-        for branch in settling:
-            if branch != winner and branch not in keep:
-                self._emit(thread, BranchPruned(branch=branch))
-        with self._lock:
-            for branch in settling:
-                if branch not in keep:
-                    self._branches.pop((thread, branch), None)
-                    self._selected.discard((thread, branch))
-                else:
-                    self._selected.add((thread, branch))
-        if winner is not None and isinstance(backend, TransformersBackend):
-            with self._lock:
-                self.events.append((thread, BranchSelected(branch=winner)))
-            try:
-                backend.adopt(thread, winner)
-            except Exception as e:
-                self.report_failure(f"adopting branch {winner!r} of {thread!r}", e)
+    def forget_root(self, root: UUID) -> None:
+        """Drop what is left of a finished top-level run (children that never reported an end)."""
+        with self.lock:
+            for run_id in [r for r, record in self.runs.items() if record.root == root]:
+                del self.runs[run_id]
+
+    def mark_interrupted(self, root: UUID) -> None:
+        """An interrupt was seen inside top-level run `root`: it is paused, whatever it returns."""
+        with self.lock:
+            record = self.runs.get(root)
+            if record is not None:
+                record.outcome = Outcome.INTERRUPTED
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def defer(self, session_id: str, event: Event) -> None:
+        """Hold a tool outcome until the session's result is encoded (see `take_pending`)."""
+        with self.lock:
+            self._session(session_id).pending.append(event)
+
+    def take_pending(
+        self, session_id: str | None = None, *, thread: str | None = None
+    ) -> list[tuple[str, list[Event]]]:
+        """Remove and return the held tool outcomes: one session's, a thread's sessions', or all."""
+        with self.lock:
+            if session_id is not None:
+                wanted = [session_id]
+            elif thread is not None:
+                wanted = [s for s in self.sessions if s == thread or is_branch_of(s, thread)]
             else:
-                with self._lock:
-                    self.adopted.append((thread, winner))
-                logger.debug("thread %s goes on with branch %s: adopted", thread, winner)
+                wanted = list(self.sessions)
+            batches = []
+            for sid in wanted:
+                record = self.sessions.get(sid)
+                if record is not None and record.pending:
+                    batches.append((sid, record.pending))
+                    record.pending = []
+            return batches
 
-    def _session_of_call(self, call_id: str) -> str | None:
+    def pending(self) -> dict[str, list[Event]]:
+        """A snapshot of the held tool outcomes, by session (sessions holding none are left out)."""
+        with self.lock:
+            return {sid: list(r.pending) for sid, r in self.sessions.items() if r.pending}
+
+    def first_failure(self, session_id: str, call_id: str) -> bool:
+        """Note that call `call_id` failed; False when its failure was already reported."""
+        with self.lock:
+            failed = self._session(session_id).failed_calls
+            first = call_id not in failed
+            failed.add(call_id)
+            return first
+
+    def made_calls(self, session_id: str, calls: Iterable[ToolCallRecord]) -> None:
+        """The session's latest assistant message made these tool calls."""
+        with self.lock:
+            self._session(session_id).tool_calls = list(calls)
+
+    def tool_calls(self, session_id: str) -> list[ToolCallRecord]:
+        """The calls of the session's latest assistant message that made any."""
+        with self.lock:
+            record = self.sessions.get(session_id)
+            return list(record.tool_calls) if record is not None else []
+
+    def session_of_call(self, call_id: str) -> str | None:
         """The session whose model made tool call `call_id` (its result is encoded there)."""
-        with self._lock:
+        with self.lock:
             return next(
                 (
                     sid
-                    for sid, records in self._tool_calls.items()
-                    if any(r.tool_call_id == call_id for r in records)
+                    for sid, record in self.sessions.items()
+                    if any(r.tool_call_id == call_id for r in record.tool_calls)
                 ),
                 None,
             )
 
-    def _exit(self, run_id: UUID) -> RunContext | None:
-        with self._lock:
-            return self._runs.pop(run_id, None)
+    # -- threads: interrupts -----------------------------------------------------------------------
 
-    def _forget_root(self, root: UUID) -> None:
-        """Drop what is left of a finished top-level run (children that never reported an end)."""
-        with self._lock:
-            for run_id in [r for r, c in self._runs.items() if c.root == root]:
-                del self._runs[run_id]
+    def interrupted(self, thread: str, interrupts: Iterable[Any]) -> None:
+        """LangGraph paused the thread at these interrupts (objects with `id` and `value`)."""
+        with self.lock:
+            pending = self._thread(thread).interrupts
+            for item in interrupts:
+                pending[str(getattr(item, "id", len(pending)))] = getattr(item, "value", None)
 
-    def _mark_interrupted(self, root: UUID) -> None:
-        with self._lock:
-            context = self._runs.get(root)
-            if context is not None:
-                context.interrupted = True
+    def resume(self, run: RunRecord) -> tuple[str, list[tuple[str, Any, Any]]] | None:
+        """Take the held resume value of `run`'s top-level run.
+
+        Returns:
+            `(the top-level run's session, the interrupts the value answers)`, or None
+            when no resume value was held.
+        """
+        with self.lock:
+            root = self.runs.get(run.root, run)
+            if root.resume is None:
+                return None
+            value, root.resume = root.resume, None
+            thread = self.threads.get(run.thread)
+            pending = thread.interrupts if thread is not None else {}
+            answered = answered_interrupts(value, pending)
+            for interrupt_id, _, _ in answered:
+                pending.pop(interrupt_id, None)
+            return root.session_id, answered
+
+    def interrupts(self) -> dict[str, dict[str, Any]]:
+        """A snapshot of the pending interrupts, by thread."""
+        with self.lock:
+            return {thread: dict(r.interrupts) for thread, r in self.threads.items()}
+
+    # -- threads: fan-out branches -----------------------------------------------------------------
+
+    def settling(self, thread: str, step: int | None) -> tuple[list[str], set[str]]:
+        """The branches to settle (opened before graph step `step`; all when None), and the selected ones."""
+        with self.lock:
+            record = self.threads.get(thread)
+            if record is None:
+                return [], set()
+            settling = [
+                b for b, opened in record.branches.items() if step is None or opened is None or opened < step
+            ]
+            return settling, {b for b in settling if b in record.selected}
+
+    def settled(self, thread: str, branches: Iterable[str], keep: set[str]) -> None:
+        """`branches` were settled: the kept ones stay open and selected, the others leave."""
+        with self.lock:
+            record = self._thread(thread)
+            for branch in branches:
+                if branch in keep:
+                    record.selected.add(branch)
+                else:
+                    record.branches.pop(branch, None)
+                    record.selected.discard(branch)
+
+    def decided(self, thread: str, branch: str, *, selected: bool) -> None:
+        """A branch was pruned (it leaves) or selected (it is kept; its open siblings leave)."""
+        with self.lock:
+            record = self._thread(thread)
+            for other in list(record.branches):
+                if (other != branch) if selected else (other == branch):
+                    del record.branches[other]
+                    record.selected.discard(other)
+            if selected:
+                record.selected.add(branch)
+
+    def _session(self, session_id: str) -> SessionRecord:
+        return self.sessions.setdefault(session_id, SessionRecord())
+
+    def _thread(self, thread: str) -> ThreadRecord:
+        return self.threads.setdefault(thread, ThreadRecord())
 
 
 def graph_step(metadata: Mapping[str, Any] | None) -> int | None:
     """The LangGraph step a run belongs to (`langgraph_step`), if any."""
     step = (metadata or {}).get("langgraph_step")
     return step if isinstance(step, int) else None
-
-
-def is_bubble_up(error: BaseException) -> bool:
-    """Whether `error` is LangGraph control flow (an interrupt), not a failure."""
-    return any(cls.__name__ in BUBBLE_UPS for cls in type(error).__mro__)
 
 
 def is_resume_command(inputs: Any) -> bool:

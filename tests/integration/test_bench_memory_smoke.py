@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from agentkv.bench.memory import run_memory_bench
-from agentkv.bench.workloads import load_workload
+from agentkv_bench.memory import run_memory_bench
+from agentkv_bench.workloads import load_workload
 
 pytestmark = pytest.mark.integration
 

@@ -21,6 +21,7 @@ PACKAGES = {
     "agentkv": ROOT / "agentkv",
     "agentkv_langchain": ROOT / "integrations" / "agentkv_langchain",
     "agentkv_langgraph": ROOT / "integrations" / "agentkv_langgraph",
+    "agentkv_bench": ROOT / "benchmarks" / "agentkv_bench",
 }
 
 
@@ -115,9 +116,29 @@ def test_the_graph_sees_function_level_and_type_checking_imports() -> None:
     graph = import_graph()
     assert "agentkv.lifecycle.manager" in graph["agentkv.backend.session"]
     # cli imports the benchmarks inside its commands, and they are edges too.
-    assert any(m.startswith("agentkv.bench") for m in graph["agentkv.cli"])
+    assert any(m.startswith("agentkv_bench") for m in graph["agentkv.cli"])
     # `if TYPE_CHECKING:` imports count (the port names the table only there).
     assert "agentkv.lifecycle.table" in graph["agentkv.lifecycle.port"]
+
+
+def test_the_product_never_imports_the_benchmarks() -> None:
+    """Only the CLI's `bench` dispatch names the benchmark package; it installs apart."""
+    graph = import_graph()
+    offenders = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        if not m.startswith("agentkv_bench") and m != "agentkv.cli"
+        for t in targets
+        if t.startswith("agentkv_bench")
+    )
+    assert not offenders, f"product modules importing the benchmarks: {offenders}"
+
+
+def test_the_product_packages_ship_no_workloads() -> None:
+    """`pip install .` installs the product only: the benches' JSON lives in `benchmarks/`."""
+    shipped = [ROOT / "agentkv", ROOT / "integrations"]
+    data = sorted(str(p.relative_to(ROOT)) for folder in shipped for p in folder.rglob("*.json"))
+    assert not data, f"workload or data files inside the product packages: {data}"
 
 
 def test_the_cycle_finder_finds_a_loop() -> None:
@@ -312,7 +333,7 @@ def test_only_the_mover_writes_a_span_s_tier_and_state() -> None:
 
 STORE_MOVE_VERBS = (
     "archive|restore_many|drop|compress|cut|adopt_recomputed|keep_attended|recompute_lazily"
-    "|quantize_attended|quantize_attended_until|coarsen_attended_until|recompute_pending"
+    "|quantize_attended_until|coarsen_attended_until|recompute_pending"
 )
 STORE_MOVE_CALL = re.compile(rf"\bstore\.({STORE_MOVE_VERBS})\(")
 MOVER_HELPERS = {MOVER, ROOT / "agentkv" / "lifecycle" / "rehydration.py"}

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from agentkv.bench.forget import forget_table, run_forget_bench
-from agentkv.bench.forget_traces import forget_traces, needed_handles
+from agentkv_bench.forget import forget_table, run_forget_bench
+from agentkv_bench.forget_traces import forget_traces, needed_handles
 
 
 def test_traces_label_needed_results_by_their_questions():

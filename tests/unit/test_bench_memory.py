@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
-from agentkv.bench import memory
-from agentkv.bench.memory import (
+from agentkv.spans import SpanKind, SpanState
+from agentkv_bench import memory
+from agentkv_bench.memory import (
     BASELINES,
     METHODS,
     Method,
@@ -26,9 +27,8 @@ from agentkv.bench.memory import (
     replay,
     run_memory_bench,
 )
-from agentkv.bench.methods import suite_of
-from agentkv.bench.workloads import MAX_TURNS, MIN_TURNS, load_workload, load_workloads, parse_workload
-from agentkv.spans import SpanKind, SpanState
+from agentkv_bench.methods import suite_of
+from agentkv_bench.workloads import MAX_TURNS, MIN_TURNS, load_workload, load_workloads, parse_workload
 
 
 def tiny_workload(name: str = "tiny") -> dict[str, Any]:

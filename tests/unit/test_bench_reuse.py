@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from agentkv.bench.reuse import BareForward, OverheadRow, decode_rate_ratio, overhead_summary, run_reuse_bench
+from agentkv_bench.reuse import BareForward, OverheadRow, decode_rate_ratio, overhead_summary, run_reuse_bench
 
 
 def test_reuse_bench_reports_the_ratio_to_a_bare_forward(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from agentkv.bench.threads import run_threads_bench, system_prompt
+from agentkv_bench.threads import run_threads_bench, system_prompt
 
 
 def test_threads_bench_shares_the_prefix_and_keeps_the_answers(tiny_model, tiny_tokenizer, tmp_path):

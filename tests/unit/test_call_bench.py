@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from agentkv import TransformersBackend
-from agentkv.bench.methods import METHODS
-from agentkv_langchain.call_bench import (
+from agentkv_bench.call_bench import (
     CallRow,
     calls_summary,
     canonical,
@@ -21,6 +20,7 @@ from agentkv_langchain.call_bench import (
     run_calls_bench,
     trace_names,
 )
+from agentkv_bench.methods import METHODS
 
 TOOLS = [
     {

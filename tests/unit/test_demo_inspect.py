@@ -17,6 +17,7 @@ from agentkv.cli import build_parser, main
 from agentkv.config import AgentKVConfig
 from agentkv.demo import DEFAULT_BUDGET_TOKENS, RecallAnswer, demo_config, first_word
 from agentkv.inspection import load_snapshot, plot_span_strip, print_inspection, span_strip_figure, span_table
+from agentkv_bench.cli import build_parser as bench_parser
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,8 @@ def test_cli_help_names_the_commands_and_demo_options(capsys):
 
 
 def test_cli_bench_memory_scoping_options(capsys):
-    args = build_parser().parse_args(
-        ["bench", "memory", "--methods", "agentkv, h2o", "--workloads", "travel", "--budgets", "0.5,0.25"]
+    args = bench_parser().parse_args(
+        ["memory", "--methods", "agentkv, h2o", "--workloads", "travel", "--budgets", "0.5,0.25"]
     )
     assert (args.methods, args.workloads, args.budgets) == ("agentkv, h2o", "travel", "0.5,0.25")
     assert main(["bench", "memory", "--budgets", "half"]) == 2  # checked before the model loads

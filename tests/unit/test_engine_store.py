@@ -531,7 +531,7 @@ def test_engine_down_the_agent_still_gets_a_clear_error_from_vllm_and_no_hint_er
 
 
 def test_bench_events_mode_sends_lrus_prompts_and_only_adds_hints() -> None:
-    from agentkv.bench.engine import EngineBenchSettings, _mode_config, run_engine_bench
+    from agentkv_bench.engine import EngineBenchSettings, _mode_config, run_engine_bench
 
     settings = EngineBenchSettings("http://v:1", COORD, chunk_size=CHUNK, device_tokens=384)
     lru = _mode_config("lru", settings)

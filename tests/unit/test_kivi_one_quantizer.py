@@ -51,7 +51,7 @@ def test_the_archive_tier_holds_the_shared_quantizers_codes(bits: int, dtype: to
 def test_the_attended_tier_holds_the_shared_quantizers_codes() -> None:
     torch.manual_seed(5)
     k = torch.randn(1, 2, 64, 16)
-    packed, scales, zeros, groups = kivi.quantize_keys(k, 4, 32)
+    packed, scales, zeros, groups = kivi.key_codes(k, 4, 32)
     codes, want_scales, want_zeros = quantize_along(k.reshape(1, 2, 2, 32, 16), 4, -2)
     assert torch.equal(scales, want_scales) and torch.equal(zeros, want_zeros)
     assert torch.equal(unpack_codes(packed, 4), codes.reshape(1, 2, 64, 16))

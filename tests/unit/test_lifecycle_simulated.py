@@ -371,9 +371,6 @@ class FakeQuantizingStore(FakeStore):
         self.quantized: dict[int, int] = {}
         """span id → tokens held quantized in attention."""
 
-    def quantize_attended(self, span: Span) -> MoveResult:
-        return self.quantize_attended_until([span], None)
-
     def quantize_attended_until(self, spans: Sequence[Span], free_bytes: int | None) -> MoveResult:
         freed = 0
         tiers: dict[int, Tier] = {}

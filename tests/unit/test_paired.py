@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agentkv.bench.paired import mcnemar_exact, paired_difference, paired_mean
+from agentkv_bench.paired import mcnemar_exact, paired_difference, paired_mean
 
 
 def test_mcnemar_exact_matches_the_binomial_tail() -> None:

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from agentkv import models
-from agentkv.bench.soak import run_soak
-from agentkv.cli import RichProgress
+from agentkv.cli_common import RichProgress
 from agentkv.progress import ProgressStep
+from agentkv_bench.soak import run_soak
 
 
 def test_first_load_conversion_reports_each_step(

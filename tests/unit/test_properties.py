@@ -611,7 +611,7 @@ def test_generate_reserves_positions_for_the_end_of_turn(tiny_model, tiny_tokeni
 
 
 def test_soak_smoke(tiny_model, tiny_tokenizer, tmp_path):
-    from agentkv.bench.soak import run_soak
+    from agentkv_bench.soak import run_soak
 
     # A tenth of the window: even at int4 in attention the history does not fit, so spans are
     # also archived and recalled (the whole demotion order runs).

@@ -18,7 +18,7 @@ conversation, so prefixes quote them (`You told me: "Our grant number is` →
 natural-language `question` is the user message; recall sees only that, never
 the prefix (which is the start of the model's own answer).
 
-JSON shape (one file per workload, `agentkv/bench/workloads/<name>.json`)::
+JSON shape (one file per workload, `benchmarks/agentkv_bench/workloads/<name>.json`)::
 
     {"name": "travel", "title": "...", "system": "...",
      "turns": [{"user": "...", "confirms_previous": false,

@@ -1,6 +1,6 @@
 """`agentkv bench engine`: concurrent tool agents on vLLM + LMCache, with and without lifecycle hints.
 
-N agent threads each play one of the shipped workloads (`agentkv/bench/workloads/`) as
+N agent threads each play one of the shipped workloads (`benchmarks/agentkv_bench/workloads/`) as
 a tool agent: per turn the user message, its tool calls and results, one model call
 (the engine decodes a few tokens), the tool events, the scripted answer, `TurnEnded`.
 Every thread has its own conversation (its own `cache_salt`). The engine's caches are
@@ -52,7 +52,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.workloads import Workload, load_workloads
 from agentkv.config import AgentKVConfig
 from agentkv.engines.backend import EngineBackend, kv_bytes_per_token
 from agentkv.engines.http import FakeTransport
@@ -60,6 +59,7 @@ from agentkv.engines.lmcache import GIB, CoordinatorClient
 from agentkv.engines.store import common_prefix as _common_prefix
 from agentkv.engines.vllm import EngineMetrics
 from agentkv.events import ToolCallCompleted, ToolCallFailed, TurnEnded
+from agentkv_bench.workloads import Workload, load_workloads
 
 MODES: tuple[str, ...] = ("vllm", "lru", "events", "events-gated", "events+budget")
 RUN_MODES: tuple[str, ...] = ("lru", "events", "events-gated", "events+budget")

@@ -36,9 +36,9 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from rich.table import Table
 
 from agentkv import TransformersBackend
-from agentkv.bench.methods import METHODS, Method
 from agentkv.events import Event, ToolCallCompleted, TurnEnded
 from agentkv.progress import ProgressCallback, report
+from agentkv_bench.methods import METHODS, Method
 from agentkv_langchain.chat_models import ChatAgentKV
 
 __all__ = [
@@ -138,13 +138,13 @@ def flat_args(args: Mapping[str, Any] | list[Any], path: str = "") -> dict[str, 
 
 def trace_names() -> list[str]:
     """The shipped traces, by file name."""
-    folder = resources.files("agentkv_langchain").joinpath("call_traces")
+    folder = resources.files("agentkv_bench").joinpath("call_traces")
     return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
 
 
 def load_call_traces(names: Sequence[str] | None = None) -> list[CallTrace]:
     """The shipped traces named (all when None); a path to a JSON file works too."""
-    folder = resources.files("agentkv_langchain").joinpath("call_traces")
+    folder = resources.files("agentkv_bench").joinpath("call_traces")
     out = []
     for name in names or trace_names():
         path = Path(name)

@@ -49,7 +49,7 @@ OVERHEAD_TOKENS = 32
 
 def load_tool_set() -> list[dict[str, Any]]:
     """The bench's tools: `{"name", "description", "parameters", "prompts"}` each."""
-    text = resources.files("agentkv_langchain").joinpath("tool_bench.json").read_text(encoding="utf-8")
+    text = resources.files("agentkv_bench").joinpath("tool_bench.json").read_text(encoding="utf-8")
     return list(json.loads(text)["tools"])
 
 

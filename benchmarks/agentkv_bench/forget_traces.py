@@ -1,7 +1,7 @@
 """Tool-heavy traces for `agentkv bench forget`, written fresh for it.
 
 Each trace is a scripted agent conversation in the JSON shape of
-`agentkv.bench.workloads`, stored next to this module in `forget_workloads/`: six
+`agentkv_bench.workloads`, stored next to this module in `forget_workloads/`: six
 turns (fewer than the memory bench's workloads), two tool calls in most of them.
 Some results hold a fact a later question asks about ("needed"); the others are
 stale by construction: a weather check, a currency conversion, a failed or
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agentkv.bench.workloads import Workload, parse_workload
+from agentkv_bench.workloads import Workload, parse_workload
 
 __all__ = ["FORGET_TRACES", "forget_traces", "needed_handles"]
 

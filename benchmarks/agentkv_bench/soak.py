@@ -45,12 +45,12 @@ import torch
 
 from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.conversation import SYSTEM_PROMPT, noisy_document
 from agentkv.chat import normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, ToolCallCompleted, ToolCallFailed, TurnEnded, UserConfirmed
 from agentkv.lifecycle import Lease
 from agentkv.progress import ProgressCallback, report
+from agentkv_bench.conversation import SYSTEM_PROMPT, noisy_document
 
 _CITIES = ("Paris", "Lisbon", "Osaka", "Quito", "Tallinn", "Nairobi", "Hobart", "Bergen", "Cusco", "Tbilisi")
 _ITEMS = ("booking", "parcel", "locker", "invoice", "ticket", "visa")

@@ -1,6 +1,6 @@
 """How the memory bench scores an answer: normalising, exact match, KL, teacher-forced log-probs.
 
-Pure functions of text and tensors, no session: `agentkv.bench.memory` replays the
+Pure functions of text and tensors, no session: `agentkv_bench.memory` replays the
 workloads and calls these on what the model answered.
 """
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.reuse import timed_answer
 from agentkv.config import AgentKVConfig
 from agentkv.progress import ProgressCallback, report
+from agentkv_bench.reuse import timed_answer
 
 __all__ = ["ThreadsRun", "run_threads_bench", "system_prompt", "threads_rows"]
 

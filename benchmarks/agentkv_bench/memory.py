@@ -1,12 +1,12 @@
 """`agentkv bench memory`: recall fidelity vs device KV budget, agentkv against generic compressors.
 
 Every method replays the same scripted agent conversations (see
-`agentkv.bench.workloads`) into one session of the same model, then answers
+`agentkv_bench.workloads`) into one session of the same model, then answers
 recall questions about facts stated many turns earlier. The conversations are
 scripted (user turns, tool results, branches *and* assistant answers), so every
 method sees exactly the same history and only the final answers are generated.
 
-Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in one run:
+Methods (`agentkv_bench.methods.METHODS`; `--methods` selects), all measured in one run:
 
 - `full`: policy `full`, no budget: the reference every figure is compared with.
 - `window`, `streaming_llm`, `h2o`, `snapkv`, `tova`: token-mode baselines as their
@@ -33,7 +33,7 @@ Methods (`agentkv.bench.methods.METHODS`; `--methods` selects), all measured in 
 Budgets are fractions of the `full` cache's size at the final question of each
 workload (`budget.device_tokens`), the same for every budgeted method. A device
 budget limits the device only: agentkv's host tier holds what it archives, so
-every run reports device, host and total bytes (see `agentkv.bench.memory_report`),
+every run reports device, host and total bytes (see `agentkv_bench.memory_report`),
 and the tuned and fresh workloads are summarised separately.
 
 Figures per (workload, method, budget): exact match of the greedy answer per
@@ -65,7 +65,17 @@ import torch
 
 from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.memory_report import (
+from agentkv.events import (
+    BranchOpened,
+    BranchPruned,
+    BranchSelected,
+    ToolCallCompleted,
+    ToolCallFailed,
+    TurnEnded,
+    UserConfirmed,
+)
+from agentkv.progress import ProgressCallback, report
+from agentkv_bench.memory_report import (
     ACCEPTANCE_BUDGET,
     MIB,
     QuestionRow,
@@ -82,8 +92,8 @@ from agentkv.bench.memory_report import (
     stats_fields,
     summarise,
 )
-from agentkv.bench.methods import BASELINES, METHODS, NOHOST_TIER, SUITES, Method, suite_of
-from agentkv.bench.scoring import (
+from agentkv_bench.methods import BASELINES, METHODS, NOHOST_TIER, SUITES, Method, suite_of
+from agentkv_bench.scoring import (
     answer_text,
     decided,
     exact_match,
@@ -92,17 +102,7 @@ from agentkv.bench.scoring import (
     normalise_answer,
     overhead_seconds,
 )
-from agentkv.bench.workloads import Question, Workload, load_workloads
-from agentkv.events import (
-    BranchOpened,
-    BranchPruned,
-    BranchSelected,
-    ToolCallCompleted,
-    ToolCallFailed,
-    TurnEnded,
-    UserConfirmed,
-)
-from agentkv.progress import ProgressCallback, report
+from agentkv_bench.workloads import Question, Workload, load_workloads
 
 __all__ = [
     "ACCEPTANCE_BUDGET",
@@ -133,7 +133,7 @@ __all__ = [
     "summarise",
 ]
 
-logger = logging.getLogger("agentkv.bench")
+logger = logging.getLogger("agentkv_bench")
 
 DEFAULT_BUDGETS: tuple[float, ...] = (0.5, 0.25, 0.125)
 """Device budgets as fractions of the full cache's size at the final question."""

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.methods import BASELINES, METHODS, SUITES
-from agentkv.bench.workloads import QUESTION_SOURCES
 from agentkv.metrics import SessionStats
+from agentkv_bench.methods import BASELINES, METHODS, SUITES
+from agentkv_bench.workloads import QUESTION_SOURCES
 
 ACCEPTANCE_BUDGET = 0.25
 """The budget the acceptance figures are read at."""
@@ -73,7 +73,7 @@ class RunRow:
 
     workload: str
     suite: str
-    """`tuned` (the original four workloads) or `fresh`, see `agentkv.bench.methods.suite_of`."""
+    """`tuned` (the original four workloads) or `fresh`, see `agentkv_bench.methods.suite_of`."""
     method: str
     budget: float | None
     budget_tokens: int | None

@@ -28,12 +28,12 @@ import torch
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.conversation import build_conversation, iter_histories
 from agentkv.config import AgentKVConfig
 from agentkv.progress import ProgressCallback, report
 from agentkv.store.cache import PhysicalCache
+from agentkv_bench.conversation import build_conversation, iter_histories
 
-logger = logging.getLogger("agentkv.bench")
+logger = logging.getLogger("agentkv_bench")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`agentkv bench forget`: does letting the model forget stale tool results pay?
 
-Three tool-heavy traces written for this bench (`agentkv.bench.forget_traces`: 8-9
+Three tool-heavy traces written for this bench (`agentkv_bench.forget_traces`: 8-9
 tool calls each, some results needed by a later question, the others stale) are
 replayed into one session per (trace, method, budget), with the events an agent
 framework sends (tool call completed, turn ended). Then every question is asked
@@ -42,12 +42,12 @@ import torch
 
 from agentkv.backend.session import Session
 from agentkv.backend.transformers import TransformersBackend
-from agentkv.bench.forget_traces import forget_traces, needed_handles
-from agentkv.bench.memory import Peaks, ask, replay
-from agentkv.bench.workloads import Workload
 from agentkv.config import AgentKVConfig
 from agentkv.forget import ForgetRequested
 from agentkv.progress import ProgressCallback, report
+from agentkv_bench.forget_traces import forget_traces, needed_handles
+from agentkv_bench.memory import Peaks, ask, replay
+from agentkv_bench.workloads import Workload
 
 __all__ = ["FORGET_METHODS", "ForgetRun", "forget_table", "run_forget_bench"]
 
