@@ -15,8 +15,7 @@ class ChatConfig(Section):
     """How messages are rendered with the model's chat template (backend-wide)."""
 
     tool_format: str | None = None
-    """Tool-call format: null = detected from the chat template (hermes when it has none); or
-    hermes | qwen | llama3_json | mistral | granite | phi4 | pythonic."""
+    """Tool-call format: hermes, qwen, llama3_json, mistral, granite, phi4, pythonic; null = detected."""
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template, e.g. `enable_thinking: false` (Qwen3, SmolLM3)."""
 

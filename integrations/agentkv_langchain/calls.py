@@ -36,6 +36,8 @@ from agentkv_langchain.toolset import outside
 
 __all__ = [
     "CallAnswer",
+    "ReadAnswer",
+    "answer_filter",
     "CallPlan",
     "answer_message_id",
     "call_metadata",
@@ -63,6 +65,11 @@ class CallAnswer:
     generation_info: dict[str, Any]
     reasoning: str | None = None
     """The answer's reasoning block (`additional_kwargs["reasoning_content"]`), never content or calls."""
+
+    @property
+    def additional_kwargs(self) -> dict[str, Any]:
+        """The message's `additional_kwargs`: its reasoning, when it has one."""
+        return {"reasoning_content": self.reasoning} if self.reasoning else {}
 
 
 @dataclass
@@ -144,23 +151,52 @@ def call_usage(session: AnySession, before: SessionStats, after: SessionStats) -
     return prompt.usage(before.encoded_tokens)
 
 
+def answer_filter(chat_format: ChatFormat, tools: Sequence[Mapping[str, Any]]) -> ToolCallStreamFilter | None:
+    """What decides which streamed text is content: held back at calls (tools bound) and reasoning."""
+    if not tools and chat_format.reasoning is None:
+        return None
+    return ToolCallStreamFilter(chat_format.tool_format if tools else None, chat_format.reasoning)
+
+
+@dataclass
+class ReadAnswer:
+    """An answer's whole text, read: its content, calls and reasoning."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    rest: str
+    """The part of `content` a stream had not shown yet."""
+    reasoning: str | None
+
+    def as_message(self, message_id: str) -> dict[str, Any]:
+        """The assistant message the caller gets back, as the session binds it to the answer."""
+        return {
+            "role": "assistant",
+            "content": self.content,
+            "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in self.tool_calls],
+            "id": message_id,
+            **({"reasoning_content": self.reasoning} if self.reasoning else {}),
+        }
+
+
 def read_answer(
     text: str,
     tools: Sequence[Mapping[str, Any]],
     visible: ToolCallStreamFilter | None,
     chat_format: ChatFormat | None = None,
-) -> tuple[str, list[ToolCall], list[InvalidToolCall], str, str | None]:
-    """`(content, tool_calls, invalid_tool_calls, rest, reasoning)` of an answer's whole text.
+) -> ReadAnswer:
+    """An answer's whole text as content, calls, the part a stream has not shown, and reasoning.
 
     A reasoning block (`<think>…</think>` in a family that thinks) is split off first: it
     is never content and never read for calls. Without tools bound the rest is the
     content; with tools, calls are read in the backend's tool format, and calls to a tool
     that is listed in the prompt but not bound to this call become invalid calls that say
-    so; `rest` is the content the stream filter has not shown yet.
+    so.
     """
     reasoning, answer = split_answer(text, chat_format.reasoning if chat_format is not None else None)
     if not tools:
-        return answer, [], [], visible.rest(answer) if visible is not None else "", reasoning
+        return ReadAnswer(answer, [], [], visible.rest(answer) if visible is not None else "", reasoning)
     fmt = chat_format.tool_format if chat_format is not None else None
     content, calls, invalid = parse_tool_calls(answer, fmt) if fmt is not None else parse_tool_calls(answer)
     rest = visible.rest(content) if visible is not None else ""
@@ -176,7 +212,7 @@ def read_answer(
                 error=f"tool {call['name']!r} is not bound to this call; bound: {bound}",
             ),
         )
-    return content, calls, invalid, rest, reasoning
+    return ReadAnswer(content, calls, invalid, rest, reasoning)
 
 
 _BANS: dict[int, ToolCallBan] = {}

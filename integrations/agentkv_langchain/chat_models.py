@@ -55,6 +55,7 @@ from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
     CallAnswer,
+    answer_filter,
     answer_message_id,
     call_metadata,
     call_usage,
@@ -73,7 +74,6 @@ from agentkv_langchain.tools import (
     ANY_TOOL,
     TOOL_CALL_OPEN,
     CallEnd,
-    ToolCallStreamFilter,
     choose_tool,
     forced_call_prefix,
     resolve_tool_choice,
@@ -116,13 +116,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
 
-    Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
-    chat template that supports tools, they are passed to the template; otherwise
-    they are described in the system prompt with the `<tool_call>{json}</tool_call>`
-    protocol (see `agentkv_langchain.tools`). With `grammar` on (the default), decoding
-    is constrained (`agentkv.grammar`): a call's arguments follow its tool's JSON schema,
-    `tool_choice="any"` lets the model pick the tool under the grammar, and text answers
-    cannot start a call, so even a tiny model's calls parse.
+    Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does; calls are
+    written in the model family's own format (docs/tool-formats.md) and, with `grammar` on
+    (the default), constrained to their tools' schemas (`agentkv.grammar`): even a tiny
+    model's calls parse. A reasoning block goes to `additional_kwargs["reasoning_content"]`.
     """
 
     backend: Backend
@@ -139,9 +136,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     forces a call (to the tool the model prefers) on a turn's first step and a text answer
     after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
     tool_format: str | None = None
-    """The tool-call format (hermes, qwen, llama3_json, mistral, granite, phi4, pythonic); None: the
-    backend's (detected from the chat template, or `agentkv.chat.tool_format`). Set, it becomes the
-    backend's: history renders calls in it too. See docs/tool-formats.md."""
+    """Tool-call format (docs/tool-formats.md); None: the backend's. Set, it becomes the backend's."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -191,9 +186,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     @model_validator(mode="after")
     def _named_tool_format(self) -> Self:
-        """`tool_format=` sets the backend's format (it renders history, so it is backend-wide)."""
         if self.tool_format is not None and self.tool_format != self.backend.chat_format.tool_format.name:
-            self.backend.chat_format.use_tool_format(self.tool_format)
+            self.backend.chat_format.use_tool_format(self.tool_format)  # it renders history: backend-wide
         return self
 
     @model_validator(mode="after")
@@ -392,7 +386,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             final = next(item for item in answer if isinstance(item, CallAnswer))
         message = AIMessage(
             content=final.content,
-            additional_kwargs={"reasoning_content": final.reasoning} if final.reasoning else {},
+            additional_kwargs=final.additional_kwargs,
             id=final.message_id,
             tool_calls=final.tool_calls,
             invalid_tool_calls=final.invalid_tool_calls,
@@ -496,7 +490,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(
                         content=item.rest,
-                        additional_kwargs={"reasoning_content": item.reasoning} if item.reasoning else {},
+                        additional_kwargs=item.additional_kwargs,
                         id=item.message_id,
                         tool_call_chunks=calls,
                         chunk_position="last",
@@ -518,8 +512,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         started = time.perf_counter()
         session = self._session(metadata)
         plan = self._plan(messages, stop, kwargs, session)
-        chat_format = self.backend.chat_format
-        fmt = chat_format.tool_format
+        fmt = self.backend.chat_format.tool_format
         raw: list[str] = []
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
@@ -535,12 +528,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 if isinstance(session, Session):
                     name = choose_tool(session.answer_logprob, names, fmt)
                 prefix = forced_call_prefix(name, tool_parameters(plan.tools, name), fmt)
-            reasoning = chat_format.reasoning
-            visible = (
-                ToolCallStreamFilter(fmt if plan.tools else None, reasoning)
-                if plan.tools or reasoning is not None
-                else None
-            )
+            visible = answer_filter(self.backend.chat_format, plan.tools)
             if visible is not None:
                 visible.feed(prefix)
             call_end = CallEnd(prefix, fmt) if prefix and not plan.parallel else None
@@ -567,30 +555,20 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             finally:
                 close_iterator(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
-            content, calls, invalid, rest, thought = read_answer(
-                prefix + "".join(raw), plan.tools, visible, chat_format
-            )
+            read = read_answer(prefix + "".join(raw), plan.tools, visible, self.backend.chat_format)
             # The caller gets exactly this message back; binding it lets the next call
             # match it to the produced token ids instead of re-encoding it.
-            session.bind_message(
-                {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in calls],
-                    "id": message_id,
-                    **({"reasoning_content": thought} if thought else {}),
-                }
-            )
+            session.bind_message(read.as_message(message_id))
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
         limit = plan.sampling["max_new_tokens"]
-        finish = "tool_calls" if calls else "length" if output_tokens >= limit else "stop"
+        finish = "tool_calls" if read.tool_calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(
             message_id=message_id,
-            content=content,
-            rest=rest,
-            tool_calls=calls,
-            invalid_tool_calls=invalid,
+            content=read.content,
+            rest=read.rest,
+            tool_calls=read.tool_calls,
+            invalid_tool_calls=read.invalid_tool_calls,
             usage=UsageMetadata(
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
@@ -608,7 +586,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 "time_to_first_token_s": first_token_s,
             },
             generation_info={"finish_reason": finish},
-            reasoning=thought,
+            reasoning=read.reasoning,
         )
 
     def _session(self, metadata: Mapping[str, Any]) -> AnySession:
