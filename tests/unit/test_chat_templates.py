@@ -138,3 +138,28 @@ def test_a_named_tool_format_and_unknown_names():
     assert backend.chat_format.tool_format.name == "pythonic"
     with pytest.raises(ValueError, match="allowed: hermes"):
         AgentKVConfig(chat={"tool_format": "openai"})
+
+
+def test_reasoning_is_split_off_never_content_and_never_read_for_calls():
+    from agentkv_langchain.calls import answer_filter, read_answer
+
+    fmt = ChatFormat(family_tokenizer(FAMILY["qwen3"]))
+    tools = [
+        {"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    text = (
+        '<think>\nMaybe <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>?\n</think>\n\nIt is sunny.'
+    )
+    shown = answer_filter(fmt, tools)
+    assert shown is not None
+    streamed = "".join(shown.feed(text[i : i + 7]) for i in range(0, len(text), 7))
+    read = read_answer(text, tools, shown, fmt)
+    assert read.content == "It is sunny." and read.tool_calls == [] and read.invalid_tool_calls == []
+    assert read.reasoning is not None and read.reasoning.startswith("Maybe <tool_call>")
+    assert streamed + read.rest == "It is sunny."
+    assert read.as_message("m1")["reasoning_content"] == read.reasoning
+    # After the reasoning, a call is a call.
+    called = read_answer(
+        '<think>x</think>\n<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>', tools, None, fmt
+    )
+    assert [c["name"] for c in called.tool_calls] == ["w"] and called.reasoning == "x"
