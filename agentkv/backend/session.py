@@ -160,7 +160,7 @@ class Session(SessionCore):
                     span = self._new_span(message.kind, ids)
                     self._describe_message(span, message, index)
                     self.manager.on_span_created(span)
-                span.text = texts[offset]
+                span.text, span.produced_text = texts[offset], False
                 self.messages.append(message)
                 new_spans.append(span.span_id)
             if self.ended:
