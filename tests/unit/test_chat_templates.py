@@ -163,3 +163,25 @@ def test_reasoning_is_split_off_never_content_and_never_read_for_calls():
         '<think>x</think>\n<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>', tools, None, fmt
     )
     assert [c["name"] for c in called.tool_calls] == ["w"] and called.reasoning == "x"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "gemma2",
+            {"system": False, "tool": False, "tool_calls": False, "tools": False, "alternation": True},
+        ),
+        (
+            "mistral-nemo",
+            {"system": False, "tool": True, "tool_calls": True, "tools": False, "alternation": True},
+        ),
+        ("llama3.1", {"system": True, "notes": True, "tool": True, "tool_calls": True, "tools": True}),
+        ("phi3.5", {"system": True, "tool": False, "tool_calls": False, "tools": False}),
+        ("deepseek-r1", {"system": True, "notes": False, "tool_calls": False}),
+        ("granite3.3", {"tools": True, "tool_calls": False}),
+    ],
+)
+def test_probes_find_what_each_template_renders_itself(name, expected):
+    rules = ChatFormat(family_tokenizer(FAMILY[name])).rules
+    assert {key: getattr(rules, key) for key in expected} == expected
