@@ -28,6 +28,7 @@ from agentkv_langchain.sessions import current_metadata
 from agentkv_langchain.tools import (
     ToolCallBan,
     ToolCallStreamFilter,
+    banned_opening,
     parse_tool_calls,
     split_answer,
     tool_names,
@@ -215,17 +216,18 @@ def read_answer(
     return ReadAnswer(content, calls, invalid, rest, reasoning)
 
 
-_BANS: dict[int, ToolCallBan] = {}
+_BANS: dict[tuple[int, str], ToolCallBan] = {}
 _BANS_LOCK = threading.Lock()
 
 
 def tool_call_ban(backend: Backend) -> ToolCallBan:
-    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
-    key = id(backend.tokenizer)
+    """The backend tokenizer's `ToolCallBan` for its tool format (built once: it reads every token's text)."""
+    banned = banned_opening(backend.chat_format.tool_format)
+    key = (id(backend.tokenizer), banned)
     with _BANS_LOCK:
         ban = _BANS.get(key)
         if ban is None or ban.tokenizer is not backend.tokenizer:
-            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
+            ban = _BANS[key] = ToolCallBan(backend.tokenizer, banned)
         return ban
 
 

@@ -34,6 +34,7 @@ from agentkv.toolformats import (
 )
 
 __all__ = [
+    "banned_opening",
     "as_langchain",
     "split_answer",
     "ANY_TOOL",
@@ -325,6 +326,13 @@ def _partial_tag(text: str, tag: str) -> int:
 # ---------------------------------------------------------------------------- constrained choices
 
 
+def banned_opening(fmt: ToolFormat) -> str:
+    """What a text answer in `fmt` must not write: Hermes' `<tool`, else the format's trigger."""
+    if fmt.trigger.startswith(TOOL_CALL_OPEN):
+        return _BANNED
+    return fmt.trigger.strip().rstrip("[{") or '{"name"'
+
+
 def choose_tool(score: Any, names: Sequence[str], fmt: ToolFormat = HERMES) -> str:
     """The bound tool the model itself would call, constrained to the bound ones.
 
@@ -344,7 +352,7 @@ def choose_tool(score: Any, names: Sequence[str], fmt: ToolFormat = HERMES) -> s
 
 
 _BANNED = "<tool"
-"""What a text-only answer must not write: the start of a `<tool_call>` tag."""
+"""What a Hermes text-only answer must not write: the start of a `<tool_call>` tag."""
 
 
 class ToolCallBan:
@@ -357,26 +365,28 @@ class ToolCallBan:
 
     Args:
         tokenizer: The model's tokenizer (each token's text is read once, at construction).
+        banned: The text a call starts with (`<tool` in Hermes; another format's trigger).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, banned: str = _BANNED) -> None:
         self.tokenizer = tokenizer
+        self.banned = banned
         size = len(tokenizer)
         texts = [tokenizer.decode([i]) for i in range(size)]
         # contains[i]: token i writes the whole tag start; starts[k][i]: it completes a tag of
         # which the text already ends with the first k characters.
-        self.contains = torch.tensor([_BANNED in t for t in texts], dtype=torch.bool)
+        self.contains = torch.tensor([banned in t for t in texts], dtype=torch.bool)
         self.starts = {
-            k: torch.tensor([bool(t) and t.startswith(_BANNED[k:]) for t in texts], dtype=torch.bool)
-            for k in range(1, len(_BANNED))
+            k: torch.tensor([bool(t) and t.startswith(banned[k:]) for t in texts], dtype=torch.bool)
+            for k in range(1, len(banned))
         }
 
     def __call__(self, produced: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits `[V]` with the tag-completing tokens at -inf."""
-        tail = self.tokenizer.decode(list(produced[-len(_BANNED) :])) if produced else ""
+        tail = self.tokenizer.decode(list(produced[-len(self.banned) :])) if produced else ""
         banned = self.contains.clone()
         for k, mask in self.starts.items():
-            if tail.endswith(_BANNED[:k]):
+            if tail.endswith(self.banned[:k]):
                 banned |= mask
         vocab = logits.shape[-1]
         if banned.numel() < vocab:  # the model's head may be padded past the tokenizer's size

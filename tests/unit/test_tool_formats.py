@@ -143,3 +143,18 @@ def test_a_call_the_grammar_allows_is_the_call_the_template_renders(name):
     text = fmt.tool_format.render_calls([("get_weather", {"city": "Paris", "days": 2}, "a1b2c3d4e")])
     assert matcher.consume_tokens(fmt.encode(text)), text
     assert matcher.is_accepting()
+
+
+def test_a_text_answer_cannot_start_a_call_in_the_family_format():
+    import torch
+
+    from agentkv_langchain.tools import ToolCallBan, banned_opening
+
+    tokenizer = family_tokenizer(FAMILY["mistral-nemo"])
+    banned = banned_opening(MISTRAL)
+    assert banned == "[TOOL_CALLS]"
+    ban = ToolCallBan(tokenizer, banned)
+    logits = ban([], torch.zeros(len(tokenizer)))
+    assert logits[tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")] == float("-inf")
+    assert torch.isfinite(logits).sum() == len(tokenizer) - int(ban.contains.sum())
+    assert banned_opening(HERMES) == "<tool"
