@@ -85,8 +85,9 @@ def load_for_command(args: argparse.Namespace, config: Any = None) -> tuple[Any,
     name = args.model or (config.model if config is not None else None)
     device = getattr(args, "device", None) or (config.device if config is not None else None)
     dtype = config.dtype if config is not None else None
+    kernel = config.attn_implementation if config is not None else None
     try:
         with progress_bars(args) as bars:
-            return load_model(name, device=device, dtype=dtype, progress=bars)
+            return load_model(name, device=device, dtype=dtype, progress=bars, attn_implementation=kernel)
     except ModelLoadError as e:
         raise CommandError(str(e)) from e

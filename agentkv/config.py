@@ -84,6 +84,8 @@ class AgentKVConfig(Section):
     """Torch device for the model and its KV (cpu, cuda, cuda:1, mps); null = auto."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     """Model and KV dtype; null or auto = the checkpoint's (float32 on CPU)."""
+    attn_implementation: Literal["sdpa", "eager"] | None = None
+    """Attention kernel; null = the family's (SDPA where it runs, eager otherwise, e.g. Gemma 2)."""
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     """KV limits per tier."""
     policy: PolicyConfig = Field(default_factory=PolicyConfig)

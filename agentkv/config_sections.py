@@ -107,11 +107,11 @@ class BudgetConfig(Section):
     """
 
     device_tokens: int | None = Field(default=None, gt=0, strict=True)
-    """Per-session device KV budget, in full-precision token equivalents; null = none."""
+    """Per-session device KV budget, in full-precision token equivalents (with device_bytes: the tighter)."""
     device_bytes: _ByteCount = Field(default=None, gt=0)
     """Per-session KV budget on the device, in bytes (e.g. 64MiB, 1.5 GB); null = none."""
     host_tokens: int | None = Field(default=None, gt=0, strict=True)
-    """Per-session archive budget on the host tier, in full-precision token equivalents."""
+    """Per-session host archive budget, in full-precision token equivalents (with host_bytes: the tighter)."""
     host_bytes: _ByteCount = Field(default=None, gt=0)
     """Per-session archive budget on the host tier, in bytes (e.g. 1GiB)."""
     global_device_bytes: _ByteCount = Field(default=None, gt=0)

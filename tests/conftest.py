@@ -47,8 +47,7 @@ def tiny_model() -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="session")
-def tiny_tokenizer():  # noqa: ANN201 - a PreTrainedTokenizerFast
+def build_tiny_tokenizer():  # noqa: ANN201 - a PreTrainedTokenizerFast
     """A byte-level BPE tokenizer trained in-process on a small corpus, with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,3 +78,9 @@ def tiny_tokenizer():  # noqa: ANN201 - a PreTrainedTokenizerFast
     fast.chat_template = FALLBACK_CHAT_TEMPLATE
     assert fast.convert_tokens_to_ids("<|im_end|>") == 2
     return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():  # noqa: ANN201 - a PreTrainedTokenizerFast
+    """The tiny tokenizer (`build_tiny_tokenizer`), once per test session."""
+    return build_tiny_tokenizer()

@@ -31,17 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.config_sections import QuantizationConfig
 from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
 from agentkv.models import cache_root
+from agentkv.store.cache import PhysicalCache
 from agentkv.store.key_planes import floor_key_bits as planes_floor
 from agentkv.store.kivi import round_trip_keys, round_trip_values
 
 logger = logging.getLogger("agentkv.calibration")
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """Bumped when the measurement changes, so cached figures of an older method are not reused."""
 
 QUERY_TOKENS = 48
@@ -128,42 +129,51 @@ def rung_costs(
 def measure_rung_costs(
     model: torch.nn.Module, tokenizer: Any, quantization: QuantizationConfig, *, key: str = ""
 ) -> RungCosts:
-    """Measure every rung's KL against the full cache on `CALIBRATION_TEXT` (see the module docstring)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT)], device=device)  # [1, n]
-    n = ids.shape[1]
+    """Measure every rung's KL against the full cache on `CALIBRATION_TEXT` (see the module docstring).
+
+    Runs on agentkv's own cache and masks (`ModelRunner`, `PhysicalCache`), as a session
+    attends: every layer holds every token of the context, and each layer type is masked
+    by logical position, so a hybrid model's windowed layers see the window a plain
+    forward shows them and its full layers the whole context, at every rung.
+    """
+    runner = ModelRunner(model)
+    ids = list(tokenizer.encode(CALIBRATION_TEXT))
+    n = len(ids)
     context = n - QUERY_TOKENS - 1
     if context <= SINK_TOKENS + quantization.group_size:
         msg = f"calibration text too short for this tokenizer ({n} tokens)"
         raise ValueError(msg)
-    prefix, query = ids[:, :context], ids[:, context:]  # the query's logits predict ids[context + 1:]
-    model_config: Any = model.config
-    encoded = DynamicCache(config=model_config)
-    model(input_ids=prefix, cache=encoded, use_cache=True)
-    layers: list[Any] = list(encoded.layers)  # each `.keys` / `.values` [1, H_kv, context, D]
-    saved = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
-    positions = torch.arange(context, n, device=device).unsqueeze(0)
+    cache = PhysicalCache(runner.num_layers)
+    runner.forward(cache, _feed(ids[:context], 0), logits="none")
+    layers = cache.cache.managed_layers
+    saved = [full for layer in layers if (full := layer.full()) is not None]  # each [1, H_kv, context, D]
+    query = _feed(ids[context:], context)  # its logits predict ids[context + 1:]
     middle = slice(SINK_TOKENS, context)
+    hidden = torch.arange(SINK_TOKENS, context)
 
     def continuation(*, transform: Any = None, hide: bool = False) -> torch.Tensor:
         """Log-probabilities `[Q, V]` of the continuation over the context held at one rung."""
         for layer, (keys, values) in zip(layers, saved, strict=True):
-            layer.keys, layer.values = keys.clone(), values.clone()  # the exact context, each time
+            keys, values = keys.clone(), values.clone()  # the exact context, each time
             if transform is not None:
-                layer.keys[:, :, middle], layer.values[:, :, middle] = transform(
-                    keys[:, :, middle], values[:, :, middle]
-                )
-        mask = torch.ones(1, n, dtype=torch.long, device=device)
-        if hide:
-            mask[:, middle] = 0
-        out = model(input_ids=query, cache=encoded, attention_mask=mask, position_ids=positions)
-        return torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+                keys[:, :, middle], values[:, :, middle] = transform(keys[:, :, middle], values[:, :, middle])
+            layer.set_all(keys, values)
+        mask = runner.logical_mask(cache, query.positions, hidden=hidden if hide else None)
+        try:
+            logits = runner.forward(cache, query, logits="all", attention_mask=mask)
+        finally:
+            cache.truncate(context)
+        if logits is None:
+            msg = "calibration: the continuation forward returned no logits"
+            raise RuntimeError(msg)
+        return torch.log_softmax(logits[:-1].float(), dim=-1)
 
     reference = continuation()
 
     def kl_with(**how: Any) -> float:
         logp = continuation(**how)
-        return float((reference.exp() * (reference - logp)).sum(-1).mean())
+        kl = float((reference.exp() * (reference - logp)).sum(-1).mean())
+        return max(0.0, kl)  # >= 0 by definition; a lossless rung can round to -1e-8
 
     group = quantization.group_size
     bits = quantization.attended_bits or 4
@@ -184,6 +194,12 @@ def measure_rung_costs(
     fidelity = fractions(kl)
     logger.info("calibration: rung costs %s (KL %s)", fidelity, kl)
     return RungCosts(fidelity=fidelity, kl=kl, key=key)
+
+
+def _feed(ids: list[int], start: int) -> Feed:
+    """Token ids at logical positions `start..`, as one span of the calibration text."""
+    positions = list(range(start, start + len(ids)))
+    return Feed(ids, positions, [0] * len(ids), positions)
 
 
 def floor_key_bits(quantization: QuantizationConfig) -> int:

@@ -13,6 +13,28 @@ from agentkv.store.prefix_cache import PrefixCache
 from agentkv.templates import ChatFormat
 
 
+class ContextLengthError(ValueError):
+    """A conversation that no longer fits the model's positions; the message names the way out.
+
+    The session is unchanged: shortening the history it is sent (a summary in place of
+    old turns, or old turns dropped) lets the thread go on; the session crops what
+    changed and encodes the new suffix.
+    """
+
+    def __init__(self, session_id: str, total: int, limit: int, way_out: str | None = None) -> None:
+        self.session_id = session_id
+        self.total = total
+        """Positions the call would need (history, prompt and `max_new_tokens`)."""
+        self.limit = limit
+        """The model's positions (`max_position_embeddings`)."""
+        way_out = way_out or "send a shorter history: summarise old turns or drop them"
+        msg = (
+            f"session {session_id!r}: the conversation would be {total} tokens long, more than the "
+            f"model's {limit} positions; {way_out}"
+        )
+        super().__init__(msg)
+
+
 class BackendHost(Protocol):
     """What any session needs from the backend that owns it (both backends provide it)."""
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from agentkv.backend.sampling import SamplingParams, StopMatcher, sample_next
+from agentkv.backend.sampling import SamplingParams, StopMatcher, pick_token
 
 
 def answer_logprob(first: torch.Tensor, logits: torch.Tensor, prompt: list[int], target: list[int]) -> float:
@@ -66,9 +66,7 @@ def decode_answer(
     emitted = 0
     finished_by_stop_string = False
     for _ in range(params.max_new_tokens):
-        if params.logits_processor is not None:
-            logits = params.logits_processor(answer.tokens, logits)
-        token = sample_next(logits.cpu(), params, generator)
+        token = pick_token(logits, answer.tokens, params, generator)
         if token in stop_ids:
             break
         answer.tokens.append(token)

@@ -162,7 +162,7 @@ class AgentBackend(Protocol):
         ...
 
     def close(self, session_id: str) -> None:
-        """Free a session's KV and forget it."""
+        """Free a session's KV and forget it (one that already ended: a logged no-op)."""
         ...
 
     def apply(self, session_id: str, event: Event) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -22,7 +23,10 @@ from agentkv.session_ids import branch_session_id
 
 logger = logging.getLogger("agentkv.backend")
 
-__all__ = ["RegisteredSession", "SessionRegistry", "UnknownSessionError"]
+__all__ = ["ENDED_IDS_KEPT", "RegisteredSession", "SessionRegistry", "UnknownSessionError"]
+
+ENDED_IDS_KEPT = 50_000
+"""Ended session ids remembered so that closing one again is a no-op (a few MB at most)."""
 
 
 class UnknownSessionError(KeyError):
@@ -78,6 +82,8 @@ class SessionRegistry(Generic[S]):
         self._last_used: dict[str, float] = {}
         self.ended_sessions = 0
         """Sessions closed by the `agentkv.sessions` bounds so far."""
+        self._ended_ids: OrderedDict[str, str] = OrderedDict()
+        """Recently ended ids → how they ended (`close` on one is a no-op), the last `ENDED_IDS_KEPT`."""
 
     def _new_session(
         self, session_id: str, *, parent: S | None, branch: str | None, config: AgentKVConfig | None
@@ -108,6 +114,7 @@ class SessionRegistry(Generic[S]):
             else:
                 session = self._new_session(session_id, parent=None, branch=None, config=config)
                 self._sessions[session_id] = session
+                self._ended_ids.pop(session_id, None)
             self._last_used[session_id] = self.clock()
         self.end_idle_sessions(keep=session_id)
         return session
@@ -147,13 +154,35 @@ class SessionRegistry(Generic[S]):
         return child
 
     def close(self, session_id: str) -> None:
-        """Free a session's KV and forget it (raises `UnknownSessionError` when absent)."""
+        """Free a session's KV and forget it.
+
+        Closing a session that already ended (closed before, or ended by the
+        `agentkv.sessions` bounds while the app still holds its thread id) is a logged
+        no-op, so a logout hook can always close its thread.
+
+        Raises:
+            UnknownSessionError: no session with this id was ever open (or it ended long
+                ago, beyond the last `ENDED_IDS_KEPT` ended ids); the message lists the live ones.
+        """
         with self._table_lock:
             session = self._sessions.pop(session_id, None)
             self._last_used.pop(session_id, None)
+            ended = self._ended_ids.get(session_id)
+            if session is not None:
+                self._remember_ended(session_id, "closed")
+        if session is None and ended is not None:
+            logger.info("close(%r) ignored: the session already ended (%s)", session_id, ended)
+            return
         if session is None:
             raise UnknownSessionError(self._unknown(session_id))
         session.close()
+
+    def _remember_ended(self, session_id: str, how: str) -> None:
+        """Note an ended id (under the table lock), keeping the last `ENDED_IDS_KEPT`."""
+        self._ended_ids[session_id] = how
+        self._ended_ids.move_to_end(session_id)
+        while len(self._ended_ids) > ENDED_IDS_KEPT:
+            self._ended_ids.popitem(last=False)
 
     def end_idle_sessions(self, keep: str | None = None) -> list[str]:
         """Close the sessions the `agentkv.sessions` bounds end now (idle, or beyond `max_live`).
@@ -188,6 +217,7 @@ class SessionRegistry(Generic[S]):
                         continue
                     self._sessions.pop(session_id)
                     self._last_used.pop(session_id, None)
+                    self._remember_ended(session_id, "ended by the agentkv.sessions bounds")
                 session.close()
             finally:
                 session.lock.release()

@@ -14,17 +14,13 @@ from typing import Any
 
 import torch
 
+from agentkv.backend.masks import AttentionLayout, Mask, logical_masks
 from agentkv.policies import AttentionProbe, Policy, attention_window, needs_accumulated_attention
 from agentkv.spans import Span
 from agentkv.store.cache import PhysicalCache
 
 ATTENTION_DECAY = 0.9
 """EMA decay of the accumulated attention signal (H2O-style) collected on prefills."""
-
-_NO_CUSTOM_MASK = ("flash_attention", "paged")
-"""Attention implementations (prefixes) that ignore or reject an arbitrary 4D mask."""
-_CUSTOM_MASK_OK = ("sdpa", "eager", "flex_attention")
-"""Implementations `logical_mask` builds a correct mask for (named in the error)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +72,8 @@ class ModelRunner:
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._text_config: Any = text_config
         self.num_layers: int = int(text_config.num_hidden_layers)
+        self.layout = AttentionLayout.of(text_config)
+        """Each layer's attention type; a windowed layout is masked by logical position on every forward."""
         self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
         self.dtype: torch.dtype = next(model.parameters()).dtype
@@ -114,7 +112,7 @@ class ModelRunner:
         feed: Feed,
         *,
         logits: str = "last",
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: Mask | None = None,
     ) -> torch.Tensor | None:
         """Run `feed` through the model, appending its KV to `cache`.
 
@@ -122,9 +120,10 @@ class ModelRunner:
             cache: the session's physical cache; grows by `len(feed)` slots.
             feed: tokens with logical positions and span bookkeeping.
             logits: "last" returns `[V]` for the last token, "all" returns `[n, V]`, "none" returns None.
-            attention_mask: optional 4D mask `[1, 1, n, S + n]` as `logical_mask` builds it (in the
+            attention_mask: optional masks `[1, 1, n, S + n]` as `logical_mask` builds them (in the
                 form the model's attention implementation takes); only for single-chunk feeds.
-                None = attend to every cached slot, causal among new tokens.
+                None = attend to every cached slot, causal among new tokens: on a windowed
+                model, each chunk's masks are built by logical position (`logical_mask`).
         """
         import time
 
@@ -149,7 +148,7 @@ class ModelRunner:
         return torch.cat(outputs, dim=0)
 
     def _forward_chunks(
-        self, cache: PhysicalCache, feed: Feed, chunk: int, logits: str, attention_mask: torch.Tensor | None
+        self, cache: PhysicalCache, feed: Feed, chunk: int, logits: str, attention_mask: Mask | None
     ) -> list[torch.Tensor]:
         """The chunked forwards of `forward`; returns the logits rows it was asked to keep."""
         outputs: list[torch.Tensor] = []
@@ -159,10 +158,14 @@ class ModelRunner:
             want = logits == "all" or (logits == "last" and last_chunk)
             input_ids = torch.tensor([part.input_ids], dtype=torch.long, device=self.device)  # [1, n]
             position_ids = torch.tensor([part.positions], dtype=torch.long, device=self.device)  # [1, n]
+            mask = attention_mask
+            if mask is None and self.layout.windowed:
+                # transformers would size each window by physical slots: the window is by position.
+                mask = self.logical_mask(cache, part.positions)
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=attention_mask,
+                attention_mask=mask,
                 cache=cache.cache,
                 use_cache=True,
                 logits_to_keep=0 if logits == "all" else 1,
@@ -201,19 +204,17 @@ class ModelRunner:
 
     def logical_mask(
         self, cache: PhysicalCache, positions: list[int], hidden: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """A mask letting each new token attend only to slots logically before it, `[1, 1, n, S + n]`.
+    ) -> Mask:
+        """Masks letting each new token attend only to what a plain forward shows it, `[1, 1, n, S + n]`.
 
-        Used to recompute (rehydrate) a span in the middle of the logical sequence: it
-        must not see tokens that came after it in the conversation. `hidden` (`long`,
-        physical slots) are masked out as well: the old copies of tokens being recomputed.
-
-        Transformers hands a 4D mask to the attention function as it is, and the
-        functions read it differently: SDPA takes a bool mask (True = attend), while
-        eager and flex attention *add* the mask to the scores, so a bool mask there
-        becomes a +1/+0 bias and hides nothing. The mask is built in the form the
-        model's current attention implementation expects (read per call: it can be
-        switched with `model.set_attn_implementation`).
+        By logical position: slots before the token (and, on sliding layers, within the
+        window), wherever they sit in the physical cache. Used to recompute (rehydrate)
+        a span in the middle of the logical sequence, which must not see tokens that
+        came after it in the conversation, and on every forward of a windowed model.
+        `hidden` (`long`, physical slots) are masked out as well: the old copies of
+        tokens being recomputed. One mask, or a dict by layer type for a hybrid model
+        (`agentkv.backend.masks.logical_masks`), in the form the model's current attention
+        implementation reads (read per call: `model.set_attn_implementation` switches it).
 
         Raises:
             ValueError: The attention implementation cannot take an arbitrary 4D mask
@@ -221,24 +222,14 @@ class ModelRunner:
         """
         past = cache.slot_position.to(self.device)  # [S]
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
-        keys = torch.cat([past, new])  # [S + n]
-        allowed = (keys[None, :] <= new[:, None])[None, None]  # [1, 1, n, S + n], True = attend
-        if hidden is not None and hidden.numel():
-            allowed[..., hidden.to(self.device)] = False
-        implementation = self.attention_implementation
-        if implementation == "sdpa":
-            return allowed
-        if implementation.startswith(_NO_CUSTOM_MASK):
-            msg = (
-                f"attention implementation {implementation!r} cannot take a logical 4D mask "
-                f"(needed to recompute a span at its place in the conversation); "
-                f"load the model with attn_implementation in {list(_CUSTOM_MASK_OK)}"
-            )
-            raise ValueError(msg)
-        # eager, flex and other kernels that add the mask: 0 = attend, dtype min = hidden,
-        # in the model's dtype, as transformers' own `eager_mask` builds it.
-        lowest = torch.finfo(self.dtype).min
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)
+        return logical_masks(
+            self.layout,
+            torch.cat([past, new]),  # [S + n]
+            new,
+            implementation=self.attention_implementation,
+            dtype=self.dtype,
+            hidden=hidden,
+        )
 
     @property
     def attention_implementation(self) -> str:

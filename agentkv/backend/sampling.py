@@ -9,7 +9,12 @@ from typing import TypedDict
 import torch
 
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
-"""`(ids generated so far, next-token logits [V]) -> logits [V]`: masks tokens before sampling."""
+"""`(ids generated so far, next-token logits [V]) -> logits [V]`: masks tokens before sampling.
+
+A processor may also have `accept(ids so far, picked id) -> bool`: the decode loop asks it
+about each picked token and, on False, calls the processor again for the same position
+and picks anew (`pick_token`), so a check too costly to run on every candidate runs on
+the picked one only. A processor that refuses must accept after finitely many picks."""
 
 
 class AnswerOptions(TypedDict, total=False):
@@ -109,6 +114,20 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def pick_token(
+    logits: torch.Tensor, produced: Sequence[int], params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """The next token id after `produced`, from `logits: [V]` through the answer's processor (if any)."""
+    processor = params.logits_processor
+    if processor is None:
+        return sample_next(logits.cpu(), params, generator)
+    accept = getattr(processor, "accept", None)
+    while True:
+        token = sample_next(processor(produced, logits).cpu(), params, generator)
+        if accept is None or accept(produced, token):
+            return token
 
 
 class StopMatcher:

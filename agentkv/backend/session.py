@@ -21,7 +21,7 @@ from typing import Any, Unpack
 
 import torch
 
-from agentkv.backend.contracts import ExtendResult, SessionHost
+from agentkv.backend.contracts import ContextLengthError, ExtendResult, SessionHost
 from agentkv.backend.decoding import Answer, answer_logprob, decode_answer
 from agentkv.backend.lifecycle_port import SessionServices
 from agentkv.backend.prefix import start_from_shared_prefix
@@ -214,11 +214,7 @@ class Session(SessionCore):
     def _check_positions(self, total: int) -> None:
         limit = self.runner.max_positions
         if limit is not None and total > limit:
-            msg = (
-                f"session {self.session_id!r}: the conversation would be {total} tokens long, more than the "
-                f"model's {limit} positions; shorten the history (summarise or drop old messages)"
-            )
-            raise ValueError(msg)
+            raise ContextLengthError(self.session_id, total, limit)
 
     def _reusable_prefix(self, span: Span) -> bool:
         """Whether a span's leading tokens can stay when its message is rewritten."""

@@ -10,6 +10,7 @@ The library underneath is llguidance (measured against xgrammar by
 """
 
 from agentkv.grammar.compiled import CompiledGrammar, compile_grammar
+from agentkv.grammar.finishing import AnswerTooLong
 from agentkv.grammar.grammars import (
     GrammarError,
     json_grammar,
@@ -22,6 +23,7 @@ from agentkv.grammar.processor import GrammarProcessor
 from agentkv.grammar.tokenizer import grammar_tokenizer
 
 __all__ = [
+    "AnswerTooLong",
     "CompiledGrammar",
     "GrammarError",
     "GrammarProcessor",

@@ -7,6 +7,12 @@ the shortest way out takes (closing the open strings, the fewest required keys
 with the smallest values, the closing brackets) by playing it out on a copy of the
 grammar state, and when the budget left is down to that, it restricts the model to
 those closing tokens. `CLOSING_WINDOW` bounds how early the estimate runs.
+
+Closing in time is not enough when one token can move the way out far away: with
+ten tokens left, opening one more array item of objects turns a seven-token way
+out into twenty. So in the same window each picked token is checked against the
+budget left (`GrammarProcessor.accept`), and a budget under the grammar's shortest
+answer is refused before decoding (`AnswerTooLong`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 
 CLOSING_WINDOW = 64
 """The estimate runs only in the last this many tokens of the budget."""
+REJECTIONS = 4
+"""Picked tokens refused at one position before only the closing tokens remain (which always fit)."""
 RECHECK_AFTER = 8
 """Tokens to wait before estimating again when closing tokens found no way out."""
 CLOSERS = frozenset('"}]')
@@ -25,15 +33,34 @@ STOP_RANK = 100.0
 """The rank of the end-of-turn tokens: the best way to finish is to be finished."""
 SEPARATORS = (",", ", ")
 """Tokens that end a value when a required key or item still has to follow (below the closers)."""
-_PREFERRED = ('""', "[]", "{}", "0")
-"""Whole tokens that end a value at once (an empty string, array or object, a zero)."""
+_PREFERRED = ('""', "[]", "{}", "0", ' ""', " []", " {}")
+"""Whole tokens that end a value at once (an empty string, array or object, a zero; after `": `
+the value's tokens may carry the space)."""
 
 QUOTE_BONUS = 20.0
 """How much a token opening with `"` gains inside a string (and a quarter of it lost elsewhere)."""
 
+
+class AnswerTooLong(ValueError):
+    """The grammar's shortest answer needs more than `max_new_tokens` (raised before decoding)."""
+
+    def __init__(self, needed: int, budget: int) -> None:
+        self.needed = needed
+        """Tokens the shortest answer found takes (its end of turn included)."""
+        self.budget = budget
+        msg = (
+            f"max_new_tokens={budget} cannot hold this grammar's shortest answer ({needed} tokens): "
+            f"raise max_new_tokens to at least {needed}, or make the schema smaller "
+            "(fewer required keys or minItems)"
+        )
+        super().__init__(msg)
+
+
 _RANKS: dict[int, tuple[Any, torch.Tensor]] = {}
 _QUOTES: dict[int, torch.Tensor] = {}
 """Per rank tensor (by id): 1.0 for closing tokens that open with `"`."""
+_LENGTHS: dict[int, torch.Tensor] = {}
+"""Per rank tensor (by id): each token's text length (the longest allowed token goes furthest)."""
 _LOCK = threading.Lock()
 
 
@@ -50,8 +77,10 @@ def closing_rank(tokenizer: Any, stop_ids: frozenset[int] | set[int]) -> torch.T
         size = len(tokenizer)
         rank = torch.zeros(size)
         quotes = torch.zeros(size)
+        lengths = torch.zeros(size)
         for i in range(size):
             text = tokenizer.decode([i])
+            lengths[i] = len(text)
             if text and set(text) <= CLOSERS:
                 rank[i] = 10.0 + len(text)
                 quotes[i] = float(text.startswith('"'))
@@ -64,6 +93,7 @@ def closing_rank(tokenizer: Any, stop_ids: frozenset[int] | set[int]) -> torch.T
                 rank[i] = STOP_RANK
         _RANKS[id(tokenizer)] = (tokenizer, rank)
         _QUOTES[id(rank)] = quotes
+        _LENGTHS[id(rank)] = lengths
         return rank
 
 
@@ -84,3 +114,9 @@ def closing_choice(allowed: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(allowed)
     out[int(torch.argmax(scores))] = True
     return out
+
+
+def token_lengths(rank: torch.Tensor) -> torch.Tensor:
+    """Each token's text length, `[V]` float, for the tokenizer `rank` was built for (`closing_rank`)."""
+    lengths = _LENGTHS.get(id(rank))
+    return lengths if lengths is not None else torch.ones_like(rank)

@@ -107,7 +107,11 @@ class BudgetKeeper(PlacementPeer):
                 table.counters.budget_unmet += 1
             self.satisfied = satisfied
         else:
-            self.satisfied = True
+            # Policy `full` keeps every token: the budget is reported, met only when usage is under it.
+            reported = limits.device_bytes
+            self.satisfied = reported is None or not limits.over(self.usage_bytes(), reported)
+            if not self.satisfied:
+                table.counters.budget_unmet += 1
         self._enforce_host_budget()
         tiers = self.port.store.bytes_by_tier()
         table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)

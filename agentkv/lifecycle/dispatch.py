@@ -1,9 +1,9 @@
 """Events to moves: each event's targets (`targets`) get the action the rules name (`rules`).
 
 Events are idempotent (LangGraph re-runs a node from the top on resume): an event
-seen before, one for an unknown owner, or one whose spans are already evicted is a
-logged no-op. Every move goes through the mover; a pin goes through the manager's
-`pin` (a confirmed span that was demoted comes back first).
+seen before, one for an unknown owner, one whose spans are already evicted, or a
+`Custom` event no rule names is a logged no-op. Every move goes through the mover;
+a pin goes through the manager's `pin` (a confirmed span that was demoted comes back first).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class EventDispatcher:
         key = self._event_key(event)
         if key in self.applied:
             return self._noop(event, "duplicate event")
+        if isinstance(event, Custom) and not self._rules_for(event):
+            return self._noop(event, self.rules.unknown_custom(event.event), warn=True)
         if isinstance(event, TurnEnded):
             result = self.end_turn(event)
         else:
@@ -73,9 +75,11 @@ class EventDispatcher:
         else:
             counters.events_noop += 1
 
-    def _noop(self, event: Event, reason: str, internal: bool = False) -> ApplyResult:
+    def _noop(self, event: Event, reason: str, internal: bool = False, *, warn: bool = False) -> ApplyResult:
+        """A logged no-op (`warn`: at warning level, for what is likely a mistake in the config)."""
         self._count(applied=False, internal=internal)
-        logger.info("session %s: %s ignored: %s", self.table.session_id, event.name, reason)
+        log = logger.warning if warn else logger.info
+        log("session %s: %s ignored: %s", self.table.session_id, event.name, reason)
         self.table.record("event", event=event.name, applied=False, reason=reason)
         return ApplyResult(event.name, applied=False, reason=reason)
 

@@ -34,17 +34,13 @@ class BudgetLimits:
 
     @staticmethod
     def resolve(budget: BudgetConfig, bytes_per_token: int) -> BudgetLimits:
-        """Bytes for every limit; a byte figure wins over a token figure for the same tier.
+        """Bytes for every limit; a tier given in tokens and in bytes gets the tighter of the two.
 
         `bytes_per_token`: one full-precision token's KV bytes, the unit of `device_tokens`
         and `host_tokens`.
         """
-        device = budget.device_bytes
-        if device is None and budget.device_tokens:
-            device = budget.device_tokens * bytes_per_token
-        host = budget.host_bytes
-        if host is None and budget.host_tokens:
-            host = budget.host_tokens * bytes_per_token
+        device = _tighter(budget.device_bytes, budget.device_tokens, bytes_per_token)
+        host = _tighter(budget.host_bytes, budget.host_tokens, bytes_per_token)
         return BudgetLimits(
             device_bytes=device,
             host_bytes=host,
@@ -87,3 +83,9 @@ class BudgetLimits:
     def describe(self, nbytes: int) -> str:
         """`nbytes` for a message: bytes and full-precision token equivalents."""
         return f"{nbytes} B (= {self.in_tokens(nbytes):.0f} full-precision tokens)"
+
+
+def _tighter(nbytes: int | None, tokens: int | None, bytes_per_token: int) -> int | None:
+    """The smaller of a byte limit and a token limit in bytes (None where neither is set)."""
+    limits = [nbytes, tokens * bytes_per_token if tokens else None]
+    return min((limit for limit in limits if limit is not None), default=None)

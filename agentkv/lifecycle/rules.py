@@ -15,6 +15,7 @@ validated once, by `agentkv.config.rule_problems` (the YAML validation and
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 
 from agentkv.config import rule_problems
@@ -104,3 +105,10 @@ class Rules:
     def actions(self, event_name: str) -> dict[str, str]:
         """Target → action for an event name (empty for an unknown custom event)."""
         return dict(self.table.get(event_name, {}))
+
+    def unknown_custom(self, event: str) -> str:
+        """Why a `Custom(event=...)` does nothing: no rule names it; the custom rules there are."""
+        names = sorted(name.removeprefix("custom:") for name in self.table if name.startswith("custom:"))
+        close = difflib.get_close_matches(event, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"no rule for custom event {event!r} (rules define: {', '.join(names) or 'none'}){hint}"

@@ -1,56 +1,36 @@
-"""The cheap attention signal: recompute the last W queries and score them against the cache.
+"""The cheap attention signal: the attention of the last W queries, read from the model's own call.
 
 With SDPA (or flash) attention the model never materialises attention weights, and
 asking for them (`output_attentions=True`) forces the slow eager path for the whole
 forward. Attention-based policies (SnapKV, TOVA, H2O, lifecycle) only need the
-attention of the *last few* queries, so `AttentionProbe` hooks every decoder
-layer's `self_attn`, recomputes those W queries from the layer's input
-(`q_proj` → optional `q_norm` → RoPE), reads the layer's cached keys after the
-cache update and computes `softmax(q·kᵀ · scaling)` for the window only — the same
-numbers eager attention would give for those rows (docs/design.md §5), at a cost of
-O(W·S) per layer instead of O(S²).
+attention of the *last few* queries, so `AttentionProbe` routes each layer's attention
+call through a recorder (`attention_call.routed`): the recorder gets the query and key
+the family itself computed — fused or split projections, q/k norms, full, partial,
+interleaved or no RoPE — with the kernel's scaling, softcap and mask, and computes
+`softmax` for the window rows only (`attention_weights.row_weights`), at a cost of
+O(W·S) per layer instead of O(S²). No family's q/k path is re-derived here.
 
-The probe is a context manager: hooks exist only inside the `with` block, so a
-session pays for it only when a policy needs attention (commit time, budget
-pressure), and `hook_count` returns to zero on exit, exceptions included.
+The probe is a context manager: the model is routed only inside the `with` block, so
+a session pays for it only when a policy needs attention (commit time, budget
+pressure), and on exit, exceptions included, every config has its kernel back and
+`hook_count` is zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from types import TracebackType
-from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from agentkv.policies.attention_call import AttentionCall, attention_modules, routed
+from agentkv.policies.attention_weights import row_weights
 from agentkv.policies.base import Policy
 
 __all__ = ["AttentionProbe", "attention_modules", "attention_window", "needs_accumulated_attention"]
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a decoder, in layer order.
-
-    Found generically (any module with a `q_proj` and an integer `layer_idx`) rather
-    than through `model.model.layers[i].self_attn`, so Llama, Mistral, Qwen, Gemma
-    and wrapped models (PEFT, multimodal text towers) all work without special cases.
-
-    Raises:
-        ValueError: The model has no such module.
-    """
-    found: list[Any] = [
-        m for m in model.modules() if hasattr(m, "q_proj") and isinstance(getattr(m, "layer_idx", None), int)
-    ]
-    if not found:
-        msg = (
-            f"{type(model).__name__} has no attention module with `q_proj` and an integer `layer_idx`; "
-            "AttentionProbe supports transformers decoder models (Llama, Mistral, Qwen, Gemma, ...)"
-        )
-        raise ValueError(msg)
-    return sorted(found, key=lambda m: int(m.layer_idx))
 
 
 def attention_window(policy: Policy | None, default: int = 32) -> int:
@@ -96,12 +76,10 @@ class AttentionProbe:
     are the conversation's last W tokens. A forward shorter than `window` (one
     decode step) contributes only its own tokens as queries.
 
-    Slots are *physical* cache slots: entry i is the i-th slot of the layer's cache
-    (shared prefix first, see `SharedPrefixLayer.full`). The W new tokens are the
-    last W slots; without an explicit 4D mask, window query j (slot S-W+j) attends
-    to slots ≤ S-W+j. A 4D mask passed to the model (`[B, 1, q, S]`, bool or
-    additive) is used instead when its shape matches, so logical masks
-    (rehydration, branches) are honoured.
+    Slots are the keys the layer's kernel received, in order: the layer's physical
+    cache slots (shared prefix first, see `SharedPrefixLayer.full`), the forward's own
+    tokens last. The mask is the kernel's (causal, windowed or logical), so what the
+    probe reports equals eager attention's weights for those rows.
     """
 
     def __init__(
@@ -125,7 +103,8 @@ class AttentionProbe:
         self.window = window
         self.keep_queries = keep_queries
         self.heavy = heavy
-        self._handles: list[RemovableHandle] = []
+        self._stack: ExitStack | None = None
+        self._routed = 0
         self._attention: dict[int, torch.Tensor] = {}
         self._heavy: dict[int, torch.Tensor] = {}
         self._queries: dict[int, torch.Tensor] = {}
@@ -133,33 +112,28 @@ class AttentionProbe:
     # -- attach / detach ----------------------------------------------------------------------
 
     def __enter__(self) -> AttentionProbe:
-        if self._handles:
+        if self._stack is not None:
             msg = "AttentionProbe is already attached; use one `with` block at a time"
             raise RuntimeError(msg)
         self._attention.clear()
         self._heavy.clear()
         self._queries.clear()
-        try:
-            for module in attention_modules(self.model):
-                self._handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
-        except BaseException:
-            self._detach()
-            raise
+        stack = ExitStack()
+        self._routed = len(stack.enter_context(routed(self.model, self._record)))
+        self._stack = stack
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._detach()
-
-    def _detach(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        stack, self._stack, self._routed = self._stack, None, 0
+        if stack is not None:
+            stack.close()
 
     @property
     def hook_count(self) -> int:
-        """Hooks currently registered by this probe (0 outside the `with` block)."""
-        return len(self._handles)
+        """Attention layers currently routed through this probe (0 outside the `with` block)."""
+        return self._routed
 
     # -- results ------------------------------------------------------------------------------
 
@@ -205,194 +179,42 @@ class AttentionProbe:
 
     @property
     def query_states(self) -> tuple[torch.Tensor, ...] | None:
-        """Per layer (in order), the RoPE'd window queries `[B, H_q, W, D]`; None unless `keep_queries`."""
+        """Per layer (in order), the window queries `[B, H_q, W, D]` the kernel got; None unless asked."""
         if not self.keep_queries or not self._queries:
             return None
         return tuple(self._queries[i] for i in sorted(self._queries))
 
-    # -- the hook -----------------------------------------------------------------------------
+    # -- the recorder -------------------------------------------------------------------------
 
-    def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, q, hidden]
-        position_embeddings = kwargs.get("position_embeddings")
-        if position_embeddings is None:
-            msg = (
-                f"{type(module).__name__} got no `position_embeddings` (cos, sin); "
-                "AttentionProbe needs a transformers model that computes RoPE outside the attention module"
-            )
-            raise RuntimeError(msg)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        layer_idx = int(module.layer_idx)
+    def _record(self, call: AttentionCall) -> None:
+        q_len = int(call.query.shape[-2])
+        w = min(self.window, q_len)
         with torch.no_grad():
-            w = min(self.window, int(hidden.shape[-2]))
-            q = _window_queries(module, hidden, position_embeddings, w)  # [B, H_q, W, D]
-            keys = _layer_keys(module, cache, hidden, position_embeddings)  # [B, H_kv, S, D]
-            probs = _window_probs(module, q, keys, kwargs.get("attention_mask"))  # [B, H_q, W, S]
-        self._attention[layer_idx] = probs.mean(dim=(0, 1, 2)).cpu()  # [S]
-        if self.keep_queries:
-            self._queries[layer_idx] = q.detach()
-        if self.heavy:
-            with torch.no_grad():
-                summed = _summed_probs(
-                    module, hidden, position_embeddings, keys, kwargs.get("attention_mask")
-                )
-            before = self._heavy.get(layer_idx)
-            if before is not None:
-                summed[: before.numel()] += before[: summed.numel()]
-            self._heavy[layer_idx] = summed
-
-
-def _head_dim(module: Any) -> int:
-    head_dim = getattr(module, "head_dim", None)
-    if isinstance(head_dim, int):
-        return head_dim
-    config = module.config
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE exactly as transformers' `apply_rotary_pos_emb` (half-split rotation); x: [B, H, T, D].
-
-    Written out rather than imported from `modeling_llama` so the probe does not tie
-    itself to one architecture's module; cos/sin `[B, T, D]` come from the model.
-    """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
-    return (x * cos) + (rotated * sin)
-
-
-def _project(
-    module: Any,
-    proj: nn.Module,
-    norm: nn.Module | None,
-    hidden: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """`proj` → heads → optional per-head norm → RoPE, exactly as the attention forward does."""
-    batch, t = hidden.shape[0], hidden.shape[-2]
-    x = proj(hidden).view(batch, t, -1, _head_dim(module))  # [B, T, H, D]
-    if norm is not None:
-        x = norm(x)  # Qwen3-style per-head RMSNorm, applied before the transpose
-    x = x.transpose(1, 2)  # [B, H, T, D]
-    cos, sin = position_embeddings
-    return _rope(x, cos[..., -t:, :], sin[..., -t:, :])
-
-
-def _window_queries(
-    module: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], w: int
-) -> torch.Tensor:
-    """Queries of the last w tokens of the forward's input, `[B, H_q, w, D]`."""
-    q_norm = getattr(module, "q_norm", None)
-    return _project(module, module.q_proj, q_norm, hidden[..., -w:, :], position_embeddings)
-
-
-def _layer_keys(
-    module: Any, cache: Any, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """The layer's keys after this forward's update, `[B, H_kv, S, D]`.
-
-    Prefers the cache (`.full()` of our `SharedPrefixLayer`, which includes a shared
-    prefix, else a plain layer's `.keys`); without a cache the keys are recomputed
-    from this forward's input, which is then all there is to attend to.
-    """
-    layers = getattr(cache, "layers", None)
-    if layers is not None and int(module.layer_idx) < len(layers):
-        layer = layers[int(module.layer_idx)]
-        full = getattr(layer, "full", None)
-        if callable(full):
-            held = full()
-            if held is not None:
-                return held[0]
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.numel():
-            return keys
-    return _project(module, module.k_proj, getattr(module, "k_norm", None), hidden, position_embeddings)
-
-
-def _summed_probs(
-    module: Any,
-    hidden: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    keys: torch.Tensor,
-    attention_mask: Any,
-) -> torch.Tensor:
-    """`[S]` float32 CPU: attention of every query of this forward, summed over queries, mean over heads.
-
-    Computed in blocks of `HEAVY_BLOCK` queries so a 1k-token chunk over a long cache
-    never materialises the whole `[H, T, S]` probability tensor.
-    """
-    t = int(hidden.shape[-2])
-    cos, sin = position_embeddings
-    total = torch.zeros(int(keys.shape[-2]), dtype=torch.float32)  # [S]
-    for begin in range(0, t, HEAVY_BLOCK):
-        stop = min(t, begin + HEAVY_BLOCK)
-        block_pe = (cos[..., begin:stop, :], sin[..., begin:stop, :])
-        q = _window_queries(module, hidden[..., begin:stop, :], block_pe, stop - begin)  # [B, H_q, b, D]
-        probs = _window_probs(module, q, keys, attention_mask, first=begin, forward_len=t)  # [B, H_q, b, S]
-        total += probs.sum(dim=2).mean(dim=(0, 1)).cpu()
-    return total
+            probs = row_weights(call, q_len - w, q_len)  # [B, H_q, W, S]
+            self._attention[call.layer] = probs.mean(dim=(0, 1, 2)).cpu()  # [S]
+            if self.keep_queries:
+                self._queries[call.layer] = call.query[:, :, q_len - w :].detach().clone()
+            if self.heavy:
+                summed = _summed_weights(call)
+                before = self._heavy.get(call.layer)
+                if before is not None:
+                    summed[: before.numel()] += before[: summed.numel()]
+                self._heavy[call.layer] = summed
 
 
 HEAVY_BLOCK = 256
 """Queries per block when `AttentionProbe(heavy=True)` sums every query's attention."""
 
 
-def _window_probs(
-    module: Any,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    attention_mask: Any,
-    *,
-    first: int | None = None,
-    forward_len: int | None = None,
-) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask) for the probed rows, float32 `[B, H_q, W, S]`.
+def _summed_weights(call: AttentionCall) -> torch.Tensor:
+    """`[S]` float32 CPU: attention of every query of the call, summed over queries, mean over heads.
 
-    The rows are queries `first .. first + W - 1` of a forward of `forward_len` new
-    tokens (default: the last W), so their cache slots are `S - forward_len + first + j`.
+    Computed in blocks of `HEAVY_BLOCK` queries so a 1k-token chunk over a long cache
+    never materialises the whole `[H, q, S]` probability tensor.
     """
-    w, s = q.shape[-2], keys.shape[-2]
-    groups = q.shape[1] // keys.shape[1]
-    # GQA: repeat_interleave maps query head h to key head h // groups, as transformers' repeat_kv.
-    k = keys.to(q.device).repeat_interleave(groups, dim=1).float()  # [B, H_q, S, D]
-    scaling = float(getattr(module, "scaling", _head_dim(module) ** -0.5))
-    logits = torch.matmul(q.float(), k.transpose(-1, -2)) * scaling  # [B, H_q, W, S]
-    t = w if forward_len is None else forward_len
-    start = t - w if first is None else first
-    logits = logits + _window_bias(attention_mask, w, s, logits.device, start=start, forward_len=t)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)  # a fully masked (padding) row attends to nothing
-
-
-def _window_bias(
-    attention_mask: Any,
-    w: int,
-    s: int,
-    device: torch.device,
-    *,
-    start: int | None = None,
-    forward_len: int | None = None,
-) -> torch.Tensor:
-    """Additive mask for the probed rows, broadcastable to `[B, H, W, S]`.
-
-    The rows are queries `start .. start + w - 1` of a forward of `forward_len` new
-    tokens (default: its last w). Uses the model's 4D mask when it is a tensor
-    covering exactly the S cached slots (bool: True = attend; float: additive),
-    otherwise plain causality (query j of the forward sits in slot S - forward_len + j).
-    """
-    t = w if forward_len is None else forward_len
-    start = t - w if start is None else start
-    usable = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-    if usable and attention_mask.shape[-1] == s:
-        q_rows = attention_mask.shape[-2]
-        first_row = q_rows - t + start  # the mask's rows are the forward's queries
-        rows = attention_mask[..., first_row : first_row + w, :].to(device)  # [B, 1, W, S]
-        if rows.dtype == torch.bool:
-            return torch.zeros(rows.shape, device=device).masked_fill(~rows, float("-inf"))
-        return rows.float()
-    slots = torch.arange(s, device=device)  # [S]
-    first_slot = s - t + start
-    query_slots = torch.arange(first_slot, first_slot + w, device=device)  # [W]
-    allowed = slots[None, :] <= query_slots[:, None]  # [W, S]
-    return torch.zeros(w, s, device=device).masked_fill(~allowed, float("-inf"))
+    q_len = int(call.query.shape[-2])
+    total = torch.zeros(int(call.key.shape[-2]), dtype=torch.float32)  # [S]
+    for begin in range(0, q_len, HEAVY_BLOCK):
+        probs = row_weights(call, begin, min(q_len, begin + HEAVY_BLOCK))  # [B, H_q, b, S]
+        total += probs.sum(dim=2).mean(dim=(0, 1)).cpu()
+    return total

@@ -106,6 +106,14 @@ class ToolFormat(ABC):
     def render_calls(self, calls: Sequence[tuple[str, Mapping[str, Any], str]]) -> str:
         """The text of `(name, args, id)` calls in an assistant message, as the model writes them."""
 
+    @property
+    def call_tail(self) -> str:
+        """What the format writes after a call's object closes (`</tool_call>`).
+
+        The grammar asks for it, but decoding stops when the object closes (`CallEnd`).
+        """
+        return ""
+
     def render_result(self, content: str) -> str:
         """A tool result as the text of a user turn."""
         return f"{self.result_prefix}{content}{self.result_suffix}"

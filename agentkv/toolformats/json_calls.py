@@ -73,6 +73,11 @@ class JsonCallFormat(ToolFormat):
     def trigger(self) -> str:  # type: ignore[override]
         return self.open or self.call_open
 
+    @property
+    @override
+    def call_tail(self) -> str:
+        return self.call_close + self.close
+
     # -- describing and rendering ---------------------------------------------------------------
 
     @override

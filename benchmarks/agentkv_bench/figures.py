@@ -168,7 +168,8 @@ def render(collected: Mapping[str, Mapping[str, Any]]) -> str:
             continue
         where = data.get("_provenance", {})
         command = where.get("command", source.command)
-        origin = f"`{command}` ({where.get('date', '?')}, {where.get('machine', '?')})"
+        when = f"{where.get('date', '?')}, commit {where.get('commit', '?')}"
+        origin = f"`{command}` ({when}, {where.get('machine', '?')})"
         for what, figure in source.rows(data):
             lines.append(f"| {what} | {figure} | {origin} |")
     lines += ["", END]
@@ -203,9 +204,18 @@ def _commit() -> str:
 
 
 def collect(
-    pairs: Sequence[str], figures_dir: Path = FIGURES_DIR, *, command: str | None = None
+    pairs: Sequence[str],
+    figures_dir: Path = FIGURES_DIR,
+    *,
+    command: str | None = None,
+    commit: str | None = None,
+    note: str | None = None,
 ) -> list[Path]:
-    """Copy `name=path` JSON files into `figures_dir`, stamped with where and when they were measured."""
+    """Copy `name=path` JSON files into `figures_dir`, stamped with where and when they were measured.
+
+    `commit` names the tree that ran the command (default: this checkout's HEAD); `note`
+    says what else shared the machine, when something did.
+    """
     names = {s.name: s for s in SOURCES}
     written = []
     for pair in pairs:
@@ -217,8 +227,8 @@ def collect(
         data["_provenance"] = {
             "command": command or names[name].command,
             "date": dt.date.today().isoformat(),
-            "commit": _commit(),
-            "machine": _machine(),
+            "commit": commit or _commit(),
+            "machine": _machine() + (f"; {note}" if note else ""),
         }
         figures_dir.mkdir(parents=True, exist_ok=True)
         target = figures_dir / f"{name}.json"
@@ -234,11 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gather = sub.add_parser("collect", help="copy bench JSON into docs/figures/ with its provenance")
     gather.add_argument("pairs", nargs="+", metavar="NAME=PATH")
     gather.add_argument("--command", help="the command line that produced it (default: the source's)")
+    gather.add_argument("--commit", help="the commit that ran it (default: this checkout's HEAD)")
+    gather.add_argument("--note", help="what else shared the machine while it ran")
     sub.add_parser("render", help="rewrite the README's figures block")
     sub.add_parser("check", help="exit 1 when the README's figures block differs from the rendering")
     args = parser.parse_args(argv)
     if args.action == "collect":
-        for path in collect(args.pairs, command=args.command):
+        for path in collect(args.pairs, command=args.command, commit=args.commit, note=args.note):
             print(f"wrote {path.relative_to(ROOT)}")
         return 0
     text = README.read_text(encoding="utf-8")

@@ -3,8 +3,8 @@
 `ChatAgentKV()` and `with_kv_lifecycle(graph)` must meet in one session table (the
 chat model creates the spans, the handler's events name them), so without an
 explicit `backend=` both take `shared_backend(config)`: one `TransformersBackend`
-per (model, device, dtype), loaded on first use. Everything that accepts agentkv
-settings accepts the same three forms (`resolve_config`): an `AgentKVConfig`, a
+per (model, device, dtype, attn_implementation), loaded on first use. Everything
+that accepts agentkv settings accepts the same three forms (`resolve_config`): an `AgentKVConfig`, a
 mapping shaped like the YAML section, or the path of a graph YAML whose `agentkv:`
 section is read.
 """
@@ -30,10 +30,10 @@ __all__ = [
 ConfigLike = AgentKVConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 """What `config=` accepts everywhere: a config, a YAML-shaped mapping, a graph YAML path, or None."""
 
-BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "sessions", "callbacks")
+BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "attn_implementation", "sessions", "callbacks")
 """Config keys that belong to a backend (which model, where) or to the callback handler, not to a session."""
 
-_backends: dict[tuple[str | None, str | None, str | None], TransformersBackend] = {}
+_backends: dict[tuple[str | None, str | None, str | None, str | None], TransformersBackend] = {}
 _backends_lock = threading.Lock()
 
 
@@ -135,10 +135,15 @@ def shared_backend(config: ConfigLike = None, *, model: str | None = None) -> Tr
         model: A model id / path, overriding `config.model`.
     """
     resolved = resolve_config(config, model=model) or AgentKVConfig()
-    key = (resolved.model, resolved.device, resolved.dtype)
+    key = (resolved.model, resolved.device, resolved.dtype, resolved.attn_implementation)
     with _backends_lock:
         backend = _backends.get(key)
         if backend is None:
-            loaded, tokenizer = load_model(resolved.model, device=resolved.device, dtype=resolved.dtype)
+            loaded, tokenizer = load_model(
+                resolved.model,
+                device=resolved.device,
+                dtype=resolved.dtype,
+                attn_implementation=resolved.attn_implementation,
+            )
             backend = _backends[key] = TransformersBackend(loaded, tokenizer, resolved)
         return backend

@@ -1,8 +1,9 @@
 """What one `ChatAgentKV` call carries and the small helpers around it.
 
 `CallPlan` (what a call hands the session) and `CallAnswer` (one finished answer),
-the call's metadata, run and message ids, the model's display name, and the
-per-tokenizer `ToolCallBan`. Nothing here holds a session or a model.
+the call's metadata, run and message ids, the model's display name, the
+per-tokenizer `ToolCallBan`, and the way out a too-long thread is told
+(`langchain_way_out`). Nothing here holds a session or a model.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from langchain_core.messages.tool import invalid_tool_call
 from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
-from agentkv import AnySession, Backend, Session, SessionStats
+from agentkv import AnySession, Backend, ContextLengthError, Session, SessionStats
 from agentkv.templates import ChatFormat
 from agentkv_langchain.sessions import current_metadata
 from agentkv_langchain.tools import (
@@ -250,3 +252,21 @@ def unparseable(args: str | None) -> str:
     except (ValueError, TypeError):
         return raw
     return json.dumps(raw) if isinstance(repaired, dict) else raw
+
+
+CONTEXT_WAY_OUT = (
+    "keep the thread's history under it: LangChain's SummarizationMiddleware (create_agent(..., "
+    'middleware=[SummarizationMiddleware(model, trigger=("tokens", N))])) replaces old turns with a '
+    "summary, or trim_messages(messages, max_tokens=N, token_counter=llm) drops them; the session "
+    "keeps the unchanged start and encodes only what changed"
+)
+"""What `ContextLengthError` tells a LangChain user to do (N: under the model's positions)."""
+
+
+@contextmanager
+def langchain_way_out() -> Iterator[None]:
+    """Re-raise a session's `ContextLengthError` naming LangChain's way out (`CONTEXT_WAY_OUT`)."""
+    try:
+        yield
+    except ContextLengthError as e:
+        raise ContextLengthError(e.session_id, e.total, e.limit, CONTEXT_WAY_OUT) from e

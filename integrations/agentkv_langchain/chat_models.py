@@ -60,6 +60,7 @@ from agentkv_langchain.calls import (
     call_metadata,
     call_usage,
     close_iterator,
+    langchain_way_out,
     loaded_model_name,
     read_answer,
     run_id_of,
@@ -133,8 +134,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """A fixed session for every call; None = per call, from the run metadata's `thread_id`."""
     tool_use: Literal["auto", "call_then_answer"] = "auto"
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
-    forces a call (to the tool the model prefers) on a turn's first step and a text answer
-    after a tool result, so a small model cannot loop on calls (`create_agent` ends)."""
+    forces a call on a user turn and a text answer after a tool result; a call the thread already
+    holds the result of is answered from it instead (`planning.call_then_answer_choice`)."""
     tool_format: str | None = None
     """Tool-call format (docs/tool-formats.md); None: the backend's. Set, it becomes the backend's."""
     grammar: bool = True
@@ -178,16 +179,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     @model_validator(mode="after")
     def _own_session_settings(self) -> Self:
-        """`config=` on the shared backend (defaults: its first caller's) applies to this model's sessions."""
+        """`config=` on the shared backend applies to this model's sessions; `tool_format=`, backend-wide."""
         if self.config is not None:
             wanted = resolve_config(self.config, model=self.model)
             self._session_config = session_settings(wanted, self.backend.config)
-        return self
-
-    @model_validator(mode="after")
-    def _named_tool_format(self) -> Self:
         if self.tool_format is not None and self.tool_format != self.backend.chat_format.tool_format.name:
-            self.backend.chat_format.use_tool_format(self.tool_format)  # it renders history: backend-wide
+            self.backend.chat_format.use_tool_format(self.tool_format)
         return self
 
     @model_validator(mode="after")
@@ -517,11 +514,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
             before = session.stats()
-            # One forward per call: the new messages are encoded with the generation prompt
-            # (scoring tool names first encodes whatever is pending).
-            extended = session.extend(plan.messages, prefill=False)
-            prefix = plan.prefix
-            local = isinstance(session, Session)
+            # One forward per call: the new messages are encoded with the generation prompt.
+            with langchain_way_out():
+                extended = session.extend(plan.messages, prefill=False)
+            prefix, local = plan.prefix, isinstance(session, Session)
             if plan.choice == ANY_TOOL and plan.grammar is None:  # unconstrained "any": names scored
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
@@ -534,8 +530,9 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             call_end = CallEnd(prefix, fmt) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
+                limit, closes = plan.sampling["max_new_tokens"], call_end is not None
                 options["logits_processor"] = grammar_processor(
-                    self.backend, plan.grammar, prefix, plan.sampling["max_new_tokens"]
+                    self.backend, plan.grammar, prefix, limit, ends_at_call_close=closes
                 )
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
@@ -561,6 +558,11 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             session.bind_message(read.as_message(message_id))
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
+        if self._answered_already(
+            messages, kwargs, read.tool_calls
+        ):  # answer from the result the thread holds
+            yield from self._answer(messages, stop, metadata, message_id, {**kwargs, "tool_choice": "none"})
+            return
         limit = plan.sampling["max_new_tokens"]
         finish = "tool_calls" if read.tool_calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(

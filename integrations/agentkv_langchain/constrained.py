@@ -47,16 +47,23 @@ def check_tool_schemas(tools: Sequence[Mapping[str, Any]], where: str = "bind_to
         check_schema(parameters, f"{where}: tools[{i}] ({function.get('name')!r}).parameters")
 
 
-def grammar_processor(backend: Backend, lark: str, prefix: str, budget: int | None) -> GrammarProcessor:
+def grammar_processor(
+    backend: Backend, lark: str, prefix: str, budget: int | None, *, ends_at_call_close: bool = False
+) -> GrammarProcessor:
     """A processor for one answer under `lark` (compiled once), advanced through the prefilled `prefix`.
 
     `budget` (the answer's `max_new_tokens`) makes it close the answer before the budget cuts it.
+    `ends_at_call_close`: decoding stops when the call's JSON closes (`CallEnd`), so the
+    budget need not hold what the format writes after it (`call_tail`) and the end of turn.
     """
     fmt = backend.chat_format
     stops = fmt.stop_token_ids()
     compiled = compile_grammar(backend.tokenizer, stops, lark, where="answer grammar")
     prefix_ids = fmt.encode(prefix) if prefix else []
-    return GrammarProcessor(compiled, prefix_ids, budget=budget, tokenizer=backend.tokenizer, stop_ids=stops)
+    tail = fmt.encode(fmt.tool_format.call_tail) if ends_at_call_close else []
+    return GrammarProcessor(
+        compiled, prefix_ids, budget=budget, tokenizer=backend.tokenizer, stop_ids=stops, tail_ids=tail
+    )
 
 
 def structured_output(

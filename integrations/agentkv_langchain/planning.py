@@ -7,10 +7,11 @@ the session is touched.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 
 from agentkv import AnySession, Backend, Session
 from agentkv.grammar import json_grammar, text_grammar
@@ -27,7 +28,7 @@ from agentkv_langchain.tools import (
 )
 from agentkv_langchain.toolset import thread_tools
 
-__all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning"]
+__all__ = ["IGNORED_KWARGS", "SAMPLING_KWARGS", "CallPlanning", "call_then_answer_choice", "repeated_calls"]
 
 SAMPLING_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")
 IGNORED_KWARGS = ("strict",)
@@ -102,9 +103,7 @@ class CallPlanning:
             raise ValueError(msg)
         chat = to_chat_dicts(messages)
         if tools and choice is None and self.tool_use == "call_then_answer" and chat:
-            last = chat[-1]["role"]
-            choice = resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
-            choice = "none" if last == "tool" else choice
+            choice = call_then_answer_choice(chat, tools)
         chat_format = self.backend.chat_format
         fmt = chat_format.tool_format
         block = tools
@@ -144,6 +143,13 @@ class CallPlanning:
             parallel=parallel,
         )
 
+    def _answered_already(
+        self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any], calls: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """Whether `tool_use="call_then_answer"` forced `calls` that the thread already holds results of."""
+        forced_here = self.tool_use == "call_then_answer" and "tool_choice" not in kwargs
+        return forced_here and repeated_calls(messages, calls)
+
     def _with_tools(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Describe the tools: through the chat template when it can, else in the system prompt.
 
@@ -164,6 +170,36 @@ class CallPlanning:
             own = chat[0]["content"]
             chat[0] = {**chat[0], "content": f"{own}\n\n{prompt}" if own else prompt}
         return chat
+
+
+def call_then_answer_choice(chat: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]]) -> str | None:
+    """`tool_use="call_then_answer"`'s tool choice for a call whose conversation is `chat`.
+
+    A user message gets a call ("any": to the tool the model picks), a tool result a
+    text answer ("none"). A forced call that repeats one the thread already holds the
+    result of is answered from that result instead (`repeated_calls`).
+    """
+    last = chat[-1]["role"]
+    if last == "tool":
+        return "none"
+    return resolve_tool_choice("any", tool_names(tools)) if last == "user" else None
+
+
+def repeated_calls(messages: Sequence[BaseMessage], calls: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every one of `calls` (name and arguments) was already made in `messages` and answered.
+
+    Booking the same room again or fetching the same log again for a follow-up question:
+    the thread already holds that call's result, so the answer should come from it.
+    """
+    answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
+    made = {
+        (c["name"], json.dumps(c["args"], sort_keys=True))
+        for m in messages
+        if isinstance(m, AIMessage)
+        for c in m.tool_calls
+        if c.get("id") in answered
+    }
+    return bool(calls) and all((c["name"], json.dumps(c["args"], sort_keys=True)) in made for c in calls)
 
 
 def response_schema(response_format: Any) -> dict[str, Any] | None:

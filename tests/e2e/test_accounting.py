@@ -63,7 +63,7 @@ def tool_graph(llm: ChatAgentKV) -> Any:
 )
 def test_input_tokens_are_cache_read_plus_new_tokens(long_tiny_model, tiny_tokenizer, config):
     backend = TransformersBackend(long_tiny_model, tiny_tokenizer, config)
-    llm = ChatAgentKV(backend=backend, max_new_tokens=6)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=16)
     graph = with_kv_lifecycle(tool_graph(llm), backend=backend)
     run = {"configurable": {"thread_id": "acct"}}
     for turn in range(3):

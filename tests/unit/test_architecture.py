@@ -255,6 +255,7 @@ MANAGER_READERS: dict[str, str] = {
     "tests/unit/test_exact_recall.py": "the port's page recompute is the subject (and is made to fail)",
     "tests/unit/test_recompute_score.py": "a span marked recallable as budget pressure would leave it",
     "tests/unit/test_recall_floor.py": "a span marked recallable as budget pressure would leave it",
+    "tests/unit/window_models.py": "recallable as budget pressure leaves it; the eager recompute of a window",
     "tests/unit/test_recall_words.py": "the port's background distribution is the subject",
     "tests/unit/test_faults.py": "the mover's eager recompute of an evicted span, which only recall reaches",
     "tests/unit/test_properties.py": "every mover move is recorded; evicted spans recomputed eagerly",

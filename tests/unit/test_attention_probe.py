@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
 
 from agentkv.policies import (
     AttentionProbe,
@@ -20,6 +21,7 @@ from agentkv.policies import (
     attention_modules,
     attention_window,
 )
+from agentkv.policies.attention_call import PROBE_PREFIX, registered_names
 from agentkv.store.cache import ManagedCache
 
 WINDOW = 8
@@ -77,6 +79,15 @@ def ids() -> torch.Tensor:
     return torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(7))
 
 
+def _assert_restored(model: PreTrainedModel, kernel: str = "sdpa") -> None:
+    """The model runs its own kernel again and transformers holds no probe registration."""
+    assert model.config._attn_implementation == kernel
+    assert all(m.config._attn_implementation == kernel for m in attention_modules(model))
+    assert registered_names() == []
+    assert not [name for name in AttentionInterface._global_mapping if name.startswith(PROBE_PREFIX)]
+    assert not [name for name in AttentionMaskInterface._global_mapping if name.startswith(PROBE_PREFIX)]
+
+
 # -- hooks ---------------------------------------------------------------------------------------
 
 
@@ -88,7 +99,7 @@ def test_hook_count_returns_to_zero(tiny_model: PreTrainedModel, ids: torch.Tens
         with torch.no_grad():
             tiny_model(input_ids=ids)
     assert probe.hook_count == 0
-    assert all(not m._forward_hooks for m in attention_modules(tiny_model))
+    _assert_restored(tiny_model)
 
 
 def test_hook_count_returns_to_zero_after_exception(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
@@ -98,7 +109,7 @@ def test_hook_count_returns_to_zero_after_exception(tiny_model: PreTrainedModel,
             tiny_model(input_ids=ids)
         raise RuntimeError("boom")
     assert probe.hook_count == 0
-    assert all(not m._forward_hooks for m in attention_modules(tiny_model))
+    _assert_restored(tiny_model)
     # The probe can be used again afterwards.
     with probe, torch.no_grad():
         tiny_model(input_ids=ids)
@@ -121,7 +132,7 @@ def test_invalid_window_and_empty_results(tiny_model: PreTrainedModel) -> None:
         pass
     with pytest.raises(RuntimeError, match="no forward"):
         probe.attention()
-    with pytest.raises(ValueError, match="q_proj"):
+    with pytest.raises(ValueError, match="no attention module"):
         AttentionProbe(torch.nn.Linear(2, 2), WINDOW).__enter__()
 
 
@@ -251,3 +262,25 @@ def test_attention_window_reads_policies() -> None:
     assert attention_window(ProtectRecentPolicy(TOVAPolicy(), recent_tokens=4)) == 1
     composed = WeightedSumPolicy(((TOVAPolicy(), 1.0), (SnapKVPolicy(window=24), 1.0), (H2OPolicy(), 0.5)))
     assert attention_window(composed) == 24
+
+
+def test_a_second_probe_on_the_same_model_is_refused(tiny_model: PreTrainedModel, ids: torch.Tensor) -> None:
+    with AttentionProbe(tiny_model, WINDOW), pytest.raises(RuntimeError, match="already routed"):
+        AttentionProbe(tiny_model, WINDOW).__enter__()
+    _assert_restored(tiny_model)
+
+
+def test_eager_models_get_eager_back_and_other_models_are_untouched(
+    tiny_model: PreTrainedModel, ids: torch.Tensor
+) -> None:
+    """Routing is per model: another model runs its own kernel, unprobed, while one is routed."""
+    eager = _eager_copy(tiny_model)
+    with torch.no_grad():
+        before = tiny_model(input_ids=ids).logits
+        with AttentionProbe(eager, WINDOW) as probe:
+            during = tiny_model(input_ids=ids).logits
+            assert tiny_model.config._attn_implementation == "sdpa"
+        assert not probe.layer_attention  # the other model's forward was not recorded
+    assert torch.equal(before, during)
+    _assert_restored(eager, "eager")
+    _assert_restored(tiny_model)

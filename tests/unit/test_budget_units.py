@@ -9,6 +9,7 @@ warning prints both.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.config import BudgetConfig
 from agentkv.lifecycle.limits import BudgetLimits
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "graph.yaml"
 
 
 def notes(n: int) -> list[dict[str, Any]]:
@@ -35,9 +38,26 @@ def test_limits_resolve_tokens_as_full_precision_bytes_and_hold_the_watermarks()
     assert not limits.over(10**9, None)
     assert limits.in_tokens(25_000) == 25.0
     assert "25 full-precision tokens" in limits.describe(25_000)
-    # A byte figure wins over a token figure for the same tier.
+    # A tier given in tokens and in bytes gets the tighter of the two, device and host alike.
     both = BudgetLimits.resolve(BudgetConfig(device_tokens=100, device_bytes=1234), bytes_per_token=1000)
     assert both.device_bytes == 1234
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_tokens_and_bytes_together_give_the_tighter_limit(tier: str) -> None:
+    """examples/graph.yaml's pair: 1,024 tokens next to 64MiB (1,456 tokens of the default model)."""
+    per_token = 46_080  # SmolLM2-135M at fp32: 30 layers x K and V x 3 heads x 64 x 4 bytes
+    tokens_first = BudgetConfig.model_validate({f"{tier}_tokens": 1024, f"{tier}_bytes": "64MiB"})
+    bytes_first = BudgetConfig.model_validate({f"{tier}_tokens": 4096, f"{tier}_bytes": "64MiB"})
+    assert getattr(BudgetLimits.resolve(tokens_first, per_token), f"{tier}_bytes") == 1024 * per_token
+    assert getattr(BudgetLimits.resolve(bytes_first, per_token), f"{tier}_bytes") == 64 * 2**20
+
+
+def test_the_example_yaml_budget_is_its_token_figure(tiny_model, tiny_tokenizer) -> None:
+    config = AgentKVConfig.from_yaml(EXAMPLE)
+    assert config.budget.device_tokens == 1024 and config.budget.device_bytes is not None
+    session = TransformersBackend(tiny_model, tiny_tokenizer, config).session("yaml")
+    assert session.limits.device_bytes == 1024 * session.backend.bytes_per_token
 
 
 def test_global_excess_lowers_the_growing_sessions_limit() -> None:

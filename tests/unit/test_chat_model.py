@@ -31,7 +31,8 @@ from agentkv_langchain.tools import (
     resolve_tool_choice,
 )
 
-NEW_TOKENS = 10
+NEW_TOKENS = 16
+"""Enough for the shortest forced call of these tools on the tiny tokenizer (a shorter budget is refused)."""
 HISTORY = [
     SystemMessage("You are a helpful assistant.", id="sys"),
     HumanMessage("The secret code is 4417. What is the weather in Paris?", id="h1"),

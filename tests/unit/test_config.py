@@ -265,7 +265,8 @@ def test_unknown_span_kind() -> None:
 def test_unknown_keys_list_allowed_keys() -> None:
     message = error_of({"polcy": "h2o"})
     assert message.startswith(
-        "agentkv.polcy: unknown key (did you mean 'policy'?); allowed: model, device, dtype, budget"
+        "agentkv.polcy: unknown key (did you mean 'policy'?); "
+        "allowed: model, device, dtype, attn_implementation, budget"
     )
     message = error_of({"budget": {"limit": 5}})
     assert message.startswith("agentkv.budget.limit: unknown key; allowed: device_tokens, device_bytes")

@@ -16,7 +16,14 @@ from rich.console import Console
 from agentkv.cli import build_parser, main
 from agentkv.config import AgentKVConfig
 from agentkv.demo import DEFAULT_BUDGET_TOKENS, RecallAnswer, demo_config, first_word
-from agentkv.inspection import load_snapshot, plot_span_strip, print_inspection, span_strip_figure, span_table
+from agentkv.inspection import (
+    load_snapshot,
+    message_text,
+    plot_span_strip,
+    print_inspection,
+    span_strip_figure,
+    span_table,
+)
 from agentkv_bench.cli import build_parser as bench_parser
 
 
@@ -285,6 +292,28 @@ def test_span_table_keeps_every_fixed_column_whole_at_80_columns() -> None:
         assert value in text
     assert "attended-q" in text  # the attended quantized tier, by its short name
     assert all(len(line) <= 80 for line in lines)
+
+
+@pytest.mark.parametrize(
+    "preview",
+    [
+        "<|im_start|>user\nWhat is the weather in Paris?<|im_end|>",
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is the weather in Paris?<|eot_id|>",
+        "<start_of_turn>user\nWhat is the weather in Paris?<end_of_turn>",
+    ],
+    ids=["chatml", "llama3", "gemma"],
+)
+def test_the_preview_at_80_columns_shows_the_message_not_the_template(preview: str) -> None:
+    snapshot = _snapshot()
+    for span in snapshot["spans"]:
+        span["preview"] = preview
+    assert message_text(preview) == "What is the weather in Paris?"
+    with io.StringIO() as out:
+        Console(file=out, width=80, color_system=None).print(span_table(snapshot))
+        text = out.getvalue()
+    rows = [line for line in text.splitlines() if re.match(r"^\s*\d+ ", line)]
+    assert len(rows) == 3 and all(re.search(r" What\b", row) for row in rows), text
+    assert "<|" not in text and "im_s" not in text and "‹" not in text
 
 
 def test_span_strip_legend_does_not_overlap_the_axis_label() -> None:

@@ -203,8 +203,8 @@ def under_grammar_with(monkeypatch: pytest.MonkeyPatch, push: Any) -> None:
     """Make the model prefer `push`'s text, then apply the grammar's mask (the grammar has the last word)."""
     real = chat_models_module.grammar_processor
 
-    def wrapped(*args: Any) -> Any:
-        processor = real(*args)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        processor = real(*args, **kwargs)
         return lambda produced, logits: processor(produced, push(produced, logits))
 
     monkeypatch.setattr(chat_models_module, "grammar_processor", wrapped)
@@ -214,7 +214,7 @@ def test_any_lets_the_model_pick_the_tool_under_the_grammar(backend, monkeypatch
     tools = [tool("search"), tool("weather"), tool("lookup")]
     under_grammar_with(monkeypatch, boost(backend.tokenizer, "lookup"))
     result = (
-        ChatAgentKV(backend=backend, max_new_tokens=30).bind_tools(tools, tool_choice="any").invoke(HISTORY)
+        ChatAgentKV(backend=backend, max_new_tokens=64).bind_tools(tools, tool_choice="any").invoke(HISTORY)
     )
     assert [c["name"] for c in result.tool_calls] == ["lookup"]  # not the first listed: the model's pick
 
@@ -244,7 +244,7 @@ def test_auto_call_is_constrained_once_started(backend, monkeypatch):
 
 
 def test_constrained_answer_kv_is_reused_next_turn(backend):
-    llm = ChatAgentKV(backend=backend, session_id="reuse", max_new_tokens=30)
+    llm = ChatAgentKV(backend=backend, session_id="reuse", max_new_tokens=64)
     call = llm.bind_tools([tool("weather")], tool_choice="weather").invoke(HISTORY)
     assert call.tool_calls
     session = backend.get("reuse")

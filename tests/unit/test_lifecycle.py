@@ -132,6 +132,22 @@ def test_unknown_targets_are_logged_noops(tiny_model, tiny_tokenizer, caplog):
     assert "ignored" in caplog.text
 
 
+def test_a_custom_event_no_rule_names_is_a_logged_noop(tiny_model, tiny_tokenizer, caplog):
+    """A typo in a custom event's name changes nothing and says so, like an unknown owner."""
+    session = make(tiny_model, tiny_tokenizer, rules={"custom:drop": {"owner": "evict"}}).session("t")
+    session.extend(TOOL_TURN)
+    before = [(s.span_id, s.state, s.tier) for s in session.spans]
+    with caplog.at_level(logging.WARNING, logger="agentkv"):
+        result = session.apply(Custom(event="dorp", owner="call_1"))
+    assert not result.applied and not result.transitions
+    assert "no rule for custom event 'dorp'" in result.reason and "did you mean 'drop'" in result.reason
+    assert "dorp" in caplog.text and "ignored" in caplog.text
+    stats = session.stats()
+    assert stats.events_applied == 0 and stats.events_noop == 1
+    assert [(s.span_id, s.state, s.tier) for s in session.spans] == before
+    assert session.apply(Custom(event="drop", owner="call_1")).applied  # the named one still applies
+
+
 def test_event_after_eviction_is_a_noop(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer, rules={"custom:drop": {"owner": "evict"}}).session("t")
     session.extend(TOOL_TURN)

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, AnyMessage, HumanMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
-from agentkv import AgentKVConfig, TransformersBackend
+from agentkv import AgentKVConfig, TransformersBackend, UnknownSessionError
 from agentkv.backend.retention import SessionUse, sessions_to_end
 from agentkv.config import SessionsConfig
 from agentkv_langchain import ChatAgentKV
@@ -122,6 +122,32 @@ def test_ended_thread_re_encodes_its_history_and_answers_as_if_never_ended(
     assert again[0].usage_metadata["input_token_details"]["cache_read"] == 0  # nothing was cached any more
     assert meta["prefill_tokens"] == again[0].usage_metadata["input_tokens"]
     assert again[1].usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_closing_a_thread_the_bounds_ended_is_a_logged_noop(tiny_model, tiny_tokenizer, caplog) -> None:
+    """An app's logout hook closes its thread whether or not the idle bound got there first."""
+    config = AgentKVConfig.from_dict({"policy": "full", "sessions": {"idle_seconds": 60, "max_live": 2}})
+    clock = FakeClock()
+    backend = TransformersBackend(tiny_model, tiny_tokenizer, config, clock=clock)
+    graph = graph_over(backend)
+    ask(graph, "idle", "hello")
+    clock.now += 61
+    ask(graph, "other", "hi")
+    for i in range(3):  # and one pushed out by max_live
+        clock.now += 1
+        ask(graph, f"t{i}", "hi")
+    assert "idle" not in backend and "other" not in backend and backend.ended_sessions == 3
+    with caplog.at_level(logging.INFO, logger="agentkv"):
+        backend.close("idle")
+        backend.close("other")
+    assert "close('idle') ignored: the session already ended" in caplog.text
+    backend.close("t2")
+    backend.close("t2")  # closing twice is the same no-op
+    with pytest.raises(UnknownSessionError, match="never-opened"):
+        backend.close("never-opened")  # a thread id that was never open is still an error
+    ask(graph, "idle", "back again")  # the thread comes back: a live session, closed for real
+    backend.close("idle")
+    assert "idle" not in backend
 
 
 def test_idle_bound_spares_a_thread_in_use(tiny_model, tiny_tokenizer) -> None:

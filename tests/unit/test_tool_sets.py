@@ -71,7 +71,7 @@ def run(
     tiny_model: Any, tiny_tokenizer: Any, order: list[str], turns: int = 2, **shape: Any
 ) -> tuple[TransformersBackend, list[AIMessage]]:
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
-    llm = ChatAgentKV(backend=backend, max_new_tokens=6)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=16)
     graph = with_kv_lifecycle(build(llm, order, **shape), backend=backend)
     config = {"configurable": {"thread_id": "t"}}
     for turn in range(turns):
@@ -148,7 +148,7 @@ def test_the_same_question_again_with_other_tools_starts_over(tiny_model, tiny_t
     # the same question with another: the second call does not continue the first (its answer is
     # missing), so it starts over with the new tools in the system prompt, not a note after it.
     backend = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig(policy="full"))
-    llm = ChatAgentKV(backend=backend, max_new_tokens=6)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=16)
     question = [HumanMessage("Tell me a joke about cats.")]
     llm.bind_tools([get_weather], tool_choice="get_weather").invoke(question)
     second = llm.bind_tools([get_code], tool_choice="get_code").invoke(question)

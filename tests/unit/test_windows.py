@@ -1,0 +1,140 @@
+"""Sliding-window and hybrid layers: every move keeps each layer's window as a plain forward has it.
+
+transformers sizes a sliding window by physical slots; agentkv's cache holds tokens
+out of logical order after an archive + restore, an evict + rehydrate or a recall.
+Each case here encodes a conversation several windows long on a tiny windowed model,
+moves a long tool result, and compares the logits of the next tokens with a plain
+forward over the same ids (nothing evicted: they must agree to fp32 tolerance).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.backend import calibration
+from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
+from agentkv.config_sections import QuantizationConfig
+from tests.unit.window_models import (
+    FULL_CASES,
+    HISTORY,
+    MOVES,
+    VARIANTS,
+    WINDOW,
+    WINDOWED_CASES,
+    archive_restore,
+    build_case,
+    case_params,
+    logit_delta,
+    open_session,
+    plain_logits,
+)
+
+TOL = 1e-5
+
+
+def assert_plain(session: Any, model: torch.nn.Module, what: str) -> None:
+    """The next tokens' logits over the session's cache equal a plain forward over its ids."""
+    delta = logit_delta(session, model)
+    assert delta <= TOL, f"{what}: logits off by {delta}"
+    session.check()
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+@pytest.mark.parametrize("case", case_params(WINDOWED_CASES + FULL_CASES))
+def test_a_moved_span_keeps_every_layers_window(case: str, move: str, tiny_tokenizer: Any) -> None:
+    model = build_case(case)
+    session = open_session(model, tiny_tokenizer)
+    assert_plain(session, model, f"{case}: nothing moved")
+    MOVES[move](session)  # the moved span now sits after later messages in the physical cache
+    assert_plain(session, model, f"{case} after {move}")
+
+
+@pytest.mark.parametrize("case", case_params(WINDOWED_CASES))
+def test_greedy_decode_after_a_restore_equals_a_plain_greedy_loop(case: str, tiny_tokenizer: Any) -> None:
+    model = build_case(case)
+    session = open_session(model, tiny_tokenizer)
+    archive_restore(session)
+    chat = session.backend.chat_format
+    prompt = session.token_ids() + chat.generation_prompt_ids(session.messages)
+    session.generate(max_new_tokens=6)
+    produced = session.spans[-1].token_ids[len(chat.generation_prompt_ids(session.messages[:-1])) :]
+    stop_ids = chat.stop_token_ids()
+    expected: list[int] = []
+    for _ in range(6):
+        token = int(plain_logits(model, prompt + expected)[-1].argmax())
+        if token in stop_ids:
+            break
+        expected.append(token)
+    assert produced[: len(expected)] == expected
+
+
+@pytest.mark.parametrize("case", case_params(list(VARIANTS)))
+def test_windowed_variants_meet_a_budget_over_turns(case: str, tiny_tokenizer: Any) -> None:
+    """The default policy under a 64-token budget on the variants the family matrix lacks."""
+    model = build_case(case)
+    session = TransformersBackend(
+        model, tiny_tokenizer, AgentKVConfig.from_dict({"budget": {"device_tokens": 64}})
+    ).session("t")
+    messages: list[dict[str, Any]] = [HISTORY[0]]
+    for words in (
+        "The secret code is 4417. Remember the package tracking number ZX-99.",
+        "search results: lorem ipsum dolor sit amet, consectetur adipiscing elit",
+        "the user asked about the weather in Paris and the tool returned sunny skies",
+        "And the code?",
+    ):
+        messages.append({"role": "user", "content": words})
+        session.extend(messages)
+        messages.append({"role": "assistant", "content": session.generate(max_new_tokens=4)})
+        session.check()  # bytes charged = bytes held, per tier
+        assert session.stats().budget_satisfied, session.stats()
+    assert session.stats().tokens_by_state["archived"] or session.stats().quantized_bytes
+
+
+def test_the_layout_is_read_from_the_config() -> None:
+    mistral = AttentionLayout.of(build_case("mistral").config)
+    assert mistral.layer_types == (SLIDING,) * 4 and mistral.sliding_window == WINDOW
+    gemma3 = AttentionLayout.of(build_case("gemma3").config)
+    assert gemma3.types == (FULL, SLIDING) and gemma3.layers_of(FULL) == [3]
+    llama = AttentionLayout.of(build_case("llama").config)
+    assert not llama.windowed and llama.types == (FULL,)
+
+
+def test_the_window_counts_logical_positions_not_slots() -> None:
+    layout = AttentionLayout((SLIDING, FULL), 3)
+    keys = torch.tensor([0, 1, 2, 7, 8, 3, 4, 9])  # a span (3, 4) restored after later tokens
+    queries = torch.tensor([9])
+    masks = logical_masks(layout, keys, queries, implementation="sdpa", dtype=torch.float32)
+    assert isinstance(masks, dict)
+    assert masks[FULL][0, 0, 0].tolist() == [True] * 8
+    assert masks[SLIDING][0, 0, 0].tolist() == [False, False, False, True, True, False, False, True]
+    eager = logical_masks(layout, keys, queries, implementation="eager", dtype=torch.float32)
+    assert isinstance(eager, dict)
+    assert torch.equal(eager[SLIDING][0, 0] == 0, allowed_keys(keys, queries, 3))
+    with pytest.raises(ValueError, match="flash_attention_2.*cannot take a logical 4D mask"):
+        logical_masks(layout, keys, queries, implementation="flash_attention_2", dtype=torch.float32)
+
+
+def test_an_unknown_layer_type_is_refused() -> None:
+    config = copy.deepcopy(build_case("gemma3").config)
+    config.layer_types = ["chunked_attention"] * 4
+    with pytest.raises(ValueError, match="chunked_attention.*allowed"):
+        AttentionLayout.of(config)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral", "llama"])
+def test_calibration_runs_on_agentkvs_cache_with_each_layers_window(
+    case: str, tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Quantization read back as the identity: every rung but the drop costs exactly nothing
+    # when each rung's forward sees the same cache and masks as the reference's.
+    monkeypatch.setattr(calibration, "round_trip_keys", lambda k, bits, group: k)
+    monkeypatch.setattr(calibration, "round_trip_values", lambda v, bits, group: v)
+    costs = calibration.measure_rung_costs(build_case(case), tiny_tokenizer, QuantizationConfig())
+    assert costs.kl["dropped"] > 0
+    for rung in ("keys8", "attended_q", "archive8", "archive4"):
+        assert abs(costs.kl[rung]) <= 1e-6, f"{case}: {rung} costs {costs.kl[rung]} with lossless codes"
