@@ -120,7 +120,7 @@ def test_a_tool_agent_runs_on_the_family_template_and_reuses_the_cache(family: F
     fmt = backend.chat_format
     assert fmt.tool_format.name == family.tool_format
     assert (fmt.reasoning is not None) == family.reasoning
-    llm = ChatAgentKV(backend=backend, max_new_tokens=48)
+    llm = ChatAgentKV(backend=backend, max_new_tokens=96)
     calls: list[AIMessage] = []
     original = ChatAgentKV._generate
 
@@ -185,3 +185,16 @@ def test_the_template_splits_a_conversation_into_its_messages(family: Family) ->
     assert prompt == fmt.history_text(history) + fmt.generation_prompt(history)
     # The end of an assistant turn is found whatever the template does to content (`trim`).
     assert fmt.assistant_suffix() and fmt.assistant_suffix() in fmt.history_text(history[:5])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="agentkv/grammar/processor.py: under a 48-token budget the finishing search masks every token "
+    "for Mistral's call grammar (CALL_ID regex after the arguments) and token 0 is picked (RuntimeError), "
+    "instead of closing the call or refusing the budget (AnswerTooLong)",
+)
+def test_a_tight_budget_closes_a_mistral_call() -> None:
+    backend = family_backend(next(f for f in FAMILIES if f.name == "mistral-nemo"))
+    llm = ChatAgentKV(backend=backend, max_new_tokens=48).bind_tools([get_weather], tool_choice="get_weather")
+    answer = llm.invoke([HumanMessage("Weather in Paris?")])
+    assert answer.tool_calls
