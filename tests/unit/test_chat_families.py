@@ -60,6 +60,7 @@ def family_backend(family: Family) -> TransformersBackend:
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0,
         eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=8192,
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval().to(torch.float32)
