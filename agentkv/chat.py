@@ -1,15 +1,9 @@
-"""Chat messages in, token ids per message out.
-
-The session needs the token ids of each message separately (one span each), so
-it renders the conversation incrementally with the tokenizer's chat template:
-message i's text is `render(messages[:i+1])` minus `render(messages[:i])`. That is
-exact for templates whose rendering of a prefix is a prefix of the rendering (all
-ChatML / Llama-style templates); a template that rewrites earlier text when a
-message is added is detected and reported.
+"""Chat messages, normalised: what a session matches, fingerprints and renders.
 
 Messages may be plain dicts (`{"role", "content", "tool_calls", "tool_call_id",
-"id"}`), `(role, content)` tuples, or LangChain message objects (duck-typed:
-the core never imports LangChain).
+"id", "reasoning_content"}`), `(role, content)` tuples, or LangChain message objects
+(duck-typed: the core never imports LangChain). Rendering them with a chat template
+is `agentkv.templates.ChatFormat`.
 """
 
 from __future__ import annotations
@@ -41,7 +35,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""ChatML, used (with a warning) when a tokenizer has no chat template of its own."""
+"""ChatML, used (with a warning, and the tokenizer's `bos` in front when it has one) when a tokenizer has
+no chat template of its own (see `agentkv.templates.ChatFormat`)."""
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -55,10 +50,6 @@ class ToolCall:
     name: str
     args: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
-    def as_json(self) -> str:
-        """The call as the `<tool_call>` protocol writes it."""
-        return json.dumps({"name": self.name, "arguments": dict(self.args)}, sort_keys=True, default=str)
-
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -70,6 +61,8 @@ class ChatMessage:
     tool_call_id: str | None = None
     message_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
+    """An assistant message's reasoning (`reasoning_content`), rendered where the template keeps it."""
     tools_json: str | None = None
     """Tool schemas (a JSON list) for a chat template with tool support. The first message
     carries them, so a changed tool list changes its fingerprint and re-encodes from there."""
@@ -94,28 +87,13 @@ class ChatMessage:
     def fingerprint(self) -> str:
         """Identity used to match an incoming message with a cached one (ids excluded on purpose)."""
         return message_fingerprint(
-            self.role, self.content, self.tool_calls, self.tool_call_id, tools_json=self.tools_json
+            self.role,
+            self.content,
+            self.tool_calls,
+            self.tool_call_id,
+            tools_json=self.tools_json,
+            reasoning=self.reasoning,
         )
-
-    def template_dict(self, *, tools_in_template: bool) -> dict[str, Any]:
-        """The dict handed to the chat template."""
-        content = self.content
-        if self.tool_calls and not tools_in_template:
-            calls = "\n".join(
-                f"{TOOL_CALL_OPEN}{call.as_json()}{TOOL_CALL_CLOSE}" for call in self.tool_calls
-            )
-            content = f"{content}\n{calls}" if content else calls
-        out: dict[str, Any] = {"role": self.role, "content": content}
-        if self.tool_calls and tools_in_template:
-            out["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": dict(c.args)}}
-                for c in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
 
 
 def message_fingerprint(
@@ -125,16 +103,19 @@ def message_fingerprint(
     tool_call_id: str | None = None,
     *,
     tools_json: str | None = None,
+    reasoning: str | None = None,
 ) -> str:
-    """Hash of role, content, tool calls and tool_call_id (and the tool schemas a message carries)."""
+    """Hash of role, content, tool calls and tool_call_id (and a message's tool schemas or reasoning)."""
     fields: list[Any] = [role, content, [[c.id, c.name, dict(c.args)] for c in tool_calls], tool_call_id]
     if tools_json is not None:  # appended only when present: other messages keep their hashes
         fields.append(tools_json)
+    if reasoning:
+        fields.append({"reasoning": reasoning})
     payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha1(payload.encode("utf-8")).hexdigest()
 
 
-def _check_unicode(text: str, where: str) -> str:
+def check_unicode(text: str, where: str) -> str:
     """Return `text` if the tokenizer can encode it, else raise a `ValueError` naming `where`.
 
     A lone surrogate (from bytes decoded with `errors="surrogateescape"`, or half an
@@ -155,7 +136,7 @@ def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _check_unicode(content, f"{where}.content")
+        return check_unicode(content, f"{where}.content")
     if isinstance(content, Sequence) and not isinstance(content, bytes | bytearray):
         parts: list[str] = []
         for block in content:
@@ -167,7 +148,7 @@ def _content_text(content: Any, where: str) -> str:
                 kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
                 msg = f"{where}.content: only text content is supported, got a {kind!r} block"
                 raise ValueError(msg)
-        return _check_unicode("".join(parts), f"{where}.content")
+        return check_unicode("".join(parts), f"{where}.content")
     msg = f"{where}.content: expected a string or a list of text blocks, got {type(content).__name__}"
     raise TypeError(msg)
 
@@ -201,7 +182,7 @@ def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
         if not isinstance(name, str) or not name:
             msg = f"{where}.tool_calls[{j}].name: expected a non-empty string, got {name!r}"
             raise ValueError(msg)
-        _check_unicode(name, f"{where}.tool_calls[{j}].name")
+        check_unicode(name, f"{where}.tool_calls[{j}].name")
         args = args or {}
         if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
             msg = f"{where}.tool_calls[{j}] arguments: expected a mapping with string keys, got {args!r:.60}"
@@ -258,6 +239,7 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
         logger.debug("%s: tool message without tool_call_id; events cannot name it", where)
     message_id = get("id")
     tools = get("tools") if isinstance(message, Mapping) else None
+    reasoning = _reasoning(message) if role == "assistant" else None
     return ChatMessage(
         role=role,
         content=_content_text(get("content"), where),
@@ -266,7 +248,18 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
         message_id=str(message_id) if message_id else None,
         name=get("name") if isinstance(get("name"), str) else None,
         tools_json=_tools_json(tools, where) if tools else None,
+        reasoning=reasoning,
     )
+
+
+def _reasoning(message: Any) -> str | None:
+    """An assistant message's reasoning (a dict's or `additional_kwargs`' `reasoning_content`)."""
+    if isinstance(message, Mapping):
+        value = message.get("reasoning_content")
+    else:
+        extra = getattr(message, "additional_kwargs", None) or {}
+        value = extra.get("reasoning_content") if isinstance(extra, Mapping) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _tools_json(tools: Any, where: str) -> str:
@@ -322,111 +315,3 @@ def warn_unmatched_tool_results(messages: Sequence[ChatMessage]) -> list[int]:
                 known,
             )
     return unmatched
-
-
-class ChatFormat:
-    """Renders messages with a tokenizer's chat template, message by message."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None)
-        if not template:
-            logger.warning(
-                "tokenizer has no chat template; using the built-in ChatML fallback "
-                "(<|im_start|>role\\ncontent<|im_end|>). Pass a tokenizer with a template for best results."
-            )
-            template = FALLBACK_CHAT_TEMPLATE
-        self.template: str = template if isinstance(template, str) else str(template)
-        self.uses_fallback = not getattr(tokenizer, "chat_template", None)
-        self.tools_in_template = "tool_calls" in self.template
-        self._suffix_ids: list[int] | None = None
-        self._prompt_ids: list[int] | None = None
-        self._stop_ids: frozenset[int] | None = None
-
-    # -- rendering --------------------------------------------------------------------------
-
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = False) -> str:
-        """The template's text for a conversation."""
-        if not messages:
-            return ""
-        dicts = [m.template_dict(tools_in_template=self.tools_in_template) for m in messages]
-        tools_json = next((m.tools_json for m in messages if m.tools_json), None)
-        extra: dict[str, Any] = {"tools": json.loads(tools_json)} if tools_json else {}
-        text = self.tokenizer.apply_chat_template(
-            dicts,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **extra,
-        )
-        return str(text)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a piece of template text (special tokens written in it are parsed)."""
-        if not text:
-            return []
-        _check_unicode(text, "text to encode")
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def message_texts(self, messages: Sequence[ChatMessage], start: int) -> list[str]:
-        """Text of each message from index `start` on (each the difference of two renders)."""
-        texts: list[str] = []
-        previous = self.render(messages[:start])
-        for i in range(start, len(messages)):
-            current = self.render(messages[: i + 1])
-            if not current.startswith(previous):
-                msg = (
-                    f"the chat template rewrites earlier text when message {i} is added, so messages cannot "
-                    "be cached one by one; use a template whose rendering is append-only"
-                )
-                raise ValueError(msg)
-            texts.append(current[len(previous) :])
-            previous = current
-        return texts
-
-    def message_ids(self, messages: Sequence[ChatMessage], start: int = 0) -> list[list[int]]:
-        """Token ids of each message from index `start` on."""
-        return [self.encode(text) for text in self.message_texts(messages, start)]
-
-    def generation_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Ids the template adds to ask for an assistant answer (e.g. `<|im_start|>assistant` + newline)."""
-        plain = self.render(messages)
-        prompted = self.render(messages, add_generation_prompt=True)
-        if not prompted.startswith(plain):
-            msg = "the chat template's generation prompt rewrites earlier text"
-            raise ValueError(msg)
-        return self.encode(prompted[len(plain) :])
-
-    def assistant_suffix_ids(self) -> list[int]:
-        """Ids the template writes after an assistant message's content (e.g. `<|im_end|>` + newline)."""
-        if self._suffix_ids is None:
-            marker = "\x1fAGENTKV\x1f"
-            probe = [ChatMessage("user", "u"), ChatMessage("assistant", marker)]
-            text = self.render(probe)
-            self._suffix_ids = self.encode(text[text.index(marker) + len(marker) :])
-        return self._suffix_ids
-
-    def stop_token_ids(self) -> set[int]:
-        """Token ids that end an assistant turn: EOS and the template's end-of-turn token.
-
-        Computed once: `get_vocab()` builds a dict of the whole vocabulary (~135 ms for
-        a 49k vocabulary on a loaded CPU), which was paid before every answer's first token.
-        """
-        if self._stop_ids is None:
-            self._stop_ids = frozenset(self._find_stop_token_ids())
-        return set(self._stop_ids)
-
-    def _find_stop_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        suffix = self.assistant_suffix_ids()
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        if suffix and suffix[0] in special:
-            ids.add(suffix[0])
-        vocab = self.tokenizer.get_vocab()
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-            if token in vocab:
-                ids.add(vocab[token])
-        return ids

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from agentkv.config_chat import ChatConfig
 from agentkv.config_engine import EngineConfig
 from agentkv.config_sections import (
     ALLOWED_POLICIES,
@@ -61,6 +62,7 @@ __all__ = [
     "AgentKVConfig",
     "BudgetConfig",
     "CallbacksConfig",
+    "ChatConfig",
     "CommitConfig",
     "ForgetConfig",
     "PolicyConfig",
@@ -108,6 +110,8 @@ class AgentKVConfig(Section):
     """The forgetting side thread (SideQuest-style), off by default."""
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     """Sessions that start alike share their leading system messages' KV (on by default)."""
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    """How the chat template is read: tool-call format, template switches (backend-wide)."""
 
     @field_validator("rules")
     @classmethod

@@ -100,6 +100,12 @@ class Span:
     leases: set[int] = field(default_factory=set)
     n_computed: int = 0
     """How many of `token_ids` have had their KV computed (the tail may still be pending)."""
+    text: str | None = None
+    """The chat template's text these tokens stand for (a message's rendering; for an answer, its
+    generation prompt, text and end of turn). A later call keeps the span only while the template
+    still renders its message so (`ChatFormat.split`); None: not a message."""
+    produced_text: bool = False
+    """`text` is what the model produced; the template has not rendered the message yet."""
 
     @property
     def length(self) -> int:

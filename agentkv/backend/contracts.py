@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentkv.backend.runner import ModelRunner
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.store.prefix_cache import PrefixCache
+from agentkv.templates import ChatFormat
 
 
 class ContextLengthError(ValueError):

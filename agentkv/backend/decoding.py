@@ -49,10 +49,13 @@ def decode_answer(
     tokenizer: Any,
     stop_ids: Container[int],
     answer: Answer,
+    hidden: Container[int] | None = None,
 ) -> Iterator[str]:
     """Yield the answer's text in pieces, calling `step(token)` for the next logits `[V]`.
 
     Ends at a stop token (not kept), a stop string (cut off), or `max_new_tokens`.
+    Special tokens are left out of the text, except those not in `hidden` when it is
+    given (a tool-call format's `[TOOL_CALLS]`, a reasoning tag: the parser reads them).
     The last produced token is not fed back (nothing needs its logits); the
     caller encodes it with the end-of-turn ids.
     """
@@ -67,7 +70,10 @@ def decode_answer(
         if token in stop_ids:
             break
         answer.tokens.append(token)
-        text = tokenizer.decode(answer.tokens, skip_special_tokens=True)
+        if hidden is None:
+            text = tokenizer.decode(answer.tokens, skip_special_tokens=True)
+        else:
+            text = tokenizer.decode([t for t in answer.tokens if t not in hidden], skip_special_tokens=False)
         cut = matcher.find(text)
         if cut is not None:
             text = text[:cut]

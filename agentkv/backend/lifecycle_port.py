@@ -14,7 +14,6 @@ import torch
 
 from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.runner import Feed, ModelRunner
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.budget import BudgetLimits
 from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
@@ -22,6 +21,7 @@ from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
 from agentkv.spans import Span, Tier
 from agentkv.store.kvstore import KVStore
+from agentkv.templates import ChatFormat
 
 
 class ServedSession(Protocol):

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span, Tier
+from agentkv.templates import ChatFormat
 
 if TYPE_CHECKING:
     from agentkv.store.protocol import KVStoreProtocol

@@ -17,13 +17,14 @@ from typing import Any, Protocol, Self, Unpack, runtime_checkable
 
 from agentkv.backend.contracts import ExtendResult
 from agentkv.backend.sampling import AnswerOptions
-from agentkv.chat import ChatFormat, ChatMessage
+from agentkv.chat import ChatMessage
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.lifecycle.table import SpanTable
 from agentkv.metrics import Counters, SessionStats
 from agentkv.spans import Lease, Span
+from agentkv.templates import ChatFormat
 
 __all__ = ["AgentBackend", "AgentSession"]
 

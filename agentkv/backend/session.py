@@ -122,13 +122,13 @@ class Session(SessionCore):
         for event in events:  # before anything changes; the manager trusts them
             validate_event(event)
         with self.lock:
-            incoming, message_spans, k = self._match(messages)
+            incoming, message_spans, k, texts = self._match(messages)
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
             # A cache read: attended, computed tokens (not a pending tail, not a released span).
             reused = sum(_attended(s) for s in message_spans[:k])
-            new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
+            new_ids = [self.format.encode(text) for text in texts]
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
             total = kept_end + sum(len(ids) for ids in new_ids)
             self._check_positions(total)
@@ -160,6 +160,7 @@ class Session(SessionCore):
                     span = self._new_span(message.kind, ids)
                     self._describe_message(span, message, index)
                     self.manager.on_span_created(span)
+                span.text, span.produced_text = texts[offset], False
                 self.messages.append(message)
                 new_spans.append(span.span_id)
             if self.ended:
@@ -358,7 +359,13 @@ class Session(SessionCore):
 
             try:
                 yield from decode_answer(
-                    logits, step, params, self.backend.tokenizer, self.format.stop_token_ids(), answer
+                    logits,
+                    step,
+                    params,
+                    self.backend.tokenizer,
+                    self.format.stop_token_ids(),
+                    answer,
+                    self.format.hidden_special_ids,
                 )
             finally:
                 # The last produced token was not fed back: it is encoded with the end of turn.

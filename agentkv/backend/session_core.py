@@ -13,13 +13,14 @@ from typing import Any, Self
 
 from agentkv.backend.contracts import BackendHost, SessionClosedError
 from agentkv.backend.readout import SessionReadout
-from agentkv.chat import ChatFormat, ChatMessage, message_fingerprint, normalize_messages
+from agentkv.chat import ChatMessage, message_fingerprint, normalize_messages
 from agentkv.config import AgentKVConfig
 from agentkv.events import Event, validate_event
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.results import ApplyResult
 from agentkv.policies import Policy, SpanView
 from agentkv.spans import Lease, Span, SpanKind
+from agentkv.templates import Cached, ChatFormat
 
 __all__ = ["SessionCore"]
 
@@ -69,10 +70,13 @@ class SessionCore(SessionReadout):
             )
             raise SessionClosedError(msg)
 
-    def _match(self, messages: Sequence[Any]) -> tuple[list[ChatMessage], list[Span], int]:
-        """`messages` normalised, the table's message spans, and how many leading messages it holds.
+    def _match(self, messages: Sequence[Any]) -> tuple[list[ChatMessage], list[Span], int, list[str]]:
+        """`(messages normalised, message spans, how many leading messages are held, texts after those)`.
 
-        Messages are matched by fingerprint. Call with the lock held.
+        Messages are matched by fingerprint, then by text: a matched message whose rendering
+        changed (a template that drops older reasoning, or renders a turn differently once
+        another follows) is not held any more, and neither is anything after it, so the
+        cache always holds exactly what the template renders. Call with the lock held.
 
         Raises:
             SessionClosedError: the session is closed.
@@ -87,7 +91,14 @@ class SessionCore(SessionReadout):
             and incoming[k].fingerprint() in message_spans[k].fingerprints
         ):
             k += 1
-        return incoming, message_spans, k
+        split = self.format.split(
+            incoming, [Cached(span.text, span.produced_text) for span in message_spans[:k]]
+        )
+        for index, text in split.learned.items():
+            message_spans[index].text = text  # the template's text from now on
+        for span in message_spans[: split.kept]:
+            span.produced_text = False
+        return incoming, message_spans, split.kept, split.texts
 
     def _count_turn(self, message: ChatMessage) -> None:
         """A user message opens a turn: the manager hears of it, then the table's turn moves on."""
@@ -110,9 +121,12 @@ class SessionCore(SessionReadout):
         if not self.messages:
             msg = f"session {self.session_id!r}: nothing to answer; call extend(messages) first"
             raise ValueError(msg)
-        prompt_ids = self.format.generation_prompt_ids(self.messages) + self.format.encode(prefix)
+        prompt = self.format.generation_prompt(self.messages) + prefix
+        prompt_ids = self.format.encode(prompt)
         self._check_answer(len(prompt_ids), max_new_tokens)
-        span = self._new_span(SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id)
+        span = self._new_span(
+            SpanKind.ASSISTANT, prompt_ids, generated=True, owner=message_id, text=prompt, produced_text=True
+        )
         span.message_index = len(self.messages)
         self.manager.on_span_created(span)
         return span, len(prompt_ids)
@@ -136,6 +150,7 @@ class SessionCore(SessionReadout):
         next call with the rest of the prompt); False leaves them pending for the local model.
         """
         span.token_ids.extend(self.format.assistant_suffix_ids())
+        span.text = (span.text or "") + text + self.format.assistant_suffix()
         if computed:
             span.n_computed = span.length
         message = ChatMessage("assistant", prefix + text, message_id=span.owner)

@@ -21,11 +21,11 @@ from agentkv.backend.prefix import build_prefix_cache
 from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.rungs import Rung
 from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
+from agentkv.templates import ChatFormat
 
 logger = logging.getLogger("agentkv.backend")
 
@@ -56,7 +56,11 @@ class TransformersBackend(SessionRegistry[Session]):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or AgentKVConfig()
-        self.chat_format = ChatFormat(tokenizer)
+        self.chat_format = ChatFormat(
+            tokenizer,
+            tool_format=self.config.chat.tool_format,
+            template_kwargs=self.config.chat.template_kwargs,
+        )
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
         self.prefix_cache: PrefixCache | None = build_prefix_cache(
             self.config.prefix_cache, self.runner.bytes_per_token

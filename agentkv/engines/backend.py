@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.backend.registry import SessionRegistry
-from agentkv.chat import ChatFormat
 from agentkv.config import AgentKVConfig
 from agentkv.config_engine import EngineConfig
 from agentkv.engines.admission import AdmissionGate
@@ -38,6 +37,7 @@ from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
 from agentkv.session_ids import branch_session_id
+from agentkv.templates import ChatFormat
 
 logger = logging.getLogger("agentkv.engines")
 
@@ -85,7 +85,11 @@ class EngineBackend(SessionRegistry[EngineSession]):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
-        self.chat_format = ChatFormat(tokenizer)
+        self.chat_format = ChatFormat(
+            tokenizer,
+            tool_format=self.config.chat.tool_format,
+            template_kwargs=self.config.chat.template_kwargs,
+        )
         self.bytes_per_token = bytes_per_token
         self.max_positions = max_positions
         """Positions the served model supports (None = not declared)."""

@@ -152,14 +152,14 @@ class EngineSession(SessionCore):
         for event in events:  # before anything changes; the manager trusts them
             validate_event(event)
         with self.lock:
-            incoming, message_spans, k = self._match(messages)
+            incoming, message_spans, k, texts = self._match(messages)
             reused = sum(s.length for s in message_spans[:k])
             cropped = self._crop(message_spans[k]) if k < len(message_spans) else 0
-            new_ids = self.format.message_ids(incoming, k) if k < len(incoming) else []
+            new_ids = [self.format.encode(text) for text in texts]
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
                 self._count_turn(message)
-                span = self._new_span(message.kind, ids)
+                span = self._new_span(message.kind, ids, text=texts[offset])
                 span.n_computed = len(ids)  # held by the prompt; the engine computes or reuses it
                 self._describe_message(span, message, k + offset)
                 self.manager.on_span_created(span)

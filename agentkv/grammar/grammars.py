@@ -86,15 +86,38 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _text_terminal(name: str, bans: Sequence[str]) -> str:
+def lark_literal(text: str, specials: Mapping[str, int]) -> str:
+    """Lark that matches `text`, with each special token in it as a token reference `<[id]>`.
+
+    The grammar library matches a special token only by its id, never by its spelling;
+    `specials` maps the tokenizer's special tokens (their text) to their ids.
+    """
+    parts: list[str] = []
+    rest = text
+    while rest:
+        found = [(rest.find(token), token) for token in specials if token and token in rest]
+        if not found:
+            parts.append(_literal(rest))
+            break
+        at, token = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+        if at:
+            parts.append(_literal(rest[:at]))
+        parts.append(f"<[{specials[token]}]>")
+        rest = rest[at + len(token) :]
+    return " ".join(parts) if parts else '""'
+
+
+def text_terminal(name: str, bans: Sequence[str]) -> str:
     """A Lark terminal for any text that contains none of `bans`."""
-    alternatives = "|".join(_regex_escape(b) for b in bans)
+    alternatives = "|".join(regex_escape(b) for b in bans)
     return f"{name}: /(?s:.*)/ & ~/(?s:.*({alternatives}).*)/"
 
 
-def _regex_escape(text: str) -> str:
+def regex_escape(text: str) -> str:
+    """`text` as a literal inside a Lark `/regex/` (newlines and tabs written as escapes)."""
     special = set("\\.^$|?*+()[]{}/")
-    return "".join(f"\\{c}" if c in special else c for c in text)
+    escaped = "".join(f"\\{c}" if c in special else c for c in text)
+    return escaped.replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _call_rules(tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
@@ -130,7 +153,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, parallel: bool = Fa
 
 def text_grammar() -> str:
     """Text that cannot start a call in any syntax in `PSEUDO_CALLS`."""
-    return f"start: TEXT\n{_text_terminal('TEXT', PSEUDO_CALLS)}\n"
+    return f"start: TEXT\n{text_terminal('TEXT', PSEUDO_CALLS)}\n"
 
 
 def text_or_call_grammar(tools: Sequence[Mapping[str, Any]], *, parallel: bool = False) -> str:
@@ -141,15 +164,15 @@ def text_or_call_grammar(tools: Sequence[Mapping[str, Any]], *, parallel: bool =
     """
     body, rules = _call_rules(tools)
     more = f" ({_literal(CALL_SEPARATOR)} call)*" if parallel else ""
-    bans = "|".join(_regex_escape(b) for b in PSEUDO_CALLS if not TOOL_CALL_OPEN.startswith(b))
-    prelude = f"prelude[lazy]: /(?s:.*){_regex_escape(TOOL_CALL_OPEN)}/ & ~/(?s:.*({bans}).*)/"
+    bans = "|".join(regex_escape(b) for b in PSEUDO_CALLS if not TOOL_CALL_OPEN.startswith(b))
+    prelude = f"prelude[lazy]: /(?s:.*){regex_escape(TOOL_CALL_OPEN)}/ & ~/(?s:.*({bans}).*)/"
     lines = [
         f"start: TEXT | prelude body{more}",
         prelude,
         f"call: {_literal(TOOL_CALL_OPEN)} body",
         body,
         *rules,
-        _text_terminal("TEXT", PSEUDO_CALLS),
+        text_terminal("TEXT", PSEUDO_CALLS),
     ]
     return "\n".join(lines) + "\n"
 

@@ -25,12 +25,22 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
 from agentkv import AnySession, Backend, ContextLengthError, Session, SessionStats
+from agentkv.templates import ChatFormat
 from agentkv_langchain.sessions import current_metadata
-from agentkv_langchain.tools import ToolCallBan, ToolCallStreamFilter, parse_tool_calls, tool_names
+from agentkv_langchain.tools import (
+    ToolCallBan,
+    ToolCallStreamFilter,
+    banned_opening,
+    parse_tool_calls,
+    split_answer,
+    tool_names,
+)
 from agentkv_langchain.toolset import outside
 
 __all__ = [
     "CallAnswer",
+    "ReadAnswer",
+    "answer_filter",
     "CallPlan",
     "answer_message_id",
     "call_metadata",
@@ -56,6 +66,13 @@ class CallAnswer:
     usage: UsageMetadata
     response_metadata: dict[str, Any]
     generation_info: dict[str, Any]
+    reasoning: str | None = None
+    """The answer's reasoning block (`additional_kwargs["reasoning_content"]`), never content or calls."""
+
+    @property
+    def additional_kwargs(self) -> dict[str, Any]:
+        """The message's `additional_kwargs`: its reasoning, when it has one."""
+        return {"reasoning_content": self.reasoning} if self.reasoning else {}
 
 
 @dataclass
@@ -137,19 +154,55 @@ def call_usage(session: AnySession, before: SessionStats, after: SessionStats) -
     return prompt.usage(before.encoded_tokens)
 
 
-def read_answer(
-    text: str, tools: Sequence[Mapping[str, Any]], visible: ToolCallStreamFilter | None
-) -> tuple[str, list[ToolCall], list[InvalidToolCall], str]:
-    """`(content, tool_calls, invalid_tool_calls, rest)` of an answer's whole text.
+def answer_filter(chat_format: ChatFormat, tools: Sequence[Mapping[str, Any]]) -> ToolCallStreamFilter | None:
+    """What decides which streamed text is content: held back at calls (tools bound) and reasoning."""
+    if not tools and chat_format.reasoning is None:
+        return None
+    return ToolCallStreamFilter(chat_format.tool_format if tools else None, chat_format.reasoning)
 
-    Without tools bound (`visible` is None) the text is the content. With tools, calls to a
-    tool that is listed in the prompt but not bound to this call become invalid calls that
-    say so; `rest` is the content the stream filter has not shown yet.
+
+@dataclass
+class ReadAnswer:
+    """An answer's whole text, read: its content, calls and reasoning."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    rest: str
+    """The part of `content` a stream had not shown yet."""
+    reasoning: str | None
+
+    def as_message(self, message_id: str) -> dict[str, Any]:
+        """The assistant message the caller gets back, as the session binds it to the answer."""
+        return {
+            "role": "assistant",
+            "content": self.content,
+            "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in self.tool_calls],
+            "id": message_id,
+            **({"reasoning_content": self.reasoning} if self.reasoning else {}),
+        }
+
+
+def read_answer(
+    text: str,
+    tools: Sequence[Mapping[str, Any]],
+    visible: ToolCallStreamFilter | None,
+    chat_format: ChatFormat | None = None,
+) -> ReadAnswer:
+    """An answer's whole text as content, calls, the part a stream has not shown, and reasoning.
+
+    A reasoning block (`<think>…</think>` in a family that thinks) is split off first: it
+    is never content and never read for calls. Without tools bound the rest is the
+    content; with tools, calls are read in the backend's tool format, and calls to a tool
+    that is listed in the prompt but not bound to this call become invalid calls that say
+    so.
     """
-    if visible is None:
-        return text, [], [], ""
-    content, calls, invalid = parse_tool_calls(text)
-    rest = visible.rest(content)
+    reasoning, answer = split_answer(text, chat_format.reasoning if chat_format is not None else None)
+    if not tools:
+        return ReadAnswer(answer, [], [], visible.rest(answer) if visible is not None else "", reasoning)
+    fmt = chat_format.tool_format if chat_format is not None else None
+    content, calls, invalid = parse_tool_calls(answer, fmt) if fmt is not None else parse_tool_calls(answer)
+    rest = visible.rest(content) if visible is not None else ""
     bound = ", ".join(tool_names(tools))
     for i in reversed(outside(calls, tools)):
         call = calls.pop(i)
@@ -162,20 +215,21 @@ def read_answer(
                 error=f"tool {call['name']!r} is not bound to this call; bound: {bound}",
             ),
         )
-    return content, calls, invalid, rest
+    return ReadAnswer(content, calls, invalid, rest, reasoning)
 
 
-_BANS: dict[int, ToolCallBan] = {}
+_BANS: dict[tuple[int, str], ToolCallBan] = {}
 _BANS_LOCK = threading.Lock()
 
 
 def tool_call_ban(backend: Backend) -> ToolCallBan:
-    """The backend tokenizer's `ToolCallBan` (built once: it reads every token's text)."""
-    key = id(backend.tokenizer)
+    """The backend tokenizer's `ToolCallBan` for its tool format (built once: it reads every token's text)."""
+    banned = banned_opening(backend.chat_format.tool_format)
+    key = (id(backend.tokenizer), banned)
     with _BANS_LOCK:
         ban = _BANS.get(key)
         if ban is None or ban.tokenizer is not backend.tokenizer:
-            ban = _BANS[key] = ToolCallBan(backend.tokenizer)
+            ban = _BANS[key] = ToolCallBan(backend.tokenizer, banned)
         return ban
 
 

@@ -55,6 +55,7 @@ from agentkv.chat import normalize_messages
 from agentkv_langchain.backends import resolve_config, session_settings, shared_backend
 from agentkv_langchain.calls import (
     CallAnswer,
+    answer_filter,
     answer_message_id,
     call_metadata,
     call_usage,
@@ -74,7 +75,6 @@ from agentkv_langchain.tools import (
     ANY_TOOL,
     TOOL_CALL_OPEN,
     CallEnd,
-    ToolCallStreamFilter,
     choose_tool,
     forced_call_prefix,
     resolve_tool_choice,
@@ -117,13 +117,10 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     first decoded text, tool-call text that is not streamed included; None when the
     model ended at once).
 
-    Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does. With a
-    chat template that supports tools, they are passed to the template; otherwise
-    they are described in the system prompt with the `<tool_call>{json}</tool_call>`
-    protocol (see `agentkv_langchain.tools`). With `grammar` on (the default), decoding
-    is constrained (`agentkv.grammar`): a call's arguments follow its tool's JSON schema,
-    `tool_choice="any"` lets the model pick the tool under the grammar, and text answers
-    cannot start a call, so even a tiny model's calls parse.
+    Tool calling: `bind_tools` accepts anything `convert_to_openai_tool` does; calls are
+    written in the model family's own format (docs/tool-formats.md) and, with `grammar` on
+    (the default), constrained to their tools' schemas (`agentkv.grammar`): even a tiny
+    model's calls parse. A reasoning block goes to `additional_kwargs["reasoning_content"]`.
     """
 
     backend: Backend
@@ -139,6 +136,8 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
     """With tools bound and no `tool_choice`: "auto" lets the model decide; "call_then_answer"
     forces a call on a user turn and a text answer after a tool result; a call the thread already
     holds the result of is answered from it instead (`planning.call_then_answer_choice`)."""
+    tool_format: str | None = None
+    """Tool-call format (docs/tool-formats.md); None: the backend's. Set, it becomes the backend's."""
     grammar: bool = True
     """Constrain tool calls and structured output with a grammar (`agentkv.grammar`); False: calls
     are only prefilled with their opening (as on engine sessions). See docs/integrations.md."""
@@ -180,10 +179,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
 
     @model_validator(mode="after")
     def _own_session_settings(self) -> Self:
-        """`config=` on the shared backend (defaults: its first caller's) applies to this model's sessions."""
+        """`config=` on the shared backend applies to this model's sessions; `tool_format=`, backend-wide."""
         if self.config is not None:
             wanted = resolve_config(self.config, model=self.model)
             self._session_config = session_settings(wanted, self.backend.config)
+        if self.tool_format is not None and self.tool_format != self.backend.chat_format.tool_format.name:
+            self.backend.chat_format.use_tool_format(self.tool_format)
         return self
 
     @model_validator(mode="after")
@@ -382,6 +383,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             final = next(item for item in answer if isinstance(item, CallAnswer))
         message = AIMessage(
             content=final.content,
+            additional_kwargs=final.additional_kwargs,
             id=final.message_id,
             tool_calls=final.tool_calls,
             invalid_tool_calls=final.invalid_tool_calls,
@@ -485,6 +487,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(
                         content=item.rest,
+                        additional_kwargs=item.additional_kwargs,
                         id=item.message_id,
                         tool_call_chunks=calls,
                         chunk_position="last",
@@ -506,6 +509,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
         started = time.perf_counter()
         session = self._session(metadata)
         plan = self._plan(messages, stop, kwargs, session)
+        fmt = self.backend.chat_format.tool_format
         raw: list[str] = []
         first_token_s: float | None = None
         with session.lock:  # extend + decode + bind are one step for this session
@@ -518,12 +522,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 names = tool_names(plan.tools)
                 name = names[0]  # an engine session cannot score the names: the first bound tool
                 if isinstance(session, Session):
-                    name = choose_tool(session.answer_logprob, names)
-                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name))
-            visible = ToolCallStreamFilter() if plan.tools else None
+                    name = choose_tool(session.answer_logprob, names, fmt)
+                prefix = forced_call_prefix(name, tool_parameters(plan.tools, name), fmt)
+            visible = answer_filter(self.backend.chat_format, plan.tools)
             if visible is not None:
                 visible.feed(prefix)
-            call_end = CallEnd(prefix) if prefix and not plan.parallel else None
+            call_end = CallEnd(prefix, fmt) if prefix and not plan.parallel else None
             options: dict[str, Any] = {**plan.sampling, "prefix": prefix, "message_id": message_id}
             if plan.grammar is not None and local:
                 limit, closes = plan.sampling["max_new_tokens"], call_end is not None
@@ -533,7 +537,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             elif plan.ban_calls and local:
                 options["logits_processor"] = tool_call_ban(self.backend)
             elif plan.ban_calls:  # the engine has no decode hook: the answer ends at the tag instead
-                options["stop"] = [*options["stop"], TOOL_CALL_OPEN]
+                options["stop"] = [*options["stop"], fmt.trigger or TOOL_CALL_OPEN]
             pieces = session.stream(**options)
             try:
                 for piece in pieces:
@@ -548,30 +552,25 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             finally:
                 close_iterator(pieces)  # an abandoned stream still ends the answer (and frees the lock) here
             after = session.stats()
-            content, calls, invalid, rest = read_answer(prefix + "".join(raw), plan.tools, visible)
+            read = read_answer(prefix + "".join(raw), plan.tools, visible, self.backend.chat_format)
             # The caller gets exactly this message back; binding it lets the next call
             # match it to the produced token ids instead of re-encoding it.
-            session.bind_message(
-                {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in calls],
-                    "id": message_id,
-                }
-            )
+            session.bind_message(read.as_message(message_id))
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
-        if self._answered_already(messages, kwargs, calls):  # answer from the result the thread holds
+        if self._answered_already(
+            messages, kwargs, read.tool_calls
+        ):  # answer from the result the thread holds
             yield from self._answer(messages, stop, metadata, message_id, {**kwargs, "tool_choice": "none"})
             return
         limit = plan.sampling["max_new_tokens"]
-        finish = "tool_calls" if calls else "length" if output_tokens >= limit else "stop"
+        finish = "tool_calls" if read.tool_calls else "length" if output_tokens >= limit else "stop"
         yield CallAnswer(
             message_id=message_id,
-            content=content,
-            rest=rest,
-            tool_calls=calls,
-            invalid_tool_calls=invalid,
+            content=read.content,
+            rest=read.rest,
+            tool_calls=read.tool_calls,
+            invalid_tool_calls=read.invalid_tool_calls,
             usage=UsageMetadata(
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
@@ -589,6 +588,7 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
                 "time_to_first_token_s": first_token_s,
             },
             generation_info={"finish_reason": finish},
+            reasoning=read.reasoning,
         )
 
     def _session(self, metadata: Mapping[str, Any]) -> AnySession:

@@ -23,7 +23,6 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from agentkv import Backend
-from agentkv.chat import TOOL_CALL_CLOSE
 from agentkv.grammar import GrammarProcessor, compile_grammar
 from agentkv.grammar.grammars import check_schema
 
@@ -55,13 +54,13 @@ def grammar_processor(
 
     `budget` (the answer's `max_new_tokens`) makes it close the answer before the budget cuts it.
     `ends_at_call_close`: decoding stops when the call's JSON closes (`CallEnd`), so the
-    budget need not hold the close tag and the end of turn.
+    budget need not hold what the format writes after it (`call_tail`) and the end of turn.
     """
     fmt = backend.chat_format
     stops = fmt.stop_token_ids()
     compiled = compile_grammar(backend.tokenizer, stops, lark, where="answer grammar")
     prefix_ids = fmt.encode(prefix) if prefix else []
-    tail = fmt.encode(TOOL_CALL_CLOSE) if ends_at_call_close else []
+    tail = fmt.encode(fmt.tool_format.call_tail) if ends_at_call_close else []
     return GrammarProcessor(
         compiled, prefix_ids, budget=budget, tokenizer=backend.tokenizer, stop_ids=stops, tail_ids=tail
     )

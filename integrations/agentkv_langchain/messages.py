@@ -49,6 +49,11 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             entry["id"] = message.id
         if isinstance(message.name, str) and message.name:
             entry["name"] = message.name
+        reasoning = (
+            message.additional_kwargs.get("reasoning_content") if isinstance(message, AIMessage) else None
+        )
+        if isinstance(reasoning, str) and reasoning:
+            entry["reasoning_content"] = reasoning  # the template renders it where the family keeps it
         if isinstance(message, AIMessage) and message.tool_calls:
             entry["tool_calls"] = [
                 {"id": c.get("id"), "name": c["name"], "args": c["args"]} for c in message.tool_calls

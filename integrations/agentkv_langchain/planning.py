@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 
 from agentkv import AnySession, Backend, Session
-from agentkv.grammar import json_grammar, text_grammar, text_or_call_grammar, tool_call_grammar
+from agentkv.grammar import json_grammar, text_grammar
+from agentkv.toolformats import JsonCallFormat
 from agentkv_langchain.calls import CallPlan
 from agentkv_langchain.messages import to_chat_dicts
 from agentkv_langchain.tools import (
     ANY_TOOL,
-    CALL_NAME_OPENING,
-    TOOL_CALL_CLOSE,
-    call_opening,
     forced_call_prefix,
     render_tool_prompt,
     resolve_tool_choice,
@@ -106,28 +104,32 @@ class CallPlanning:
         chat = to_chat_dicts(messages)
         if tools and choice is None and self.tool_use == "call_then_answer" and chat:
             choice = call_then_answer_choice(chat, tools)
+        chat_format = self.backend.chat_format
+        fmt = chat_format.tool_format
         block = tools
         if session is not None:
-            chat, block = thread_tools(session).plan(chat, tools)
+            chat, block = thread_tools(session).plan(chat, tools, fmt)
         if block:
             chat = self._with_tools(chat, block)
         # No call when none is wanted, or when the prompt lists tools but none are bound now.
         ban = (bool(tools) and choice == "none") or (not tools and bool(block))
         constrained = self.grammar and (session is None or isinstance(session, Session))
         grammar, prefix = None, ""
+        specials = chat_format.grammar_specials if constrained else {}
         if tools and choice not in (None, "none"):
-            if not constrained:  # the grammar ends the call itself; its strings may hold the tag
-                sampling["stop"].append(TOOL_CALL_CLOSE)
+            close = fmt.call_close.strip() if isinstance(fmt, JsonCallFormat) else ""
+            if not constrained and close:  # the grammar ends the call itself; its strings may hold the tag
+                sampling["stop"].append(close)
             if constrained:  # the call follows the tool's schema; "any": the model picks the name under it
                 forced = tools if choice == ANY_TOOL else [t for t in tools if tool_names([t]) == [choice]]
-                grammar = tool_call_grammar(forced, parallel=parallel)
-                prefix = CALL_NAME_OPENING if choice == ANY_TOOL else call_opening(str(choice))
+                grammar = fmt.grammar(forced, "forced", parallel=parallel, specials=specials)
+                prefix = fmt.opening(None if choice == ANY_TOOL else str(choice))
             elif choice != ANY_TOOL:
-                prefix = forced_call_prefix(choice, tool_parameters(tools, choice))
+                prefix = forced_call_prefix(choice, tool_parameters(tools, choice), fmt)
         elif constrained and response_format is not None:
             grammar = json_grammar(response_schema(response_format))
         elif constrained and tools and choice is None:
-            grammar = text_or_call_grammar(tools, parallel=parallel)
+            grammar = fmt.grammar(tools, "auto", parallel=parallel, specials=specials)
         elif constrained and ban:
             grammar = text_grammar()
         return CallPlan(
@@ -161,7 +163,7 @@ class CallPlanning:
         if self.backend.chat_format.tools_in_template:
             chat[0] = {**chat[0], "tools": tools}
             return chat
-        prompt = render_tool_prompt(tools)
+        prompt = render_tool_prompt(tools, self.backend.chat_format.tool_format)
         if not chat or chat[0]["role"] != "system":
             chat.insert(0, {"role": "system", "content": prompt})
         else:

@@ -1,11 +1,11 @@
-"""The `<tool_call>` protocol: describing tools to a model, and reading its calls back.
+"""Tool calls in the model's own format: describing tools, forcing a call, reading calls back.
 
-A chat template without tool support gets the tools in its system prompt, with one
-instruction: answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-That is the Hermes / Qwen convention, so models trained on it follow it without
-further prompting, and it is the same text `agentkv.chat` writes when it renders an
-assistant message's tool calls for such a template, so the history the model reads
-and the calls it writes have one shape.
+The format (`agentkv.toolformats`: Hermes `<tool_call>`, Llama 3.x JSON, Mistral
+`[TOOL_CALLS]`, Granite / Phi-4 `<|tool_call|>`, pythonic) is the backend's
+(`ChatFormat.tool_format`, detected from the chat template, or named); every
+function here takes it and defaults to Hermes, the protocol agentkv describes in the
+system prompt for a template without tool support. The same format renders a call
+into history, so the history the model reads and the calls it writes have one shape.
 
 Everything here is deterministic (the tool prompt is a pure function of the tool
 list): the system message must render to the same tokens call after call, or the
@@ -15,7 +15,6 @@ session's prefix cache would stop matching.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,8 +24,19 @@ from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
 from agentkv.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from agentkv.toolformats import (
+    HERMES,
+    JsonCallFormat,
+    ParsedAnswer,
+    ReasoningTags,
+    ToolFormat,
+    split_reasoning,
+)
 
 __all__ = [
+    "banned_opening",
+    "as_langchain",
+    "split_answer",
     "ANY_TOOL",
     "CALL_NAME_OPENING",
     "CallEnd",
@@ -45,66 +55,54 @@ __all__ = [
     "tool_parameters",
 ]
 
-TOOL_PROMPT_HEADER = (
-    "You can call tools (functions) to help you answer. The tools, one JSON schema per line:\n<tools>\n"
-)
-TOOL_PROMPT_FOOTER = (
-    "\n</tools>\n"
-    "To call a tool, reply with its name and its arguments as JSON inside tool_call tags, "
-    "one block per call:\n"
-    f'{TOOL_CALL_OPEN}{{"name": "<tool name>", "arguments": {{"<argument name>": <argument value>}}}}'
-    f"{TOOL_CALL_CLOSE}\n"
-    "The result comes back in the next message. If no tool is needed, answer directly."
-)
-
 FORCING_CHOICES = ("any", "required")
 """`tool_choice` values that force some call; the model chooses which of the bound tools."""
 ANY_TOOL = "<any bound tool>"
 """What `resolve_tool_choice` returns for a forced call among several tools (not a valid tool name)."""
-CALL_NAME_OPENING = f'{TOOL_CALL_OPEN}{{"name": "'
-"""A call's text up to its tool name: the context in which the model's choice of tool is scored."""
+CALL_NAME_OPENING = HERMES.opening(None)
+"""A Hermes call's text up to its tool name: the context in which the model's choice of tool is scored."""
 FREE_CHOICES = ("auto", "none")
 """`tool_choice` values that do not force a call ("none" forbids one)."""
 
-_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARG_KEYS = ("arguments", "args", "parameters")
-_MAX_CLOSERS = 3
-"""How many missing closing braces a truncated call may lack and still be repaired."""
 
-
-def render_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The system-prompt text that describes `tools` and the `<tool_call>` protocol.
+def render_tool_prompt(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = HERMES) -> str:
+    """The system-prompt text that describes `tools` and how to call them in `fmt`.
 
     Args:
         tools: OpenAI-format tool schemas (`{"type": "function", "function": {...}}`),
             as `convert_to_openai_tool` makes them.
+        fmt: the tool-call format (default Hermes, `<tool_call>`).
 
     Returns:
         The same text for the same tools, every time (the prefix cache depends on it).
     """
-    lines = [json.dumps(dict(schema), ensure_ascii=False) for schema in tools]
-    return TOOL_PROMPT_HEADER + "\n".join(lines) + TOOL_PROMPT_FOOTER
+    return fmt.describe(tools)
 
 
-def call_opening(name: str) -> str:
-    """A call to `name` up to its arguments object: `<tool_call>{"name": "<name>", "arguments": `."""
-    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+def call_opening(name: str, fmt: ToolFormat = HERMES) -> str:
+    """A call to `name` up to its arguments: `<tool_call>{"name": "<name>", "arguments": ` in Hermes."""
+    return fmt.opening(name)
 
 
-def forced_call_prefix(name: str, parameters: Mapping[str, Any] | None = None) -> str:
+def forced_call_prefix(
+    name: str, parameters: Mapping[str, Any] | None = None, fmt: ToolFormat = HERMES
+) -> str:
     """The opening of a call to `name`, prefilled so that even a tiny model emits a parseable call.
 
-    The opening reaches into the arguments object: up to the first argument's name
-    (a required one when the schema has any) and, for a string, its opening quote;
-    or `{}` for a tool without arguments. Small models left at `"arguments": ` write
-    bare values or copy the prompt's placeholder; given the key, they only have to
-    write its value.
+    In a JSON format the opening reaches into the arguments object: up to the first
+    argument's name (a required one when the schema has any) and, for a string, its
+    opening quote; or `{}` for a tool without arguments. Small models left at
+    `"arguments": ` write bare values or copy the prompt's placeholder; given the key,
+    they only have to write its value. Other formats stop at the call's opening.
 
     Args:
         name: the tool to call.
         parameters: its JSON schema (`function.parameters` of the OpenAI format), if known.
+        fmt: the tool-call format.
     """
-    opening = call_opening(name) + "{"
+    if not isinstance(fmt, JsonCallFormat):
+        return fmt.opening(name)
+    opening = call_opening(name, fmt) + "{"
     if parameters is None:
         return opening
     properties = parameters.get("properties") or {}
@@ -171,113 +169,39 @@ def resolve_tool_choice(tool_choice: Any, names: Sequence[str]) -> str | None:
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    """Split a model answer into its text content and the `<tool_call>` blocks in it.
+def parse_tool_calls(
+    text: str, fmt: ToolFormat = HERMES
+) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+    """Split a model answer into its text content and the calls in it (in `fmt`).
 
-    Tolerant of what small models write: whitespace and code fences around the JSON,
-    a missing closing tag (the generation ended, or the next call began), `"args"` or
-    `"parameters"` for `"arguments"`, arguments as a JSON string, trailing junk after
-    the object, and up to three missing closing braces. A block that still does not
-    parse becomes an `InvalidToolCall` (with the name, when one can be read).
-
-    Args:
-        text: the answer as generated (including any prefilled call opening).
+    Tolerant of what small models write (see the format's `parse`): whitespace and code
+    fences around the JSON, a missing closing tag, `"args"` / `"parameters"` for
+    `"arguments"`, arguments as a JSON string, trailing junk, a few missing closing
+    braces. A call that still does not parse becomes an `InvalidToolCall` (with the
+    name, when one can be read).
 
     Returns:
-        `(content, tool_calls, invalid_tool_calls)`. Without blocks, `content` is `text`
-        unchanged. With blocks, it is the text outside them: the text before the first
-        block with trailing whitespace removed, then each later piece stripped, joined
-        by newlines (so a streamed prefix of the first piece is always a prefix of it).
-        Every call gets a fresh id (`call_<8 hex>`).
+        `(content, tool_calls, invalid_tool_calls)`. Without calls, `content` is `text`
+        unchanged. With calls, it is the text outside them: the text before the first
+        with trailing whitespace removed, then each later piece stripped, joined by
+        newlines (so a streamed prefix of the first piece is always a prefix of it).
+        Every call gets a fresh id (`call_<8 hex>`) unless the format writes one.
     """
-    if TOOL_CALL_OPEN not in text:
-        return text, [], []
-    outside: list[str] = []
-    calls: list[ToolCall] = []
-    invalid: list[InvalidToolCall] = []
-    position = 0
-    while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
-        outside.append(text[position:start])
-        body_start = start + len(TOOL_CALL_OPEN)
-        # Tags are looked for after the call's JSON object: its strings may contain them.
-        search = _object_end(text, body_start) or body_start
-        ends = [i for i in (text.find(TOOL_CALL_CLOSE, search), text.find(TOOL_CALL_OPEN, search)) if i >= 0]
-        body_end = min(ends) if ends else len(text)
-        _read_call(text[body_start:body_end], calls, invalid)
-        position = body_end
-        if text.startswith(TOOL_CALL_CLOSE, position):
-            position += len(TOOL_CALL_CLOSE)
-    outside.append(text[position:])
-    pieces = [outside[0].rstrip()] + [piece.strip() for piece in outside[1:]]
-    return "\n".join(piece for piece in pieces if piece), calls, invalid
+    return as_langchain(fmt.parse(text))
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """Where the JSON object that opens a block ends, if the block holds a complete one.
-
-    A constrained call is a complete JSON object, and its string values may contain
-    anything, the closing tag included: the block's end tag is looked for after the
-    object. None when the block does not start with a complete object.
-    """
-    at = start
-    while at < len(text) and text[at].isspace():
-        at += 1
-    if not text.startswith("{", at):
-        return None
-    try:
-        obj, end = json.JSONDecoder().raw_decode(text, at)
-    except json.JSONDecodeError:
-        return None
-    return end if isinstance(obj, dict) else None
+def as_langchain(parsed: ParsedAnswer) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+    """A parsed answer as LangChain's `(content, tool_calls, invalid_tool_calls)`."""
+    calls = [tool_call(name=c.name, args=c.args, id=c.id) for c in parsed.calls]
+    invalid = [invalid_tool_call(name=b.name, args=b.raw, id=b.id, error=b.error) for b in parsed.invalid]
+    return parsed.content, calls, invalid
 
 
-def _read_call(body: str, calls: list[ToolCall], invalid: list[InvalidToolCall]) -> None:
-    call_id = new_tool_call_id()
-    raw = _strip_fence(body.strip())
-    obj, error = _load_object(raw)
-    if obj is not None:
-        name = obj.get("name")
-        args: Any = next((obj[key] for key in _ARG_KEYS if key in obj), {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                args, error = None, f"arguments: not valid JSON: {e}"
-        if not isinstance(name, str) or not name:
-            error = f'"name": expected a non-empty string, got {name!r}'
-        elif not isinstance(args, dict):
-            error = error or f'"arguments": expected a JSON object, got {type(args).__name__}'
-        else:
-            calls.append(tool_call(name=name, args=args, id=call_id))
-            return
-    match = _NAME_RE.search(raw)
-    name_guess = json.loads(f'"{match.group(1)}"') if match else None
-    invalid.append(invalid_tool_call(name=name_guess, args=raw, id=call_id, error=error))
-
-
-def _strip_fence(raw: str) -> str:
-    """Unwrap a Markdown code fence around the JSON (some models write one)."""
-    if raw.startswith("```"):
-        raw = raw[3:]
-        raw = raw[4:] if raw.startswith("json") else raw
-        raw = raw[: raw.rfind("```")] if raw.rstrip().endswith("```") else raw
-    return raw.strip()
-
-
-def _load_object(raw: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The first JSON object in `raw`, repairing trailing junk and a few missing `}`."""
-    decoder = json.JSONDecoder()
-    first_error: str | None = None
-    for closers in range(_MAX_CLOSERS + 1):
-        try:
-            obj, _ = decoder.raw_decode(raw + "}" * closers)
-        except json.JSONDecodeError as e:
-            first_error = first_error or f"not valid JSON: {e}"
-            continue
-        if isinstance(obj, dict):
-            return obj, None
-        return None, f"expected a JSON object, got {type(obj).__name__}"
-    return None, first_error
+def split_answer(text: str, reasoning: ReasoningTags | None) -> tuple[str | None, str]:
+    """`(reasoning, rest)` of an answer whose family thinks in `reasoning` tags (None: no split)."""
+    if reasoning is None:
+        return None, text
+    return split_reasoning(text, reasoning)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -291,12 +215,14 @@ class CallEnd:
     strings) ends the call at its last `}` and saves those tokens.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, fmt: ToolFormat = HERMES) -> None:
         self.depth = 0
         self.in_string = False
         self.escaped = False
         self.done = False
-        self.feed(prefix.removeprefix(TOOL_CALL_OPEN))
+        # The brackets of a JSON format's opening tags (`[TOOL_CALLS][`) are not the call's.
+        opening = fmt.open + fmt.call_open if isinstance(fmt, JsonCallFormat) else ""
+        self.feed(prefix.removeprefix(opening))
 
     def feed(self, text: str) -> bool:
         """Add generated text; True once the call's outermost object has closed."""
@@ -323,47 +249,76 @@ class CallEnd:
 class ToolCallStreamFilter:
     """Decides which streamed text is content, when the answer may contain tool calls.
 
-    Text is passed on until a `<tool_call>` tag starts; a tail that might be the start
-    of the tag, and trailing whitespace, are held back (`parse_tool_calls` drops the
-    whitespace before a block). What was emitted is therefore always a prefix of the
-    final `content`, and the rest is sent with the last chunk.
+    Text is passed on until the format's call trigger starts (`<tool_call>`); a tail
+    that might be the start of the trigger, and trailing whitespace, are held back
+    (`parse_tool_calls` drops the whitespace before a call). A reasoning block at the
+    start (`<think>…</think>`) is not content: nothing is shown until it closes. What
+    was emitted is therefore always a prefix of the final `content`, and the rest is
+    sent with the last chunk.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat | None = HERMES, reasoning: ReasoningTags | None = None) -> None:
         self.text = ""
         self.emitted = 0
         self.in_call = False
+        self.trigger = None if fmt is None else fmt.trigger or '{"name"'
+        """What starts a call (None: no tools, so nothing does)."""
+        self.reasoning = reasoning
+        self.start: int | None = 0 if reasoning is None else None
+        """Where the content starts in `text` (after a reasoning block); None: not known yet."""
 
     def feed(self, piece: str) -> str:
         """Add a piece of generated text; return the part that is safe to show now."""
         self.text += piece
-        if self.in_call:
+        if self.in_call or not self._content_started():
             return ""
-        start = self.text.find(TOOL_CALL_OPEN)
+        assert self.start is not None
+        start = self.text.find(self.trigger, self.start) if self.trigger else -1
         if start >= 0:
             self.in_call = True
             visible = self.text[:start]
+        elif self.trigger:
+            visible = self.text[: len(self.text) - _partial_tag(self.text, self.trigger)]
         else:
-            visible = self.text[: len(self.text) - _partial_tag(self.text)]
+            visible = self.text
         safe = len(visible.rstrip())
-        if safe <= self.emitted:
+        if safe <= self.start + self.emitted:
             return ""
-        out = self.text[self.emitted : safe]
-        self.emitted = safe
+        out = self.text[self.start + self.emitted : safe]
+        self.emitted = safe - self.start
         return out
+
+    def _content_started(self) -> bool:
+        if self.start is not None:
+            return True
+        tags = self.reasoning
+        assert tags is not None
+        head = self.text.lstrip()
+        if not head or tags.open.startswith(head):
+            return False  # may still become a reasoning block
+        if not head.startswith(tags.open):
+            self.start = 0
+            return True
+        end = self.text.find(tags.close)
+        if end < 0:
+            return False
+        after = end + len(tags.close)
+        self.start = after + (len(self.text[after:]) - len(self.text[after:].lstrip()))
+        return self.start < len(self.text)
 
     def rest(self, content: str) -> str:
         """What remains of the final `content` after what was already emitted."""
-        shown = self.text[: self.emitted]
+        begin = self.start or 0
+        shown = self.text[begin : begin + self.emitted]
         if not content.startswith(shown):  # cannot happen by construction; never emit twice
             return ""
         return content[len(shown) :]
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `<tool_call>`."""
-    for keep in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-keep:]):
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
             return keep
     return 0
 
@@ -371,24 +326,33 @@ def _partial_tag(text: str) -> int:
 # ---------------------------------------------------------------------------- constrained choices
 
 
-def choose_tool(score: Any, names: Sequence[str]) -> str:
+def banned_opening(fmt: ToolFormat) -> str:
+    """What a text answer in `fmt` must not write: Hermes' `<tool`, else the format's trigger."""
+    if fmt.trigger.startswith(TOOL_CALL_OPEN):
+        return _BANNED
+    return fmt.trigger.strip().rstrip("[{") or '{"name"'
+
+
+def choose_tool(score: Any, names: Sequence[str], fmt: ToolFormat = HERMES) -> str:
     """The bound tool the model itself would call, constrained to the bound ones.
 
     OpenAI's `tool_choice="required"` means "some tool, the model's pick". A prefilled
     call must name one, so the names are scored instead: the teacher-forced
-    log-probability of each name (and its closing quote) after `CALL_NAME_OPENING`,
+    log-probability of each name (and what closes it) after the format's opening,
     the model's own preference restricted to what is bound.
 
     Args:
         score: `(answer, prefix) -> log-probability`, e.g. `Session.answer_logprob`.
         names: The bound tools' names.
+        fmt: The tool-call format the call is written in.
     """
-    scores = {name: float(score(f'{name}"', prefix=CALL_NAME_OPENING)) for name in dict.fromkeys(names)}
+    opening, end = fmt.opening(None), fmt.name_end
+    scores = {name: float(score(f"{name}{end}", prefix=opening)) for name in dict.fromkeys(names)}
     return max(scores, key=lambda name: (scores[name], -names.index(name)))
 
 
 _BANNED = "<tool"
-"""What a text-only answer must not write: the start of a `<tool_call>` tag."""
+"""What a Hermes text-only answer must not write: the start of a `<tool_call>` tag."""
 
 
 class ToolCallBan:
@@ -401,26 +365,28 @@ class ToolCallBan:
 
     Args:
         tokenizer: The model's tokenizer (each token's text is read once, at construction).
+        banned: The text a call starts with (`<tool` in Hermes; another format's trigger).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, banned: str = _BANNED) -> None:
         self.tokenizer = tokenizer
+        self.banned = banned
         size = len(tokenizer)
         texts = [tokenizer.decode([i]) for i in range(size)]
         # contains[i]: token i writes the whole tag start; starts[k][i]: it completes a tag of
         # which the text already ends with the first k characters.
-        self.contains = torch.tensor([_BANNED in t for t in texts], dtype=torch.bool)
+        self.contains = torch.tensor([banned in t for t in texts], dtype=torch.bool)
         self.starts = {
-            k: torch.tensor([bool(t) and t.startswith(_BANNED[k:]) for t in texts], dtype=torch.bool)
-            for k in range(1, len(_BANNED))
+            k: torch.tensor([bool(t) and t.startswith(banned[k:]) for t in texts], dtype=torch.bool)
+            for k in range(1, len(banned))
         }
 
     def __call__(self, produced: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Logits `[V]` with the tag-completing tokens at -inf."""
-        tail = self.tokenizer.decode(list(produced[-len(_BANNED) :])) if produced else ""
+        tail = self.tokenizer.decode(list(produced[-len(self.banned) :])) if produced else ""
         banned = self.contains.clone()
         for k, mask in self.starts.items():
-            if tail.endswith(_BANNED[:k]):
+            if tail.endswith(self.banned[:k]):
                 banned |= mask
         vocab = logits.shape[-1]
         if banned.numel() < vocab:  # the model's head may be padded past the tokenizer's size

@@ -26,6 +26,7 @@ from typing import Any
 
 from agentkv import AnySession
 from agentkv.chat import normalize_message
+from agentkv.toolformats import HERMES, ToolFormat
 from agentkv_langchain.tools import render_tool_prompt, tool_names
 
 __all__ = ["CHANGED_HEADER", "NO_TOOLS_NOTE", "RESTORED_NOTE", "ThreadTools", "outside", "thread_tools"]
@@ -64,13 +65,14 @@ class ThreadTools:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def plan(
-        self, chat: list[dict[str, Any]], tools: list[dict[str, Any]]
+        self, chat: list[dict[str, Any]], tools: list[dict[str, Any]], fmt: ToolFormat = HERMES
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The chat with its notes, and the tools block to render in the system prompt.
 
         Args:
             chat: The call's messages as chat dicts (no tool prompt yet).
             tools: The tools bound to this call (possibly none).
+            fmt: The tool-call format a note describing new tools uses.
 
         Returns:
             `(chat with notes inserted, tools for the system prompt)`.
@@ -88,7 +90,7 @@ class ThreadTools:
                 return chat, list(tools)
             out = self._with_notes(chat)
             if _key(tools) != _key(self.current) and chat:
-                note = {"role": "system", "content": self._note_text(tools)}
+                note = {"role": "system", "content": self._note_text(tools, fmt)}
                 self.notes.append(_Note(len(chat) - 1, _fingerprint(chat[-1]), note))
                 self.current = list(tools)
                 out.append(note)
@@ -111,14 +113,14 @@ class ThreadTools:
             out.extend(by_anchor.get(i, ()))
         return out
 
-    def _note_text(self, tools: list[dict[str, Any]]) -> str:
+    def _note_text(self, tools: list[dict[str, Any]], fmt: ToolFormat) -> str:
         if not tools:
             return NO_TOOLS_NOTE
         if _key(tools) == _key(self.started or []):
             return RESTORED_NOTE
         if not self.started:
-            return render_tool_prompt(tools)
-        return CHANGED_HEADER + render_tool_prompt(tools)
+            return render_tool_prompt(tools, fmt)
+        return CHANGED_HEADER + render_tool_prompt(tools, fmt)
 
     def copy(self) -> ThreadTools:
         """An independent copy (a branch continues its parent's conversation)."""

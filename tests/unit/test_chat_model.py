@@ -242,8 +242,8 @@ def valid_calls(monkeypatch):
     """
     real = calls_module.parse_tool_calls
 
-    def parse(text: str):
-        content, calls, invalid = real(text)
+    def parse(text: str, *fmt: object):
+        content, calls, invalid = real(text, *fmt)
         repaired = [
             {"name": c["name"], "args": {"city": "Paris"}, "id": c["id"], "type": "tool_call"}
             for c in invalid

@@ -1,0 +1,30 @@
+"""The `chat:` section: how the chat template is read (tool-call format, template switches)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from agentkv.config_sections import Section
+
+__all__ = ["ChatConfig"]
+
+
+class ChatConfig(Section):
+    """How messages are rendered with the model's chat template (backend-wide)."""
+
+    tool_format: str | None = None
+    """Tool-call format: hermes, qwen, llama3_json, mistral, granite, phi4, pythonic; null = detected."""
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template, e.g. `enable_thinking: false` (Qwen3, SmolLM3)."""
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        from agentkv.toolformats import FORMATS  # the registry imports the grammar library
+
+        if value is not None and value not in FORMATS:
+            msg = f"unknown tool format {value!r}; allowed: {', '.join(FORMATS)}"
+            raise ValueError(msg)
+        return value

@@ -1,0 +1,187 @@
+"""Chat templates read without relying on their internals: folding, reasoning, switches, fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from chat_families import FAMILIES, family_tokenizer
+from conftest import tiny_llama_config
+
+from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.chat import normalize_messages
+from agentkv.templates import ChatFormat
+
+FAMILY = {f.name: f for f in FAMILIES}
+
+
+def backend_for(tokenizer, config: AgentKVConfig | None = None) -> TransformersBackend:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model_config = tiny_llama_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model_config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(model_config).eval().to(torch.float32)
+    return TransformersBackend(model, tokenizer, config or AgentKVConfig(policy="full"))
+
+
+def held_text(session) -> str:
+    return "".join(span.text or "" for span in session.table.message_spans())
+
+
+def test_gemma_folds_system_and_tool_results_into_user_turns_the_same_way_every_time():
+    fmt = ChatFormat(family_tokenizer(FAMILY["gemma2"]))
+    messages = normalize_messages(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "w", "args": {}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+            {"role": "tool", "content": "warm", "tool_call_id": "c1"},
+        ]
+    )
+    text = fmt.render(messages)
+    assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nWeather?<end_of_turn>")
+    assert "<tool_response>\nsunny\n</tool_response>\n\n<tool_response>\nwarm\n</tool_response>" in text
+    assert fmt.render(messages) == text
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "gemma2"])
+def test_trimming_templates_answer_and_reuse(name):
+    """`| trim` templates (the marker-based suffix crashed on them): an answer, then a follow-up reuses it."""
+    backend = backend_for(family_tokenizer(FAMILY[name]))
+    session = backend.session("t")
+    history = [{"role": "user", "content": "  Hello there.  "}]
+    session.extend(history)
+    text = session.generate(5)
+    follow = [*history, {"role": "assistant", "content": text}, {"role": "user", "content": "More?"}]
+    result = session.extend(follow)
+    assert result.cropped_tokens == 0  # the answer's tokens are kept even where `trim` changes its text
+    assert held_text(session) == backend.chat_format.history_text(normalize_messages(follow))
+
+
+QWEN_HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should look it up.",
+        "tool_calls": [{"id": "c1", "name": "w", "args": {"city": "Paris"}}],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+]
+
+
+def test_qwen3_keeps_reasoning_in_the_tool_loop_and_drops_it_after_a_new_question_exactly():
+    backend = backend_for(family_tokenizer(FAMILY["qwen3"]))
+    fmt = backend.chat_format
+    session = backend.session("q")
+    session.extend(QWEN_HISTORY)
+    assert "<think>\nI should look it up.\n</think>" in held_text(session)  # after the last question: kept
+    longer = [*QWEN_HISTORY, {"role": "assistant", "content": "Sunny."}]
+    kept = session.extend(longer)
+    assert kept.cropped_tokens == 0
+    asked = [*longer, {"role": "user", "content": "And tomorrow?"}]
+    dropped = session.extend(asked)
+    # The template drops the call's reasoning once a new question follows: re-encoded from there, exactly.
+    assert dropped.first_changed_message == 2 and dropped.cropped_tokens > 0
+    history = fmt.history_text(normalize_messages(asked))
+    assert "I should look it up." not in history
+    assert held_text(session) == history
+    rendered = [t for text in fmt.message_texts(normalize_messages(asked)) for t in fmt.encode(text)]
+    assert session.token_ids() == rendered
+
+
+def test_an_answers_reasoning_that_the_template_drops_is_re_encoded():
+    backend = backend_for(family_tokenizer(FAMILY["qwen3"]))
+    session = backend.session("r")
+    history = [{"role": "user", "content": "Hi?"}]
+    session.extend(history)
+    thought = "<think>\nplan\n</think>\n\n"
+    text = session.generate(3, prefix=thought)
+    answer = {"role": "assistant", "content": text, "reasoning_content": "plan"}
+    session.bind_message(answer)
+    kept = session.extend([*history, answer, {"role": "tool", "content": "x", "tool_call_id": "z"}])
+    assert kept.cropped_tokens == 0  # after the last question the template keeps the reasoning
+    session.extend([*history, answer])  # a rewind: back to the answer
+    dropped = session.extend([*history, answer, {"role": "user", "content": "Next."}])
+    assert dropped.first_changed_message == 1 and dropped.cropped_tokens > 0
+    assert "plan" not in held_text(session)
+
+
+def test_template_switches_reach_the_template():
+    tokenizer = family_tokenizer(FAMILY["qwen3"])
+    off = ChatFormat(tokenizer, template_kwargs={"enable_thinking": False})
+    messages = normalize_messages([{"role": "user", "content": "Hi"}])
+    assert off.generation_prompt(messages).endswith("<think>\n\n</think>\n\n")
+    assert ChatFormat(tokenizer).generation_prompt(messages) == "<|im_start|>assistant\n"
+    backend = backend_for(tokenizer, AgentKVConfig(chat={"template_kwargs": {"enable_thinking": False}}))
+    assert backend.chat_format.generation_prompt(messages).endswith("</think>\n\n")
+
+
+def test_the_fallback_template_starts_with_bos_and_stops_on_eos():
+    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    tokenizer.chat_template = None
+    fmt = ChatFormat(tokenizer)
+    assert fmt.uses_fallback
+    text = fmt.render(normalize_messages([{"role": "user", "content": "Hi"}]), add_generation_prompt=True)
+    assert text.startswith("<bos>")
+    assert tokenizer.eos_token_id in fmt.stop_token_ids()
+
+
+def test_a_named_tool_format_and_unknown_names():
+    from agentkv_langchain import ChatAgentKV
+
+    backend = backend_for(family_tokenizer(FAMILY["llama3.1"]))
+    assert backend.chat_format.tool_format.name == "llama3_json"
+    ChatAgentKV(backend=backend, tool_format="pythonic")
+    assert backend.chat_format.tool_format.name == "pythonic"
+    with pytest.raises(ValueError, match="allowed: hermes"):
+        AgentKVConfig(chat={"tool_format": "openai"})
+
+
+def test_reasoning_is_split_off_never_content_and_never_read_for_calls():
+    from agentkv_langchain.calls import answer_filter, read_answer
+
+    fmt = ChatFormat(family_tokenizer(FAMILY["qwen3"]))
+    tools = [
+        {"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    text = (
+        '<think>\nMaybe <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>?\n</think>\n\nIt is sunny.'
+    )
+    shown = answer_filter(fmt, tools)
+    assert shown is not None
+    streamed = "".join(shown.feed(text[i : i + 7]) for i in range(0, len(text), 7))
+    read = read_answer(text, tools, shown, fmt)
+    assert read.content == "It is sunny." and read.tool_calls == [] and read.invalid_tool_calls == []
+    assert read.reasoning is not None and read.reasoning.startswith("Maybe <tool_call>")
+    assert streamed + read.rest == "It is sunny."
+    assert read.as_message("m1")["reasoning_content"] == read.reasoning
+    # After the reasoning, a call is a call.
+    called = read_answer(
+        '<think>x</think>\n<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>', tools, None, fmt
+    )
+    assert [c["name"] for c in called.tool_calls] == ["w"] and called.reasoning == "x"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "gemma2",
+            {"system": False, "tool": False, "tool_calls": False, "tools": False, "alternation": True},
+        ),
+        (
+            "mistral-nemo",
+            {"system": False, "tool": True, "tool_calls": True, "tools": False, "alternation": True},
+        ),
+        ("llama3.1", {"system": True, "notes": True, "tool": True, "tool_calls": True, "tools": True}),
+        ("phi3.5", {"system": True, "tool": False, "tool_calls": False, "tools": False}),
+        ("deepseek-r1", {"system": True, "notes": False, "tool_calls": False}),
+        ("granite3.3", {"tools": True, "tool_calls": False}),
+    ],
+)
+def test_probes_find_what_each_template_renders_itself(name, expected):
+    rules = ChatFormat(family_tokenizer(FAMILY[name])).rules
+    assert {key: getattr(rules, key) for key in expected} == expected
