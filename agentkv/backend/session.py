@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
@@ -330,6 +331,9 @@ class Session(SessionCore):
         stepping one stream from several pool threads fails when it ends.
         """
         params, prefix, message_id = SamplingParams.from_options(max_new_tokens, options)
+        turn_ends = tuple(text for text in self.format.stop_strings() if text not in params.stop)
+        if turn_ends:
+            params = replace(params, stop=params.stop + turn_ends)
         return self._decode(params, prefix, message_id)
 
     def _decode(self, params: SamplingParams, prefix: str, message_id: str | None) -> Iterator[str]:

@@ -208,7 +208,7 @@ class EngineSession(SessionCore):
         if params.temperature != 0.0:
             msg = f"temperature: engine sessions decode greedily (0.0), got {params.temperature}"
             raise ValueError(msg)
-        stops = list(params.stop)
+        stops = list(params.stop) + [text for text in self.format.stop_strings() if text not in params.stop]
         with self.lock:
             span, prompt_tokens = self._open_answer(prefix, message_id, max_new_tokens)
             span.n_computed = prompt_tokens  # the prompt holds it; the engine computes or reuses it

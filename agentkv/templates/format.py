@@ -238,6 +238,18 @@ class ChatFormat:
         """Ids of `assistant_suffix`."""
         return self.encode(self.assistant_suffix())
 
+    def stop_strings(self) -> tuple[str, ...]:
+        """End-of-turn text an answer stops at when no single token ends a turn, else ().
+
+        The ChatML fallback on a vocabulary without `<|im_end|>` (a base model) ends a turn
+        with that text spelled in ordinary tokens: the answer stops where the model writes it.
+        """
+        suffix = self.assistant_suffix().strip()
+        ids = self.assistant_suffix_ids()
+        if not suffix or (ids and ids[0] in set(self.special_tokens.values())):
+            return ()
+        return (suffix,)
+
     def stop_token_ids(self) -> set[int]:
         """Token ids that end an assistant turn: EOS and the template's end-of-turn token.
 

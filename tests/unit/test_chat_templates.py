@@ -127,6 +127,14 @@ def test_the_fallback_template_starts_with_bos_and_stops_on_eos():
     text = fmt.render(normalize_messages([{"role": "user", "content": "Hi"}]), add_generation_prompt=True)
     assert text.startswith("<bos>")
     assert tokenizer.eos_token_id in fmt.stop_token_ids()
+    # Its vocabulary has no `<|im_end|>` token: the answer stops where the model spells it out.
+    assert "<|im_end|>" not in tokenizer.get_vocab()
+    assert fmt.stop_strings() == ("<|im_end|>",)
+
+
+def test_a_template_whose_turn_ends_with_a_special_token_needs_no_stop_string():
+    tokenizer = family_tokenizer(FAMILY["qwen3"])
+    assert ChatFormat(tokenizer).stop_strings() == ()
 
 
 def test_a_named_tool_format_and_unknown_names():
