@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from chat_families import FAMILIES, Family, family_tokenizer
-from conftest import tiny_llama_config
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -27,6 +26,7 @@ from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
 from agentkv.templates import ChatFormat
 from agentkv_langchain import ChatAgentKV
+from tests.conftest import tiny_llama_config
 
 
 @tool

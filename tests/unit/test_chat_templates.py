@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from chat_families import FAMILIES, family_tokenizer
-from conftest import tiny_llama_config
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
 from agentkv.templates import ChatFormat
+from tests.conftest import tiny_llama_config
 
 FAMILY = {f.name: f for f in FAMILIES}
 
