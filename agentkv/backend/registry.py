@@ -60,6 +60,10 @@ class RegisteredSession(Protocol):
         """Free the session's KV."""
         ...
 
+    def detach(self, session_id: str) -> None:
+        """Become the thread `session_id` (a branch taking its thread's place)."""
+        ...
+
 
 S = TypeVar("S", bound=RegisteredSession)
 
@@ -118,6 +122,35 @@ class SessionRegistry(Generic[S]):
             self._last_used[session_id] = self.clock()
         self.end_idle_sessions(keep=session_id)
         return session
+
+    def _adopt_branch(self, session_id: str, branch: str, close_parent: Callable[[S, S], None]) -> S:
+        """The branch `branch` of thread `session_id` takes the thread's id; the thread session closes.
+
+        The branch's spans are committed and its siblings closed (`BranchSelected` on
+        both), then under both locks the table swaps them and `close_parent(parent, child)`
+        ends the old thread session.
+
+        Raises:
+            UnknownSessionError: no such thread or branch session.
+            ValueError: the branch session is not a branch of `session_id`.
+        """
+        from agentkv.events import BranchSelected
+
+        branch_id = branch_session_id(session_id, branch)
+        parent = self.get(session_id)
+        child = self.get(branch_id)
+        if child.parent is not parent:
+            msg = f"session {branch_id!r} is not a branch of {session_id!r}"
+            raise ValueError(msg)
+        parent.apply(BranchSelected(branch=branch))  # closes the siblings
+        child.apply(BranchSelected(branch=branch))  # commits the branch's own spans
+        with parent.lock, child.lock:
+            with self._table_lock:
+                self._sessions.pop(branch_id, None)
+                self._sessions[session_id] = child
+            child.detach(session_id)
+            close_parent(parent, child)
+        return child
 
     def get(self, session_id: str) -> S:
         """An existing session (raises `UnknownSessionError` naming the known ids)."""

@@ -23,7 +23,6 @@ from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.placement import Rung
-from agentkv.session_ids import branch_session_id
 from agentkv.store.prefix_cache import PrefixCache
 from agentkv.templates import ChatFormat
 
@@ -106,22 +105,7 @@ class TransformersBackend(SessionRegistry[Session]):
         Raises:
             UnknownSessionError: no such thread or branch session.
         """
-        from agentkv.events import BranchSelected
-
-        parent = self.get(session_id)
-        child = self.get(branch_session_id(session_id, branch))
-        if child.parent is not parent:
-            msg = f"session {child.session_id!r} is not a branch of {session_id!r}"
-            raise ValueError(msg)
-        parent.apply(BranchSelected(branch=branch))  # closes the siblings
-        child.apply(BranchSelected(branch=branch))  # commits the branch's own spans
-        with parent.lock, child.lock:
-            with self._table_lock:
-                self._sessions.pop(child.session_id, None)
-                self._sessions[session_id] = child
-            child.detach(session_id)
-            parent.close()
-        return child
+        return self._adopt_branch(session_id, branch, lambda parent, _child: parent.close())
 
     # -- global accounting ---------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ from agentkv.engines.planner import EnginePinPlanner
 from agentkv.engines.session import EngineSession
 from agentkv.engines.store import EngineTarget
 from agentkv.engines.vllm import VLLMClient
-from agentkv.session_ids import branch_session_id
 from agentkv.templates import ChatFormat
 
 logger = logging.getLogger("agentkv.engines")
@@ -288,22 +287,9 @@ class EngineBackend(SessionRegistry[EngineSession]):
             UnknownSessionError: no such thread or branch session.
             ValueError: the branch session is not a branch of `session_id`.
         """
-        from agentkv.events import BranchSelected
-
-        parent = self.get(session_id)
-        child = self.get(branch_session_id(session_id, branch))
-        if child.parent is not parent:
-            msg = f"session {child.session_id!r} is not a branch of {session_id!r}"
-            raise ValueError(msg)
-        parent.apply(BranchSelected(branch=branch))  # closes the siblings
-        child.apply(BranchSelected(branch=branch))  # commits the branch's own spans
-        with parent.lock, child.lock:
-            with self._table_lock:
-                self._sessions.pop(child.session_id, None)
-                self._sessions[session_id] = child
-            child.detach(session_id)
-            parent.close(spare=[child.store.sent])
-        return child
+        return self._adopt_branch(
+            session_id, branch, lambda parent, child: parent.close(spare=[child.store.sent])
+        )
 
     def sole_holder(self, session: EngineSession) -> bool:
         """Whether `session` is the only live session on its `cache_salt` (never with `engine.salt: shared`).
