@@ -110,7 +110,8 @@ def closing_choice(allowed: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     quotes = _QUOTES.get(id(rank))
     if quotes is not None:
         in_string = int(allowed.sum()) > allowed.numel() // 4
-        scores = scores + quotes[:n] * (QUOTE_BONUS if in_string else -QUOTE_BONUS / 4)
+        bonus = quotes[:n] * (QUOTE_BONUS if in_string else -QUOTE_BONUS / 4)
+        scores = scores + torch.where(allowed[:n], bonus, torch.tensor(0.0))  # a forbidden quote stays out
     out = torch.zeros_like(allowed)
     out[int(torch.argmax(scores))] = True
     return out

@@ -123,7 +123,10 @@ class GrammarProcessor:
                 # No way out found (free text before a call): look again a few tokens later.
                 self.next_check = len(produced) + (RECHECK_AFTER if way is None else 0)
             if self.refused:
-                allowed[[i for i in self.refused if i < allowed.numel()]] = False
+                kept = allowed.clone()
+                kept[[i for i in self.refused if i < allowed.numel()]] = False
+                # Refusals are a preference within the grammar: never mask every token it allows.
+                allowed = kept if bool(kept.any()) else allowed
             way = self.way if self.way_at == len(produced) else None
             if len(self.refused) >= REJECTIONS and way:  # the way out itself, which fits
                 allowed = torch.zeros_like(allowed)

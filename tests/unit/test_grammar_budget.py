@@ -166,3 +166,23 @@ def test_a_token_that_opens_an_item_too_late_is_refused(tiny_tokenizer):
     assert processor.accept([], close)
     assert not processor.accept([], comma)
     assert not processor([], torch.zeros(vocab))[comma].isfinite()  # refused: masked when asked again
+
+
+def test_closing_never_picks_a_token_the_grammar_forbids() -> None:
+    """Inside a string-like lexeme (most tokens allowed), a forbidden quote stays out of the pick."""
+    from agentkv.grammar.finishing import closing_choice, closing_rank
+
+    class Vocab:
+        texts = ['"', '"}', "0", "a", "b", "c", "d", "e"]
+
+        def __len__(self) -> int:
+            return len(self.texts)
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(self.texts[i] for i in ids)
+
+    rank = closing_rank(Vocab(), set())
+    allowed = torch.tensor([False, False, True, True, True, True, True, True])  # an id lexeme: no quotes
+    choice = closing_choice(allowed, rank)
+    assert choice.sum() == 1 and bool(allowed[choice].all())
+    assert Vocab.texts[int(choice.nonzero())] == "0"
