@@ -362,6 +362,9 @@ class CallbacksConfig(Section):
     raise_error: bool = Field(default=False, strict=True)
     """Let handler errors stop the run; false logs them (hints never break a run)."""
 
+    event_log: int = Field(default=10_000, ge=0, strict=True)
+    """Events the handler keeps for inspection (`handler.events`); the oldest leave first; 0 = none."""
+
 
 # ---------------------------------------------------------------------------- cross-field checks
 #

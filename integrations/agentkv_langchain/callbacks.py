@@ -189,7 +189,9 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self.adopted: list[tuple[str, str]] = []
         """`(thread, branch)` of every branch adopted as its thread's continuation, in order."""
         self.events: list[tuple[str, Event]] = []
-        """Every event sent, in order, as `(session_id, event)`, duplicates included (sessions skip them)."""
+        """The events sent, in order, as `(session_id, event)`, duplicates included (sessions skip them):
+        the last `callbacks.event_log` of them (a long-lived handler does not grow without bound)."""
+        self.event_log = self.config.callbacks.event_log
         self.leases: dict[tuple[str, str], Lease] = {}
         """Pins made by `agentkv.pin` events, by `(session_id, owner)`; give them back with `release`."""
         self.errors = 0
@@ -207,6 +209,8 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         """Record and apply one event (what every callback ends in); returns the `ApplyResult` or None."""
         with self._lock:
             self.events.append((session_id, event))
+            if len(self.events) > self.event_log:
+                del self.events[: len(self.events) - self.event_log]
         logger.debug("session %s <- %r", session_id, event)
         return self.backend.apply(session_id, event)
 
@@ -516,6 +520,7 @@ class KVLifecycleCallbackHandler(_HandlerBase):
         self.flush(thread=run.thread)
         for event in self.tasks.finish(run.session_id, outcome):
             self._emit(run.session_id, event)
+        self.book.forget_closed(lambda session_id: session_id in self.backend)
         if outcome is Outcome.INTERRUPTED:
             logger.debug("run %s paused at an interrupt: the turn goes on", run.root)
             return

@@ -16,7 +16,7 @@ how each unit ended is `outcomes.decide`'s.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -101,6 +101,8 @@ class RunBook:
         """Live runs, by run id (a finished top-level run leaves nothing behind)."""
         self.sessions: dict[str, SessionRecord] = {}
         self.threads: dict[str, ThreadRecord] = {}
+        self._seen_open: set[str] = set()
+        """Sessions with a record that the backend was seen holding (`forget_closed`)."""
 
     # -- runs --------------------------------------------------------------------------------------
 
@@ -314,6 +316,31 @@ class RunBook:
                     record.selected.discard(other)
             if selected:
                 record.selected.add(branch)
+
+    # -- closed sessions ----------------------------------------------------------------------------
+
+    def forget_closed(self, is_open: Callable[[str], bool]) -> None:
+        """Drop the records of sessions and threads the backend held and has closed since.
+
+        `is_open(session_id)` says whether the backend holds a session now. A thread
+        record stays while it has pending interrupts or open branches, and so do its
+        sessions' records (a resume names the calls of the message that paused); a
+        session record with held tool outcomes stays (they are sent when it comes back).
+        Records of sessions the backend never held (events without a model session) stay.
+        """
+        with self.lock:
+            for sid in [*self.sessions, *self.threads]:
+                if is_open(sid):
+                    self._seen_open.add(sid)
+            closed = {sid for sid in self._seen_open if not is_open(sid)}
+            waiting = {t for t, r in self.threads.items() if r.interrupts or r.branches or t not in closed}
+            for thread in set(self.threads) - waiting:
+                del self.threads[thread]
+            for sid, record in list(self.sessions.items()):
+                held = record.pending or any(sid == t or is_branch_of(sid, t) for t in waiting)
+                if sid in closed and not held:
+                    del self.sessions[sid]
+            self._seen_open -= closed - set(self.sessions) - set(self.threads)
 
     def _session(self, session_id: str) -> SessionRecord:
         return self.sessions.setdefault(session_id, SessionRecord())

@@ -427,3 +427,24 @@ def test_hitl_decisions_name_the_message_that_made_the_calls(handler):
     handler.on_resume(type("R", (), {"run_id": last})())
     assert handler.events[-1] == ("h", UserConfirmed(owner="ai-7"))
     assert handler.errors == 0
+
+
+# -- a long-lived handler ----------------------------------------------------------------------
+
+
+def test_a_long_lived_handler_keeps_the_last_events_and_no_closed_session(backend):
+    """Runs on many threads: the log holds the last `event_log` events; closed threads leave no record."""
+    config = AgentKVConfig.from_dict({"callbacks": {"event_log": 5}})
+    handler = KVLifecycleCallbackHandler(backend, config=config)
+    for n in range(4):
+        thread = f"t{n}"
+        backend.session(thread).extend(HISTORY)
+        RunnableLambda(lambda _: weather.invoke(call("weather", "call_1")).content).invoke(
+            None, run_config(handler, thread)
+        )
+        assert thread in handler.book.sessions  # its latest calls and failures, while the session lives
+        backend.close(thread)
+    assert len(handler.events) == 5
+    assert handler.events[-2:] == [("t3", ToolCallCompleted(tool_call_id="call_1")), ("t3", TurnEnded())]
+    RunnableLambda(lambda _: "no tool").invoke(None, run_config(handler, "t3"))
+    assert set(handler.book.sessions) == set() and set(handler.book.threads) == set()
