@@ -245,13 +245,13 @@ class ModelRunner:
             restore_window(self.model, cache, positions, hidden, chunk=self.prefill_chunk)
         past = cache.slot_position.to(self.device)  # [S]
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
-        keys: torch.Tensor | dict[str, torch.Tensor] = torch.cat([past, new])  # [S + n]
+        all_keys = torch.cat([past, new])  # [S + n]
+        keys: torch.Tensor | dict[str, torch.Tensor] = all_keys
         hide: torch.Tensor | dict[str, torch.Tensor] | None = hidden
         if cache.windowed:
             # Sliding layers hold only the slots they can still attend: their keys are those.
             held = cache.slot_window
-            sliding_keys = torch.cat([past[held.to(self.device)], new])  # [S_w + n]
-            keys = {FULL: keys, SLIDING: sliding_keys}
+            keys = {FULL: all_keys, SLIDING: torch.cat([past[held.to(self.device)], new])}  # [S_w + n]
             if hidden is not None:
                 local = local_index(held)[hidden.cpu()][held[hidden.cpu()]]
                 hide = {FULL: hidden, SLIDING: local}

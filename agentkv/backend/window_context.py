@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from agentkv.store.cache import PhysicalCache
+from agentkv.store.cache import ManagedCache, PhysicalCache
 
 __all__ = ["restore_window"]
 
@@ -52,7 +51,7 @@ def restore_window(
             f"has {len(ids)} token ids to recompute it from, expected {upto} (set `context_source`)"
         )
         raise RuntimeError(msg)
-    plain = DynamicCache()
+    plain = ManagedCache(cache.num_layers)  # every layer holds every token: a plain forward
     device = next(model.parameters()).device
     for begin in range(0, upto, chunk):
         stop = min(upto, begin + chunk)
@@ -64,8 +63,15 @@ def restore_window(
             logits_to_keep=1,
         )
     index = cache.slot_position[missing].to(device)
-    keys = [plain.layers[i].keys.index_select(-2, index) for i in cache.sliding_layers]  # [B, H, m, D]
-    values = [plain.layers[i].values.index_select(-2, index) for i in cache.sliding_layers]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i in cache.sliding_layers:
+        full = plain.managed_layers[i].full()
+        if full is None:
+            msg = f"the plain forward left layer {i} empty, expected {upto} tokens"
+            raise RuntimeError(msg)
+        keys.append(full[0].index_select(-2, index))  # [B, H, m, D]
+        values.append(full[1].index_select(-2, index))
     cache.hold_window(missing, keys, values)
     cache.window_recomputed_tokens += upto
     return int(missing.numel())

@@ -25,16 +25,7 @@ import torch
 
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.layer import LayerFactory, ManagedCache, SharedPrefixLayer
-from agentkv.store.window import (
-    WindowSpec,
-    dead_slots,
-    hold_slots,
-    keys_with_gaps,
-    local_index,
-    missing_slots,
-    select_local,
-    trim_slots,
-)
+from agentkv.store.window import LayerSlots, WindowSpec, missing_slots
 
 SLOT_FIELDS: tuple[str, ...] = (
     "slot_span",
@@ -66,10 +57,11 @@ class PhysicalCache:
     ) -> None:
         self.num_layers = num_layers
         self.window = window
-        """The sliding layers and their window (None: none); they hold only `slot_window` slots, in full precision."""
-        sliding = set(window.layers) if window is not None else set()
-        self.sliding_layers: tuple[int, ...] = tuple(sorted(sliding))
-        self.full_layers: tuple[int, ...] = tuple(i for i in range(num_layers) if i not in sliding)
+        """The sliding layers and their window (None: none); they hold `slot_window` slots, full precision."""
+        self.slots = LayerSlots(num_layers, window)
+        """Which slots each layer holds (full layers all, sliding layers `slot_window`)."""
+        self.sliding_layers = self.slots.sliding
+        self.full_layers = self.slots.full
         self.context_source: Callable[[int], list[int]] | None = None
         """Token ids of logical positions `0 .. n - 1`, to recompute dropped sliding KV (`restore_window`)."""
         self.window_paused = 0  # > 0 inside `whole_window`
@@ -136,12 +128,10 @@ class PhysicalCache:
         the tensors (a layer's bytes over the slots it holds), then `nbytes` is a product.
         """
         if self._slot_bytes is None and self.length:
-            layers = self.cache.managed_layers
-            full = sum(_bytes_per_slot(layers[i]) for i in self.full_layers)
-            sliding = sum(_bytes_per_slot(layers[i]) for i in self.sliding_layers)
-            if not self.sliding_layers or int(self.slot_window.sum()):
-                self._slot_bytes = (full, sliding)
-            return full, sliding
+            measured = self.slots.slot_bytes(self.cache.managed_layers)
+            if not self.sliding_layers or bool(self.slot_window.any()):
+                self._slot_bytes = measured
+            return measured
         return self._slot_bytes or (0, 0)
 
     def slots_bytes(self, slots: torch.Tensor) -> int:
@@ -223,16 +213,9 @@ class PhysicalCache:
         self._check_lengths()
 
     def _check_lengths(self) -> None:
-        layers = self.cache.managed_layers
-        lengths = {layers[i].get_seq_length() for i in self.full_layers}
-        held = {layers[i].get_seq_length() for i in self.sliding_layers}
-        expected = int(self.slot_window.sum())
-        if lengths - {self.length} or held - {expected}:
-            msg = (
-                f"physical cache out of sync: bookkeeping has {self.length} slots ({expected} in the "
-                f"sliding layers), full layers hold {sorted(lengths)}, sliding layers {sorted(held)}"
-            )
-            raise RuntimeError(msg)
+        problem = self.slots.problem(self.cache.managed_layers, self.length, self.slot_window)
+        if problem:
+            raise RuntimeError(problem)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -253,7 +236,7 @@ class PhysicalCache:
         return slots[order]
 
     def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
-        """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty); zeros where a sliding layer holds none."""
+        """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty; zeros: dead sliding slots)."""
         self.compact_pending()
         return self.layer_keys_at(layer_idx, torch.arange(self.length)) if self.length else None
 
@@ -262,40 +245,16 @@ class PhysicalCache:
     def layer_keys_at(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor | None:
         """Keys of a layer at `slots` (`long [n]`), `[B, H_kv, n, D]` (None when empty); reads no more."""
         self.compact_pending()
-        layer = self.cache.managed_layers[layer_idx]
-        if layer_idx not in self.sliding_layers:
-            return layer.keys_at(slots)
-        return keys_with_gaps(layer, self.slot_window, slots)
+        return self.slots.keys_at(self.cache.managed_layers, layer_idx, self.slot_window, slots)
 
     def extract(self, slots: torch.Tensor) -> KVBlock:
         """Copy the full layers' KV of some slots into a block (every layer without sliding ones)."""
-        return self._extract(slots, self.full_layers)
+        return self.slots.extract(self.cache.managed_layers, slots, self.slot_offset[slots].tolist())
 
     def extract_window(self, slots: torch.Tensor) -> KVBlock | None:
-        """Copy the sliding layers' KV of those of `slots` they hold (None: none held, or no sliding layers)."""
-        if not self.sliding_layers:
-            return None
-        held = slots[self.slot_window[slots]]
-        if not held.numel():
-            return None
-        return self._extract(held, self.sliding_layers)
-
-    def _extract(self, slots: torch.Tensor, layer_ids: Sequence[int]) -> KVBlock:
+        """Copy the sliding layers' KV of those of `slots` they hold (None: none, or no sliding layer)."""
         offsets = self.slot_offset[slots].tolist()
-        index_of = local_index(self.slot_window)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        layers = self.cache.managed_layers
-        for i in layer_ids:
-            layer = layers[i]
-            full = layer.full()
-            if full is None:
-                msg = "cannot extract from an empty cache"
-                raise RuntimeError(msg)
-            index = (index_of[slots] if i in self.sliding_layers else slots).to(full[0].device)
-            keys.append(full[0].index_select(-2, index))  # [B, H, n, D]
-            values.append(full[1].index_select(-2, index))
-        return KVBlock(keys=keys, values=values, offsets=offsets)
+        return self.slots.extract_window(self.cache.managed_layers, self.slot_window, slots, offsets)
 
     def remove(self, slots: torch.Tensor) -> int:
         """Drop some slots: mark, then one `index_select` per layer. Returns slots removed.
@@ -380,12 +339,7 @@ class PhysicalCache:
             self.slot_heavy_attention = self.slot_heavy_attention + heavy.float().cpu()
 
     def _select(self, keep: torch.Tensor) -> None:
-        layers = self.cache.managed_layers
-        for i in self.full_layers:
-            layers[i].select(keep)
-        local = select_local(self.slot_window, keep) if self.sliding_layers else keep
-        for layer in self._sliding():
-            layer.select(local)
+        self.slots.select(self.cache.managed_layers, self.slot_window, keep)
         for name in SLOT_FIELDS:
             setattr(self, name, getattr(self, name)[keep])
 
@@ -399,23 +353,14 @@ class PhysicalCache:
         """
         if self.window is None or self.window_paused or not self.length:
             return 0
-        if not bool(dead_slots(self.slot_window, self.slot_position, self.window.window).any()):
-            return 0
         self.compact_pending()
         before = int(self.slot_window.sum())
-        self.slot_window = trim_slots(
-            self._sliding(), self.slot_window, self.slot_position, self.window.window
-        )
+        self.slot_window = self.slots.trim(self.cache.managed_layers, self.slot_window, self.slot_position)
         return before - int(self.slot_window.sum())
-
-    def _sliding(self) -> list[SharedPrefixLayer]:
-        layers = self.cache.managed_layers
-        return [layers[i] for i in self.sliding_layers]
 
     def key_slots(self, new: int) -> dict[int, torch.Tensor]:
         """Per sliding layer, the slot of each key its kernel gets in a forward of `new` more tokens."""
-        held = torch.cat([self.slot_window.nonzero().flatten(), torch.arange(self.length, self.length + new)])
-        return dict.fromkeys(self.sliding_layers, held)
+        return self.slots.key_slots(self.slot_window, new)
 
     @contextmanager
     def whole_window(self) -> Iterator[None]:
@@ -442,7 +387,7 @@ class PhysicalCache:
         `slots` (`long [n]`) are slots the sliding layers do not hold, the KV given in that order.
         """
         self.compact_pending()
-        self.slot_window = hold_slots(self._sliding(), self.slot_window, slots, keys, values)
+        self.slot_window = self.slots.hold(self.cache.managed_layers, self.slot_window, slots, keys, values)
         self._check_lengths()
 
     # -- the attended quantized tier ----------------------------------------------------------
@@ -534,25 +479,13 @@ class PhysicalCache:
         before = self.length
         blocks = [block for _, block, _ in items]
         sliding = [None] * len(items) if windows is None else list(windows)
-        held = [
-            torch.ones(b.num_tokens, dtype=torch.bool)
-            if not self.sliding_layers
-            else torch.tensor([o in set(w.offsets) for o in b.offsets] if w else [False] * b.num_tokens)
-            for b, w in zip(blocks, sliding, strict=True)
-        ]
-        layers = self.cache.managed_layers
         try:
-            for j, i in enumerate(self.full_layers):
-                layers[i].update(_cat([b.keys[j] for b in blocks]), _cat([b.values[j] for b in blocks]))
-            present = [w for w in sliding if w is not None]
-            for j, i in enumerate(self.sliding_layers):
-                if present:  # each [B, H_kv, n_w, D], in the block's token order
-                    layers[i].update(_cat([w.keys[j] for w in present]), _cat([w.values[j] for w in present]))
+            held = self.slots.append(self.cache.managed_layers, blocks, sliding)
             self.record_append(
                 torch.cat([torch.full((b.num_tokens,), sid, dtype=torch.long) for sid, b, _ in items]),
                 torch.tensor([o for b in blocks for o in b.offsets], dtype=torch.long),
                 torch.cat([positions.to(torch.long) for _, _, positions in items]),
-                window=torch.cat(held),
+                window=held,
             )
         except BaseException:
             self.rollback(before)
@@ -566,10 +499,7 @@ class PhysicalCache:
         would fail on mismatched lengths. Appends only ever add at the end, so cutting
         each layer's own tensors back to `length` restores the state before the append.
         """
-        held = int(self.slot_window[:length].sum())
-        for i, layer in enumerate(self.cache.managed_layers):
-            keep = held if i in self.sliding_layers else length
-            layer.cut_to(max(0, keep - layer.prefix_length))
+        self.slots.cut(self.cache.managed_layers, self.slot_window, length)
         if self.length > length:
             for name in SLOT_FIELDS:
                 setattr(self, name, getattr(self, name)[:length])
@@ -639,16 +569,3 @@ class PhysicalCache:
         for name in SLOT_FIELDS:
             setattr(child, name, getattr(self, name).clone())
         return child
-
-
-def _bytes_per_slot(layer: SharedPrefixLayer) -> int:
-    """Bytes one slot costs in a full-precision layer (keys and values), 0 when it holds none."""
-    held = layer.get_seq_length()
-    if not held:
-        return 0
-    return sum(tensor_bytes(t) for t in (*layer.prefix_tensors(), *layer.own_tensors())) // held
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along the token dimension (no copy for a single tensor)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)

@@ -85,7 +85,7 @@ class KVStore:
         """Bits of the host archive's quantized copies (None: full precision, restored exactly)."""
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
         self.window_blocks: dict[int, HostBlock | QuantizedBlock] = {}
-        """Sliding layers' KV of an archived span's slots they held (on the span's tier); `blocks` hold the full layers'."""
+        """Sliding layers' KV of the slots they held, of archived spans (`blocks`: the full layers')."""
 
     # -- accounting ------------------------------------------------------------------------
 
