@@ -175,12 +175,12 @@ class ModelRunner:
             want = logits == "all" or (logits == "last" and last_chunk)
             input_ids = torch.tensor([part.input_ids], dtype=torch.long, device=self.device)  # [1, n]
             position_ids = torch.tensor([part.positions], dtype=torch.long, device=self.device)  # [1, n]
-            if probe is not None and cache.windowed:
-                probe.key_slots = cache.key_slots(len(part))
             mask = attention_mask
             if mask is None and self.layout.windowed:
                 # transformers would size each window by physical slots: the window is by position.
                 mask = self.logical_mask(cache, part.positions)
+            if probe is not None and cache.windowed:  # after `logical_mask`: it may restore sliding KV
+                probe.key_slots = cache.key_slots(len(part))
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
