@@ -37,7 +37,7 @@ import torch
 
 from agentkv import AgentKVConfig, Custom, TransformersBackend, load_model
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout
-from agentkv.spans import SpanKind
+from agentkv.spans import SpanKind, SpanState
 from agentkv.store.cache import PhysicalCache, WindowSpec
 
 TOKENS = (1024, 4096, 16384)
@@ -120,7 +120,10 @@ def exactness(model: Any, tokenizer: Any, *, masked: bool, move: str = "archive"
     session.apply(Custom(event=move, owner="call_1"))
     archived = tool.tier.value
     started = time.perf_counter()
-    session.apply(Custom(event="bring", owner="call_1"))
+    if move == "drop":  # recompute the evicted result at its positions now (the mover's eager rehydration)
+        session.manager.move(tool, SpanState.COMMITTED, reason="rehydrate")
+    else:
+        session.apply(Custom(event="bring", owner="call_1"))
     bring_seconds = time.perf_counter() - started
     ids = session.token_ids()
     delta = (
@@ -132,7 +135,7 @@ def exactness(model: Any, tokenizer: Any, *, masked: bool, move: str = "archive"
         mine.append(int(session.continuation_logits(prompt_ids + mine)[-1].argmax()))
     return {
         "masks": "by layer type (logical positions)" if masked else "every layer full (physical windows)",
-        "move": f"{move} + bring back",
+        "move": "evict + rehydrate" if move == "drop" else "archive + restore",
         "bring_back_seconds": bring_seconds,
         "sliding_recomputed_tokens": session.store.physical.window_recomputed_tokens,
         "tool_tokens": tool.length,

@@ -180,7 +180,7 @@ def decode_rate_ratio(model: Any, ids: list[int], new_tokens: int = 48) -> dict[
     from transformers import DynamicCache
 
     runner = ModelRunner(model)
-    physical = PhysicalCache(runner.num_layers)
+    physical = PhysicalCache(runner.num_layers, window=runner.window)  # as a session holds it
     feed = Feed(ids, list(range(len(ids))), [0] * len(ids), list(range(len(ids))))
     logits = runner.forward(physical, feed)
     assert logits is not None
