@@ -8,6 +8,7 @@ loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,8 @@ class ModelRunner:
         )
         self.bytes_per_token: int = 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
         """Full-precision KV bytes one token costs across all layers (keys and values)."""
+        self.model_lock = threading.RLock()
+        """Serialises the model's use (the backend's `model_lock`): a probe reroutes every call."""
         self.forward_seconds = 0.0
         self.forward_tokens = 0
         self._background: dict[tuple[int, ...], torch.Tensor] = {}
@@ -242,7 +245,8 @@ class ModelRunner:
         """
         if cache.windowed:
             # Sliding KV a query needs and the cache no longer holds (a recompute at old positions).
-            restore_window(self.model, cache, positions, hidden, chunk=self.prefill_chunk)
+            with self.model_lock:
+                restore_window(self.model, cache, positions, hidden, chunk=self.prefill_chunk)
         past = cache.slot_position.to(self.device)  # [S]
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
         all_keys = torch.cat([past, new])  # [S + n]

@@ -238,7 +238,10 @@ class PhysicalCache:
     def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
         """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty; zeros: dead sliding slots)."""
         self.compact_pending()
-        return self.layer_keys_at(layer_idx, torch.arange(self.length)) if self.length else None
+        if layer_idx in self.sliding_layers:
+            return self.layer_keys_at(layer_idx, torch.arange(self.length)) if self.length else None
+        full = self.cache.managed_layers[layer_idx].full()
+        return None if full is None else full[0]
 
     # -- moves ----------------------------------------------------------------------------
 
