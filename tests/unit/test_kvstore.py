@@ -147,3 +147,23 @@ def test_sliding_layers_hold_the_window_in_any_slot_order_and_the_probe_scatters
         reference = out.attentions[layer][0, :, -2:].float().mean(dim=(0, 1))  # [positions]
         on_slots = reference[torch.cat([order, torch.arange(start, start + 4)])]
         assert (weights - on_slots).abs().max().item() <= TOL, f"layer {layer}"
+
+
+def test_the_attended_quantized_tier_holds_the_full_layers_and_sliding_ones_stay_exact(tiny_tokenizer):
+    from agentkv.spans import SpanKind
+    from agentkv.store.attended import QuantizedAttendedLayer
+    from tests.unit.store_moves import quantize
+    from tests.unit.window_models import HISTORY as WINDOW_HISTORY
+    from tests.unit.window_models import WINDOW, build_case, open_session
+
+    session = open_session(build_case("gemma3"), tiny_tokenizer)
+    (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
+    quantize(session.store, [tool])
+    physical = session.store.physical
+    layers = physical.cache.managed_layers
+    assert session.store.attended_quantized_tokens(tool) > 0
+    assert all(isinstance(layers[i], QuantizedAttendedLayer) for i in physical.full_layers)
+    assert not any(isinstance(layers[i], QuantizedAttendedLayer) for i in physical.sliding_layers)
+    session.extend([*WINDOW_HISTORY, {"role": "user", "content": "and the secret code once more?"}])
+    assert int(physical.slot_window.sum()) == WINDOW - 1  # still trimmed after each forward
+    session.check()
