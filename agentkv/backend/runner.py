@@ -238,6 +238,9 @@ class ModelRunner:
         tokens being recomputed. One mask, or a dict by layer type for a hybrid model
         (`agentkv.backend.masks.logical_masks`), in the form the model's current attention
         implementation reads (read per call: `model.set_attn_implementation` switches it).
+        On a cache whose sliding layers hold only their window, sliding layers get their own
+        key positions, and sliding KV the queries attend that was dropped (a recompute at old
+        positions) is recomputed first (`restore_window`): build the mask right before its forward.
 
         Raises:
             ValueError: The attention implementation cannot take an arbitrary 4D mask
