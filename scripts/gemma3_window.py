@@ -29,15 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from agentkv import AgentKVConfig, Custom, TransformersBackend, load_model
-from agentkv.backend.masks import FULL, AttentionLayout
-from agentkv.spans import SpanKind
-from agentkv.store.cache import PhysicalCache
+from agentkv.backend.masks import FULL, SLIDING, AttentionLayout
+from agentkv.spans import SpanKind, SpanState
+from agentkv.store.cache import PhysicalCache, WindowSpec
 
 TOKENS = (1024, 4096, 16384)
 """Cache lengths of the bytes comparison."""
@@ -45,7 +46,11 @@ GREEDY_TOKENS = 24
 """Tokens of the greedy answer compared with `model.generate`."""
 CUE = "\nFrom the manifest above, the seal of container 005 is SL-"
 """The completion cue read after the conversation (the answer is in the tool result: 4465)."""
-RULES = {"custom:archive": {"owner": "archive"}, "custom:bring": {"owner": "commit"}}
+RULES = {
+    "custom:archive": {"owner": "archive"},
+    "custom:drop": {"owner": "evict"},
+    "custom:bring": {"owner": "commit"},
+}
 
 
 def gguf_path(given: str | None) -> Path:
@@ -95,21 +100,31 @@ def greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
-def exactness(model: Any, tokenizer: Any, *, masked: bool) -> dict[str, Any]:
-    """Archive + restore of the tool result; logits and greedy answer against a plain run."""
+def exactness(model: Any, tokenizer: Any, *, masked: bool, move: str = "archive") -> dict[str, Any]:
+    """Archive + restore (or evict + rehydrate) of the tool result; logits and greedy answer vs a plain run.
+
+    `masked=False` masks every layer as a full one and keeps every layer whole, as
+    transformers would size the windows by physical slots.
+    """
     backend = TransformersBackend(
         model, tokenizer, AgentKVConfig.from_dict({"policy": "full", "rules": RULES})
     )
     if not masked:
         backend.runner.layout = AttentionLayout((FULL,) * backend.runner.num_layers, None)
+        backend.runner.window = None
     session = backend.session("gemma3")
     session.extend(MESSAGES)
     (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
     # A base model: ask completion-style, so the answer copies from the (restored) manifest.
     prompt_ids = tokenizer.encode(CUE, add_special_tokens=False)
-    session.apply(Custom(event="archive", owner="call_1"))
+    session.apply(Custom(event=move, owner="call_1"))
     archived = tool.tier.value
-    session.apply(Custom(event="bring", owner="call_1"))
+    started = time.perf_counter()
+    if move == "drop":  # recompute the evicted result at its positions now (the mover's eager rehydration)
+        session.manager.move(tool, SpanState.COMMITTED, reason="rehydrate")
+    else:
+        session.apply(Custom(event="bring", owner="call_1"))
+    bring_seconds = time.perf_counter() - started
     ids = session.token_ids()
     delta = (
         session.continuation_logits(prompt_ids) - plain_logits(model, ids + prompt_ids)[-len(prompt_ids) :]
@@ -120,6 +135,9 @@ def exactness(model: Any, tokenizer: Any, *, masked: bool) -> dict[str, Any]:
         mine.append(int(session.continuation_logits(prompt_ids + mine)[-1].argmax()))
     return {
         "masks": "by layer type (logical positions)" if masked else "every layer full (physical windows)",
+        "move": "evict + rehydrate" if move == "drop" else "archive + restore",
+        "bring_back_seconds": bring_seconds,
+        "sliding_recomputed_tokens": session.store.physical.window_recomputed_tokens,
         "tool_tokens": tool.length,
         "context_tokens": len(ids),
         "archived_to": archived,
@@ -141,9 +159,13 @@ def hf_bytes(model: Any, n: int) -> int:
 
 
 def agentkv_bytes(model: Any, n: int) -> int:
-    """Bytes agentkv's attended cache holds (and charges) after `n` tokens."""
+    """Bytes agentkv's attended cache holds (and charges) after `n` tokens (dead sliding KV trimmed)."""
     config = model.config
-    physical = PhysicalCache(config.num_hidden_layers)
+    layout = AttentionLayout.of(config)
+    window = None
+    if layout.sliding_window is not None:
+        window = WindowSpec(tuple(layout.layers_of(SLIDING)), layout.sliding_window)
+    physical = PhysicalCache(config.num_hidden_layers, window=window)
     layers = physical.cache.managed_layers
 
     def update(i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -153,6 +175,7 @@ def agentkv_bytes(model: Any, n: int) -> int:
             start = physical.length
             slots = torch.arange(start, start + count)
             physical.record_append(torch.zeros(count, dtype=torch.long), slots, slots)
+            physical.trim_window()  # as the runner does after each forward
 
     fill(update, model, n)
     return physical.nbytes()
@@ -206,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{next(model.parameters()).dtype}"
     )
     report: dict[str, Any] = {"exactness": [], "bytes": []}
-    for masked in (True, False):
-        row = exactness(model, tokenizer, masked=masked)
+    for masked, move in ((True, "archive"), (True, "drop"), (False, "archive")):
+        row = exactness(model, tokenizer, masked=masked, move=move)
         report["exactness"].append(row)
         print(
-            f"archive+restore of a {row['tool_tokens']}-token result in {row['context_tokens']} tokens, "
+            f"{row['move']} of a {row['tool_tokens']}-token result in {row['context_tokens']} tokens "
+            f"({row['bring_back_seconds']:.2f} s, sliding KV recomputed over "
+            f"{row['sliding_recomputed_tokens']} tokens), "
             f"masks {row['masks']}: max |dlogit| {row['max_abs_logit_delta']:.3g}, "
             f"greedy equal: {row['greedy_equal']} ({row['greedy_answer']!r} vs {row['reference_answer']!r})"
         )

@@ -141,9 +141,10 @@ class SessionServices(SessionServicesBase[ServedSession]):
         try:
             with (
                 session.backend.model_lock,
+                physical.whole_window(),  # the tokens are taken back: the sliding KV they would outdate stays
                 AttentionProbe(session.runner.model, window=window) as probe,
             ):
-                session.runner.forward(physical, feed, logits="none", attention_mask=mask)
+                session.runner.forward(physical, feed, logits="none", attention_mask=mask, probe=probe)
         finally:
             physical.truncate(before)
         return probe

@@ -19,6 +19,7 @@ with windowed layers), each mask reaching its layers' attention function as it i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,18 +110,20 @@ def allowed_keys(
 
 def logical_masks(
     layout: AttentionLayout,
-    key_positions: torch.Tensor,
+    key_positions: torch.Tensor | Mapping[str, torch.Tensor],
     query_positions: torch.Tensor,
     *,
     implementation: str,
     dtype: torch.dtype,
-    hidden: torch.Tensor | None = None,
+    hidden: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
 ) -> Mask:
     """The masks a forward of `query_positions` over keys at `key_positions` takes, `[1, 1, n, K]` each.
 
     `key_positions` (`long [K]`) are the cached slots' positions followed by the new
-    tokens'; `hidden` (`long`, key indices) are never attended (old copies of tokens
-    being recomputed). One mask when every layer has the same type, else a dict by
+    tokens', or a dict by layer type when the layer types hold different slots (sliding
+    layers hold only those they can still attend); `hidden` (`long`, key indices, or a
+    dict by layer type) are never attended (old copies of tokens being recomputed).
+    One mask when every layer has the same type, else a dict by
     layer type. The mask takes the form the attention implementation reads: SDPA a
     bool mask (True = attend); eager and flex *add* it to the scores (0 = attend,
     the dtype's minimum = hidden), as transformers' own `eager_mask` builds it.
@@ -138,9 +141,11 @@ def logical_masks(
         raise ValueError(msg)
     masks: dict[str, torch.Tensor] = {}
     for layer_type in layout.types:
-        allowed = allowed_keys(key_positions, query_positions, layout.window_of(layer_type))
-        if hidden is not None and hidden.numel():
-            allowed[:, hidden.to(allowed.device)] = False
+        keys = key_positions[layer_type] if isinstance(key_positions, Mapping) else key_positions
+        hide = hidden.get(layer_type) if isinstance(hidden, Mapping) else hidden
+        allowed = allowed_keys(keys, query_positions, layout.window_of(layer_type))
+        if hide is not None and hide.numel():
+            allowed[:, hide.to(allowed.device)] = False
         masks[layer_type] = _as_kernel_mask(allowed[None, None], implementation, dtype)
     if len(masks) == 1:
         return next(iter(masks.values()))

@@ -114,7 +114,7 @@ def start_from_shared_prefix(session: PrefixUser, feed: Feed) -> Feed:
             return _attend(session, cache, feed, match)
         rest = _attend(session, cache, feed, match)
         head = rest.chunk(0, shareable - held)
-        with session.backend.model_lock:
+        with session.backend.model_lock, physical.whole_window():  # shared whole: any match length is exact
             session.forward(head, logits="none")
         session.counters.prefill_tokens += len(head)
         _mark_computed(session, head)

@@ -8,16 +8,19 @@ loop is ours: `prefill`, then `decode_one_token` (as in gpt-fast).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentkv.backend.masks import AttentionLayout, Mask, logical_masks
+from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, Mask, logical_masks
+from agentkv.backend.window_context import restore_window
 from agentkv.policies import AttentionProbe, Policy, attention_window, needs_accumulated_attention
 from agentkv.spans import Span
-from agentkv.store.cache import PhysicalCache
+from agentkv.store.cache import PhysicalCache, WindowSpec
+from agentkv.store.window import local_index
 
 ATTENTION_DECAY = 0.9
 """EMA decay of the accumulated attention signal (H2O-style) collected on prefills."""
@@ -74,6 +77,12 @@ class ModelRunner:
         self.num_layers: int = int(text_config.num_hidden_layers)
         self.layout = AttentionLayout.of(text_config)
         """Each layer's attention type; a windowed layout is masked by logical position on every forward."""
+        self.window: WindowSpec | None = (
+            WindowSpec(tuple(self.layout.layers_of(SLIDING)), self.layout.sliding_window)
+            if self.layout.sliding_window is not None
+            else None
+        )
+        """The sliding layers a session's cache holds only their window of (None: no sliding layer)."""
         self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
         self.dtype: torch.dtype = next(model.parameters()).dtype
@@ -84,6 +93,8 @@ class ModelRunner:
         )
         self.bytes_per_token: int = 2 * self.num_layers * kv_heads * head_dim * self.dtype.itemsize
         """Full-precision KV bytes one token costs across all layers (keys and values)."""
+        self.model_lock = threading.RLock()
+        """Serialises the model's use (the backend's `model_lock`): a probe reroutes every call."""
         self.forward_seconds = 0.0
         self.forward_tokens = 0
         self._background: dict[tuple[int, ...], torch.Tensor] = {}
@@ -113,6 +124,7 @@ class ModelRunner:
         *,
         logits: str = "last",
         attention_mask: Mask | None = None,
+        probe: AttentionProbe | None = None,
     ) -> torch.Tensor | None:
         """Run `feed` through the model, appending its KV to `cache`.
 
@@ -124,6 +136,8 @@ class ModelRunner:
                 form the model's attention implementation takes); only for single-chunk feeds.
                 None = attend to every cached slot, causal among new tokens: on a windowed
                 model, each chunk's masks are built by logical position (`logical_mask`).
+            probe: the attention probe the forward runs under, if any: on a cache whose sliding
+                layers hold a subset of the slots, it is told which slot each of their keys is.
         """
         import time
 
@@ -133,7 +147,7 @@ class ModelRunner:
         started = time.perf_counter()
         before = cache.length
         try:
-            outputs = self._forward_chunks(cache, feed, chunk, logits, attention_mask)
+            outputs = self._forward_chunks(cache, feed, chunk, logits, attention_mask, probe)
         except BaseException:
             # A forward that fails half way has grown some layers and not others: cut back,
             # so the session stays usable and the feed's tokens simply remain pending.
@@ -148,7 +162,13 @@ class ModelRunner:
         return torch.cat(outputs, dim=0)
 
     def _forward_chunks(
-        self, cache: PhysicalCache, feed: Feed, chunk: int, logits: str, attention_mask: Mask | None
+        self,
+        cache: PhysicalCache,
+        feed: Feed,
+        chunk: int,
+        logits: str,
+        attention_mask: Mask | None,
+        probe: AttentionProbe | None,
     ) -> list[torch.Tensor]:
         """The chunked forwards of `forward`; returns the logits rows it was asked to keep."""
         outputs: list[torch.Tensor] = []
@@ -162,6 +182,8 @@ class ModelRunner:
             if mask is None and self.layout.windowed:
                 # transformers would size each window by physical slots: the window is by position.
                 mask = self.logical_mask(cache, part.positions)
+            if probe is not None and cache.windowed:  # after `logical_mask`: it may restore sliding KV
+                probe.key_slots = cache.key_slots(len(part))
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -173,6 +195,7 @@ class ModelRunner:
             cache.record_append(
                 torch.tensor(part.span_ids), torch.tensor(part.offsets), torch.tensor(part.positions)
             )
+            cache.trim_window()  # sliding KV no later query can attend is dropped
             if want:
                 outputs.append(out.logits[0].float())  # [n or 1, V]
         return outputs
@@ -196,7 +219,7 @@ class ModelRunner:
         probed = min(len(feed), attention_window(policy, default=window))
         heavy = needs_accumulated_attention(policy)
         with AttentionProbe(self.model, window=probed, heavy=heavy) as probe:
-            logits = self.forward(cache, feed, **kwargs)
+            logits = self.forward(cache, feed, probe=probe, **kwargs)
         attention = probe.attention()
         cache.accumulate_attention(attention, ATTENTION_DECAY)
         cache.observe_window(attention, probe.heavy_attention() if heavy else None)
@@ -215,20 +238,37 @@ class ModelRunner:
         tokens being recomputed. One mask, or a dict by layer type for a hybrid model
         (`agentkv.backend.masks.logical_masks`), in the form the model's current attention
         implementation reads (read per call: `model.set_attn_implementation` switches it).
+        On a cache whose sliding layers hold only their window, sliding layers get their own
+        key positions, and sliding KV the queries attend that was dropped (a recompute at old
+        positions) is recomputed first (`restore_window`): build the mask right before its forward.
 
         Raises:
             ValueError: The attention implementation cannot take an arbitrary 4D mask
                 (FlashAttention kernels only know causal and padding masks).
         """
+        if cache.windowed:
+            # Sliding KV a query needs and the cache no longer holds (a recompute at old positions).
+            with self.model_lock:
+                restore_window(self.model, cache, positions, hidden, chunk=self.prefill_chunk)
         past = cache.slot_position.to(self.device)  # [S]
         new = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
+        all_keys = torch.cat([past, new])  # [S + n]
+        keys: torch.Tensor | dict[str, torch.Tensor] = all_keys
+        hide: torch.Tensor | dict[str, torch.Tensor] | None = hidden
+        if cache.windowed:
+            # Sliding layers hold only the slots they can still attend: their keys are those.
+            held = cache.slot_window
+            keys = {FULL: all_keys, SLIDING: torch.cat([past[held.to(self.device)], new])}  # [S_w + n]
+            if hidden is not None:
+                local = local_index(held)[hidden.cpu()][held[hidden.cpu()]]
+                hide = {FULL: hidden, SLIDING: local}
         return logical_masks(
             self.layout,
-            torch.cat([past, new]),  # [S + n]
+            keys,
             new,
             implementation=self.attention_implementation,
             dtype=self.dtype,
-            hidden=hidden,
+            hidden=hide,
         )
 
     @property

@@ -51,7 +51,10 @@ class Session(SessionCore):
     def _start(self, parent: Session | None) -> None:
         """The local model's runner and a `KVStore`; a branch forks its parent's cache."""
         self.runner = self.backend.runner
-        self.store = KVStore(self.runner.num_layers, self.runner.device, self.config.quantization)
+        self.store = KVStore(
+            self.runner.num_layers, self.runner.device, self.config.quantization, window=self.runner.window
+        )
+        self.store.physical.context_source = self.context_ids
         self.table = SpanTable(self.session_id)
         """Spans, messages, leases, turn, counters and the event log (public)."""
         self.last_logits: torch.Tensor | None = None
@@ -90,6 +93,10 @@ class Session(SessionCore):
     def token_ids(self) -> list[int]:
         """The whole logical sequence's token ids (nothing is ever lost)."""
         return self.table.token_ids()
+
+    def context_ids(self, length: int) -> list[int]:
+        """The token ids of logical positions `0 .. length - 1` (sliding KV recomputed from them)."""
+        return self.table.token_ids()[:length]
 
     # -- encoding ------------------------------------------------------------------------------
 
@@ -404,7 +411,8 @@ class Session(SessionCore):
             feed = Feed(ids, list(range(start, start + len(ids))), [-1] * len(ids), list(range(len(ids))))
             before = self.store.physical.length
             try:
-                with self.backend.model_lock:
+                # The tokens are taken back: the sliding KV they would outdate stays.
+                with self.backend.model_lock, self.store.physical.whole_window():
                     logits = self.runner.forward(self.store.physical, feed, logits="all")
             finally:
                 self.store.physical.truncate(before)
@@ -464,6 +472,7 @@ class Session(SessionCore):
             if parent.prefill_pending():
                 parent.manager.after_operation()
             self.store = parent.store.fork()
+            self.store.physical.context_source = self.context_ids
             self.table = parent.table.fork(self.session_id)
             self.last_logits = parent.last_logits
             self.manager = LifecycleManager(SessionServices(self), self.limits)

@@ -9,7 +9,6 @@ model and a CPU forward gains nothing from running two at once.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -65,7 +64,7 @@ class TransformersBackend(SessionRegistry[Session]):
             self.config.prefix_cache, self.runner.bytes_per_token
         )
         """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
-        self.model_lock = threading.RLock()
+        self.model_lock = self.runner.model_lock
         self._rung_costs: dict[tuple[object, ...], dict[Rung, float]] = {}
 
     def rung_fidelity(self, config: AgentKVConfig) -> Mapping[Rung, float]:

@@ -108,6 +108,10 @@ class AttentionProbe:
         self._attention: dict[int, torch.Tensor] = {}
         self._heavy: dict[int, torch.Tensor] = {}
         self._queries: dict[int, torch.Tensor] = {}
+        self.key_slots: dict[int, torch.Tensor] = {}
+        """Per layer whose kernel gets a subset of the slots (a sliding layer holding only its
+        window), the slot of each of its keys, `long [K]`: its weights are scattered onto the
+        slots, the others get 0. Set by whoever runs the forward, before each call."""
 
     # -- attach / detach ----------------------------------------------------------------------
 
@@ -190,16 +194,24 @@ class AttentionProbe:
         q_len = int(call.query.shape[-2])
         w = min(self.window, q_len)
         with torch.no_grad():
-            probs = row_weights(call, q_len - w, q_len)  # [B, H_q, W, S]
-            self._attention[call.layer] = probs.mean(dim=(0, 1, 2)).cpu()  # [S]
+            probs = row_weights(call, q_len - w, q_len)  # [B, H_q, W, K]
+            self._attention[call.layer] = self._on_slots(call.layer, probs.mean(dim=(0, 1, 2)).cpu())  # [S]
             if self.keep_queries:
                 self._queries[call.layer] = call.query[:, :, q_len - w :].detach().clone()
             if self.heavy:
-                summed = _summed_weights(call)
+                summed = self._on_slots(call.layer, _summed_weights(call))
                 before = self._heavy.get(call.layer)
                 if before is not None:
                     summed[: before.numel()] += before[: summed.numel()]
                 self._heavy[call.layer] = summed
+
+    def _on_slots(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        """`[S]`: a layer's per-key weights `[K]` on the cache's slots (`key_slots`)."""
+        slots = self.key_slots.get(layer)
+        if slots is None or int(slots.numel()) != int(weights.numel()):
+            return weights
+        out = torch.zeros(int(slots.max()) + 1 if slots.numel() else 0, dtype=weights.dtype)
+        return out.index_copy_(0, slots, weights)
 
 
 HEAVY_BLOCK = 256

@@ -18,13 +18,14 @@ when it must change that prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.layer import LayerFactory, ManagedCache, SharedPrefixLayer
+from agentkv.store.window import LayerSlots, WindowSpec, missing_slots
 
 SLOT_FIELDS: tuple[str, ...] = (
     "slot_span",
@@ -33,10 +34,11 @@ SLOT_FIELDS: tuple[str, ...] = (
     "slot_attention",
     "slot_window_attention",
     "slot_heavy_attention",
+    "slot_window",
 )
 """The per-slot bookkeeping tensors `[S]`, kept aligned with the layers' tokens."""
 
-__all__ = ["LayerFactory", "ManagedCache", "PhysicalCache", "SharedPrefixLayer"]
+__all__ = ["LayerFactory", "ManagedCache", "PhysicalCache", "SharedPrefixLayer", "WindowSpec"]
 
 
 class PhysicalCache:
@@ -46,8 +48,25 @@ class PhysicalCache:
     `slot_span[i]`, `slot_offset[i]`, `slot_position[i]` describe physical slot i.
     """
 
-    def __init__(self, num_layers: int, layer_factory: LayerFactory = SharedPrefixLayer) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        layer_factory: LayerFactory = SharedPrefixLayer,
+        *,
+        window: WindowSpec | None = None,
+    ) -> None:
         self.num_layers = num_layers
+        self.window = window
+        """The sliding layers and their window (None: none); they hold `slot_window` slots, full precision."""
+        self.slots = LayerSlots(num_layers, window)
+        """Which slots each layer holds (full layers all, sliding layers `slot_window`)."""
+        self.sliding_layers = self.slots.sliding
+        self.full_layers = self.slots.full
+        self.context_source: Callable[[int], list[int]] | None = None
+        """Token ids of logical positions `0 .. n - 1`, to recompute dropped sliding KV (`restore_window`)."""
+        self.window_paused = 0  # > 0 inside `whole_window`
+        self.window_recomputed_tokens = 0
+        """Tokens a plain forward ran to recompute sliding KV a query needed (`restore_window`)."""
         self.layer_factory = layer_factory
         """The layers of the attended quantized tier (`SharedPrefixLayer`: no such tier).
 
@@ -68,10 +87,12 @@ class PhysicalCache:
         """Attention the last probed observation window paid to each slot (SnapKV, TOVA); 0 for new slots."""
         self.slot_heavy_attention = torch.empty(0, dtype=torch.float32)
         """Attention summed over every probed query, undecayed (H2O's accumulated score)."""
+        self.slot_window = torch.empty(0, dtype=torch.bool)
+        """Whether the sliding layers hold the slot (always True without sliding layers)."""
         self._pending: torch.Tensor | None = None
         """Inside `deferred_removal`: `[length]` bool, slots removed but not yet compacted away."""
-        self._slot_bytes: int | None = None
-        """What one slot costs across all layers, measured once (`bytes_per_token`)."""
+        self._slot_bytes: tuple[int, int] | None = None
+        """What one slot costs in the full layers and in the sliding layers, measured once."""
 
     # -- size and accounting -------------------------------------------------------------
 
@@ -83,11 +104,44 @@ class PhysicalCache:
     def own_bytes(self) -> int:
         """Bytes of the tensors this cache owns (not a shared prefix), less removals not compacted yet."""
         held = sum(tensor_bytes(t) for layer in self.cache.managed_layers for t in layer.own_tensors())
-        return held - self._pending_slots() * self.bytes_per_token()
+        return held - self._pending_bytes()
 
     def _pending_slots(self) -> int:
         """Slots removed inside `deferred_removal` and not compacted away yet."""
         return 0 if self._pending is None else int(self._pending.sum())
+
+    def _pending_bytes(self) -> int:
+        """Bytes of the slots removed inside `deferred_removal` and not compacted away yet."""
+        if self._pending is None:
+            return 0
+        return self.slots_bytes(self._pending.nonzero().flatten())
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layers slide (and hold only the slots they can still attend)."""
+        return self.window is not None
+
+    def slot_bytes(self) -> tuple[int, int]:
+        """Bytes one slot costs in the full layers and, when the sliding layers hold it, in those.
+
+        Every layer of a kind holds a slot in the same dtype and shape: measured once from
+        the tensors (a layer's bytes over the slots it holds), then `nbytes` is a product.
+        """
+        if self._slot_bytes is None and self.length:
+            measured = self.slots.slot_bytes(self.cache.managed_layers)
+            if not self.sliding_layers or bool(self.slot_window.any()):
+                self._slot_bytes = measured
+            return measured
+        return self._slot_bytes or (0, 0)
+
+    def slots_bytes(self, slots: torch.Tensor) -> int:
+        """Bytes the cache holds for `slots` (`long [n]`): full layers always, sliding ones where held."""
+        if not slots.numel():
+            return 0
+        if self.variable_slot_bytes:
+            return int(slots.numel()) * self.bytes_per_token()
+        full, sliding = self.slot_bytes()
+        return int(slots.numel()) * full + int(self.slot_window[slots].sum()) * sliding
 
     def shared_bytes(self) -> int:
         """Bytes of the prefix tensors this cache shares with another one."""
@@ -100,7 +154,8 @@ class PhysicalCache:
             held = sum(tensor_bytes(t) for t in self.tensors())
             pending = self._pending_slots()
             return held - (held * pending // self.length if pending else 0)
-        return (self.length - self._pending_slots()) * self.bytes_per_token()
+        full, sliding = self.slot_bytes()
+        return self.length * full + int(self.slot_window.sum()) * sliding - self._pending_bytes()
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Every tensor referenced (own and shared), for global de-duplicated accounting."""
@@ -115,21 +170,30 @@ class PhysicalCache:
         of the cache: measured once from the tensors, after which `nbytes` is a product
         instead of a walk over every layer's tensors (budget checks read it after every
         move). `Session.check` compares it with a walk. Attended quantized layers hold
-        a slot as codes or in the full-precision window: for them this is the mean
-        over the slots held now, and `nbytes` walks the tensors.
+        a slot as codes or in the full-precision window, and sliding layers hold only
+        the slots they can still attend: for them this is the mean over the slots held
+        now (`slots_bytes` prices given slots exactly).
         """
-        if self.variable_slot_bytes:
-            # Attended quantized layers: the mean over the slots held now (window and codes differ).
+        if self.variable_slot_bytes or self.windowed:
+            # Attended quantized layers, or sliding layers holding some slots: the mean over the
+            # slots held now (windows, codes and dead sliding KV differ).
             return sum(tensor_bytes(t) for t in self.tensors()) // self.length if self.length else 0
-        if self._slot_bytes is None and self.length:
-            held = sum(tensor_bytes(t) for t in self.tensors())
-            self._slot_bytes = held // self.length
-        return self._slot_bytes or 0
+        return sum(self.slot_bytes())
 
     # -- bookkeeping after a forward ---------------------------------------------------------
 
-    def record_append(self, span_ids: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor) -> None:
-        """Record slots the model just appended (the forward already wrote their KV)."""
+    def record_append(
+        self,
+        span_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        window: torch.Tensor | None = None,
+    ) -> None:
+        """Record slots the model just appended (the forward already wrote their KV).
+
+        `window` (`bool [n]`): which of them the sliding layers hold (None: all, as a forward appends).
+        """
         span_ids = span_ids.reshape(-1)
         self.slot_span = torch.cat([self.slot_span, span_ids.to("cpu", torch.long)])
         self.slot_offset = torch.cat([self.slot_offset, offsets.to("cpu", torch.long)])
@@ -138,6 +202,10 @@ class PhysicalCache:
         self.slot_attention = torch.cat([self.slot_attention, new])
         self.slot_window_attention = torch.cat([self.slot_window_attention, new])
         self.slot_heavy_attention = torch.cat([self.slot_heavy_attention, new])
+        held = (
+            torch.ones(int(span_ids.numel()), dtype=torch.bool) if window is None else window.to(torch.bool)
+        )
+        self.slot_window = torch.cat([self.slot_window, held])
         if self._pending is not None:
             with torch.inference_mode(False):  # appends run in a forward; the mask is written in place later
                 grown = torch.zeros(int(span_ids.numel()), dtype=torch.bool)
@@ -145,10 +213,9 @@ class PhysicalCache:
         self._check_lengths()
 
     def _check_lengths(self) -> None:
-        lengths = {layer.get_seq_length() for layer in self.cache.managed_layers}
-        if lengths != {self.length}:
-            msg = f"physical cache out of sync: bookkeeping has {self.length} slots, layers hold {lengths}"
-            raise RuntimeError(msg)
+        problem = self.slots.problem(self.cache.managed_layers, self.length, self.slot_window)
+        if problem:
+            raise RuntimeError(problem)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -169,8 +236,10 @@ class PhysicalCache:
         return slots[order]
 
     def layer_keys(self, layer_idx: int) -> torch.Tensor | None:
-        """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty)."""
+        """All attended keys of a layer, `[B, H_kv, S, D]` (None when empty; zeros: dead sliding slots)."""
         self.compact_pending()
+        if layer_idx in self.sliding_layers:
+            return self.layer_keys_at(layer_idx, torch.arange(self.length)) if self.length else None
         full = self.cache.managed_layers[layer_idx].full()
         return None if full is None else full[0]
 
@@ -179,22 +248,16 @@ class PhysicalCache:
     def layer_keys_at(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor | None:
         """Keys of a layer at `slots` (`long [n]`), `[B, H_kv, n, D]` (None when empty); reads no more."""
         self.compact_pending()
-        return self.cache.managed_layers[layer_idx].keys_at(slots)
+        return self.slots.keys_at(self.cache.managed_layers, layer_idx, self.slot_window, slots)
 
     def extract(self, slots: torch.Tensor) -> KVBlock:
-        """Copy the KV of some slots into a block (the cache is unchanged)."""
+        """Copy the full layers' KV of some slots into a block (every layer without sliding ones)."""
+        return self.slots.extract(self.cache.managed_layers, slots, self.slot_offset[slots].tolist())
+
+    def extract_window(self, slots: torch.Tensor) -> KVBlock | None:
+        """Copy the sliding layers' KV of those of `slots` they hold (None: none, or no sliding layer)."""
         offsets = self.slot_offset[slots].tolist()
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for layer in self.cache.managed_layers:
-            full = layer.full()
-            if full is None:
-                msg = "cannot extract from an empty cache"
-                raise RuntimeError(msg)
-            index = slots.to(full[0].device)
-            keys.append(full[0].index_select(-2, index))  # [B, H, n, D]
-            values.append(full[1].index_select(-2, index))
-        return KVBlock(keys=keys, values=values, offsets=offsets)
+        return self.slots.extract_window(self.cache.managed_layers, self.slot_window, slots, offsets)
 
     def remove(self, slots: torch.Tensor) -> int:
         """Drop some slots: mark, then one `index_select` per layer. Returns slots removed.
@@ -279,10 +342,56 @@ class PhysicalCache:
             self.slot_heavy_attention = self.slot_heavy_attention + heavy.float().cpu()
 
     def _select(self, keep: torch.Tensor) -> None:
-        for layer in self.cache.managed_layers:
-            layer.select(keep)
+        self.slots.select(self.cache.managed_layers, self.slot_window, keep)
         for name in SLOT_FIELDS:
             setattr(self, name, getattr(self, name)[keep])
+
+    # -- sliding layers ------------------------------------------------------------------------
+
+    def trim_window(self) -> int:
+        """Drop the sliding layers' KV no later query can attend; slots dropped from them.
+
+        Later queries are at the cache's next position or after (`max position + 1`);
+        a recompute at old positions gets what it needs back (`missing_window`).
+        """
+        if self.window is None or self.window_paused or not self.length:
+            return 0
+        self.compact_pending()
+        before = int(self.slot_window.sum())
+        self.slot_window = self.slots.trim(self.cache.managed_layers, self.slot_window, self.slot_position)
+        return before - int(self.slot_window.sum())
+
+    def key_slots(self, new: int) -> dict[int, torch.Tensor]:
+        """Per sliding layer, the slot of each key its kernel gets in a forward of `new` more tokens."""
+        return self.slots.key_slots(self.slot_window, new)
+
+    @contextmanager
+    def whole_window(self) -> Iterator[None]:
+        """Inside, the sliding layers keep every slot appended (a prefix about to be shared whole)."""
+        self.window_paused += 1
+        try:
+            yield
+        finally:
+            self.window_paused -= 1
+
+    def missing_window(self, positions: Sequence[int], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """`long [m]`: held slots the sliding layers must hold for queries at `positions` and do not."""
+        if self.window is None or not self.length:
+            return torch.empty(0, dtype=torch.long)
+        self.compact_pending()
+        queries = torch.tensor(list(positions), dtype=torch.long)
+        return missing_slots(self.slot_window, self.slot_position, queries, self.window.window, hidden)
+
+    def hold_window(
+        self, slots: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+    ) -> None:
+        """The sliding layers hold `slots` again: per sliding layer their `keys` / `values` `[B, H, n, D]`.
+
+        `slots` (`long [n]`) are slots the sliding layers do not hold, the KV given in that order.
+        """
+        self.compact_pending()
+        self.slot_window = self.slots.hold(self.cache.managed_layers, self.slot_window, slots, keys, values)
+        self._check_lengths()
 
     # -- the attended quantized tier ----------------------------------------------------------
 
@@ -295,11 +404,14 @@ class PhysicalCache:
         """
         if self.variable_slot_bytes:
             return True
-        if self.layer_factory is SharedPrefixLayer:
+        if self.layer_factory is SharedPrefixLayer or not self.full_layers:
             return False
         self.compact_pending()
         upgraded: list[SharedPrefixLayer] = []
-        for layer in self.cache.managed_layers:
+        for i, layer in enumerate(self.cache.managed_layers):
+            if i in self.sliding_layers:  # sliding layers hold a window's worth: kept full precision
+                upgraded.append(layer)
+                continue
             fresh = self.layer_factory()
             full = layer.full()
             if full is not None:
@@ -321,8 +433,14 @@ class PhysicalCache:
         sets = [slots] if isinstance(slots, torch.Tensor) else list(slots)
         if not any(s.numel() for s in sets) or not self.ensure_quantizable():
             return 0
-        layers = self.cache.managed_layers
+        layers = self.quantizable_layers
         return type(layers[0]).quantize_all(layers, slots) if layers else 0
+
+    @property
+    def quantizable_layers(self) -> list[SharedPrefixLayer]:
+        """The layers the attended quantized tier holds (the full layers; sliding ones stay exact)."""
+        layers = self.cache.managed_layers
+        return [layers[i] for i in self.full_layers]
 
     def quantized_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """`bool [n]`: which of `slots` are held quantized in every layer.
@@ -330,7 +448,7 @@ class PhysicalCache:
         Layers agree unless a quantization failed half way; then the slots some layers
         still hold exact count as exact, so the next demotion quantizes them there too.
         """
-        layers = self.cache.managed_layers
+        layers = self.quantizable_layers
         if not layers or not self.variable_slot_bytes:
             return torch.zeros(int(slots.numel()), dtype=torch.bool)
         mask = layers[0].is_quantized(slots)
@@ -345,9 +463,15 @@ class PhysicalCache:
         """Append a block's KV at the end of the physical cache (restore / recall)."""
         self.append_blocks([(span_id, block, positions)])
 
-    def append_blocks(self, items: Sequence[tuple[int, KVBlock, torch.Tensor]]) -> None:
+    def append_blocks(
+        self,
+        items: Sequence[tuple[int, KVBlock, torch.Tensor]],
+        windows: Sequence[KVBlock | None] | None = None,
+    ) -> None:
         """Append several `(span_id, block, positions)` at the end, with one update per layer.
 
+        `block` holds the full layers' KV (`extract`); `windows[i]` the sliding layers' KV
+        of some of item i's tokens (`extract_window`; None: the sliding layers hold none).
         All or nothing: if a layer fails half way (out of memory while copying back),
         the layers already written are cut back, so the caller can fall back to
         recomputing the spans on a cache that is still in sync.
@@ -357,15 +481,14 @@ class PhysicalCache:
         self.compact_pending()
         before = self.length
         blocks = [block for _, block, _ in items]
+        sliding = [None] * len(items) if windows is None else list(windows)
         try:
-            for i, layer in enumerate(self.cache.managed_layers):
-                keys = [b.keys[i] for b in blocks]  # each [B, H_kv, n_b, D]
-                values = [b.values[i] for b in blocks]
-                layer.update(_cat(keys), _cat(values))
+            held = self.slots.append(self.cache.managed_layers, blocks, sliding)
             self.record_append(
                 torch.cat([torch.full((b.num_tokens,), sid, dtype=torch.long) for sid, b, _ in items]),
                 torch.tensor([o for b in blocks for o in b.offsets], dtype=torch.long),
                 torch.cat([positions.to(torch.long) for _, _, positions in items]),
+                window=held,
             )
         except BaseException:
             self.rollback(before)
@@ -379,8 +502,7 @@ class PhysicalCache:
         would fail on mismatched lengths. Appends only ever add at the end, so cutting
         each layer's own tensors back to `length` restores the state before the append.
         """
-        for layer in self.cache.managed_layers:
-            layer.cut_to(max(0, length - layer.prefix_length))
+        self.slots.cut(self.cache.managed_layers, self.slot_window, length)
         if self.length > length:
             for name in SLOT_FIELDS:
                 setattr(self, name, getattr(self, name)[:length])
@@ -411,8 +533,8 @@ class PhysicalCache:
         Empty for a cache with an attended quantized tier (its layers are not shared).
         """
         self.compact_pending()
-        if self.variable_slot_bytes:
-            return []
+        if self.variable_slot_bytes or not bool(self.slot_window.all()):
+            return []  # quantized layers are not shared; a prefix is shared whole (`whole_window`)
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.cache.managed_layers:
             layer.freeze_as_prefix()
@@ -428,7 +550,8 @@ class PhysicalCache:
 
     def fork(self) -> PhysicalCache:
         """A child cache sharing this cache's current tensors as its read-only prefix."""
-        child = PhysicalCache(self.num_layers, self.layer_factory)
+        child = PhysicalCache(self.num_layers, self.layer_factory, window=self.window)
+        child.context_source = self.context_source
         copied = self.variable_slot_bytes
         if copied:
             # Attended quantized layers are not shared: the branch holds its own copy (codes as they are).
@@ -449,8 +572,3 @@ class PhysicalCache:
         for name in SLOT_FIELDS:
             setattr(child, name, getattr(self, name).clone())
         return child
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along the token dimension (no copy for a single tensor)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)

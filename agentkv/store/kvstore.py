@@ -21,7 +21,7 @@ from agentkv.config_sections import QuantizationConfig
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
-from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
+from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer, WindowSpec
 from agentkv.store.host import HostBlock, check_host_limit
 from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
 from agentkv.store.kivi import token_bytes
@@ -49,8 +49,12 @@ class KVStore:
         quantization: QuantizationConfig | None = None,
         *,
         host_limit_bytes: int | None = None,
+        window: WindowSpec | None = None,
     ) -> None:
-        """A store for `num_layers` layers on `device`, quantized as `quantization` says (None: defaults)."""
+        """A store for `num_layers` layers on `device`, quantized as `quantization` says (None: defaults).
+
+        `window`: the model's sliding layers, which hold (and archive) only the KV they can still attend.
+        """
         quantization = quantization if quantization is not None else QuantizationConfig()
         group_size = quantization.group_size
         attended_bits: int | None = quantization.attended_bits
@@ -64,7 +68,7 @@ class KVStore:
             factory = partial(
                 QuantizedAttendedLayer, attended_bits, group_size, attended_residual_tokens, attended_key_bits
             )
-        self.physical = PhysicalCache(num_layers, factory)
+        self.physical = PhysicalCache(num_layers, factory, window=window)
         self.attended_bits = attended_bits
         """Bits of the attended quantized tier (None: the attended cache is full precision)."""
         self.attended_residual_tokens = attended_residual_tokens
@@ -80,6 +84,8 @@ class KVStore:
         self.host_bits = quantization.host_bits
         """Bits of the host archive's quantized copies (None: full precision, restored exactly)."""
         self.blocks: dict[int, HostBlock | QuantizedBlock] = {}
+        self.window_blocks: dict[int, HostBlock | QuantizedBlock] = {}
+        """Sliding layers' KV of the slots they held, of archived spans (`blocks`: the full layers')."""
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -87,7 +93,7 @@ class KVStore:
         """Exact bytes per tier (sum of `numel * element_size` of the tensors held)."""
         # A snapshot of the blocks: the backend's global accounting may read a busy session
         # without its lock, and iterating the live dict could see it change size.
-        blocks = list(self.blocks.values())
+        blocks = [*self.blocks.values(), *self.window_blocks.values()]
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
         return TierBytes(
@@ -99,15 +105,15 @@ class KVStore:
 
     def host_bytes(self) -> int:
         """Bytes on the host tier."""
-        return sum(b.nbytes for b in self.blocks.values() if isinstance(b, HostBlock))
+        blocks = [*self.blocks.values(), *self.window_blocks.values()]
+        return sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
 
     def span_bytes(self, span: Span) -> int:
         """Bytes held for a span in its tier."""
         if span.tier.attended:
-            slots = int((self.physical.slot_span == span.span_id).sum())
-            return slots * self.physical.bytes_per_token()
-        block = self.blocks.get(span.span_id)
-        return 0 if block is None else block.nbytes
+            return self.physical.slots_bytes((self.physical.slot_span == span.span_id).nonzero().flatten())
+        held = (self.blocks.get(span.span_id), self.window_blocks.get(span.span_id))
+        return sum(block.nbytes for block in held if block is not None)
 
     # -- branches and lifetime -------------------------------------------------------------
 
@@ -120,11 +126,13 @@ class KVStore:
         child = copy.copy(self)  # the same settings; its own cache and blocks below
         child.physical = self.physical.fork()
         child.blocks = {}
+        child.window_blocks = {}
         return child
 
     def close(self) -> None:
         """Free every archived block and the attended cache."""
         self.blocks.clear()
+        self.window_blocks.clear()
         self.physical.truncate(0)
 
     @contextmanager
@@ -237,7 +245,7 @@ class KVStore:
     def fine_key_tokens(self, span: Span | None = None) -> int:
         """Slots whose keys are held at 8 bits in attention (of one span, or all)."""
         physical = self.physical
-        layers = physical.cache.managed_layers
+        layers = physical.quantizable_layers
         if not layers or not isinstance(layers[0], QuantizedAttendedLayer):
             return 0
         slots = torch.arange(physical.length) if span is None else physical.slots_of(span.span_id)
@@ -291,7 +299,7 @@ class KVStore:
         """
         if self.attended_bits is None:
             return None
-        layers = self.physical.cache.managed_layers
+        layers = self.physical.quantizable_layers
         held = next(
             (t for layer in layers[:1] for t in (layer.keys, layer.prefix_keys) if _is_kv(t)),
             None,
@@ -383,25 +391,28 @@ class KVStore:
         slots = self.physical.slots_of(span.span_id)
         if tier == "drop":
             return self.drop(span)
-        block = self.physical.extract(slots)
-        stored: HostBlock | QuantizedBlock
-        if tier == "host":
-            stored = self._host_copy(block)
-            new_tier = Tier.HOST
-        else:
-            stored = QuantizedBlock.from_block(
-                block,
-                bits=8 if tier == "int8" else 4,
-                group_size=self.group_size,
-                residual_tokens=self.residual_tokens,
-            )
-            new_tier = Tier.QUANTIZED
+        window = self.physical.extract_window(slots)
+        stored = self._archived(self.physical.extract(slots), tier)
+        window_stored = None if window is None else self._archived(window, tier, adding=stored.nbytes)
         # Only remove from the attended cache once the archived copy exists (a failed move keeps the span).
         self.physical.remove(slots)
         self.blocks[span.span_id] = stored
-        return new_tier
+        if window_stored is not None:
+            self.window_blocks[span.span_id] = window_stored
+        return Tier.HOST if tier == "host" else Tier.QUANTIZED
 
-    def _host_copy(self, block: KVBlock) -> HostBlock:
+    def _archived(self, block: KVBlock, tier: str, adding: int = 0) -> HostBlock | QuantizedBlock:
+        """The archive tier's copy of an extracted block (`adding`: bytes of this move already copied)."""
+        if tier == "host":
+            return self._host_copy(block, adding)
+        return QuantizedBlock.from_block(
+            block,
+            bits=8 if tier == "int8" else 4,
+            group_size=self.group_size,
+            residual_tokens=self.residual_tokens,
+        )
+
+    def _host_copy(self, block: KVBlock, adding_before: int = 0) -> HostBlock:
         """The host tier's copy of an extracted block: quantized when `host_bits` asks and it is smaller.
 
         Per-channel key statistics cost a scale and a zero per channel per token group,
@@ -419,7 +430,7 @@ class KVStore:
             if stored.nbytes >= block.nbytes:
                 stored = None
         adding = block.nbytes if stored is None else stored.nbytes
-        check_host_limit(self.host_bytes(), adding, self.host_limit_bytes)
+        check_host_limit(self.host_bytes() + adding_before, adding, self.host_limit_bytes)
         return stored or HostBlock.offload(block, fresh=True)  # `extract` made new tensors
 
     def drop(self, span: Span) -> Tier:
@@ -427,6 +438,7 @@ class KVStore:
         if span.tier.attended:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
+        self.window_blocks.pop(span.span_id, None)
         span.kept = None
         return Tier.DROPPED
 
@@ -457,6 +469,7 @@ class KVStore:
         span stays archived with its block. Restored spans are held at full precision (DEVICE).
         """
         items: list[tuple[int, KVBlock, torch.Tensor]] = []
+        windows: list[KVBlock | None] = []
         restoring: list[Span] = []
         for span in spans:
             if span.tier.attended:
@@ -465,17 +478,24 @@ class KVStore:
             if stored is None:
                 msg = f"span {span.span_id} holds no archived KV (tier {span.tier.value}); rehydrate it"
                 raise ValueError(msg)
-            if isinstance(stored, HostBlock):
-                block = stored.restore(self.device)
-            else:
-                block = stored.to_block(device=self.device)
+            block = self._block_back(stored)
             positions = torch.tensor([span.start + o for o in block.offsets], dtype=torch.long)
             items.append((span.span_id, block, positions))
+            window = self.window_blocks.get(span.span_id)
+            windows.append(None if window is None else self._block_back(window))
             restoring.append(span)
-        self.physical.append_blocks(items)
+        self.physical.append_blocks(items, windows)
+        self.physical.trim_window()  # restored sliding KV that died while archived
         for span in restoring:
             del self.blocks[span.span_id]
+            self.window_blocks.pop(span.span_id, None)
         return MoveResult(tiers={s.span_id: Tier.DEVICE for s in restoring})
+
+    def _block_back(self, stored: HostBlock | QuantizedBlock) -> KVBlock:
+        """An archived block back on the device, in full precision."""
+        if isinstance(stored, HostBlock):
+            return stored.restore(self.device)
+        return stored.to_block(device=self.device)
 
     def cut(self, span: Span, keep_tokens: int) -> Tier:
         """Keep only an attended span's first `keep_tokens` slots (a history rewrite); its tier."""
@@ -494,6 +514,7 @@ class KVStore:
         if span.tier.attended:
             self.physical.remove(self.physical.slots_of(span.span_id))
         self.blocks.pop(span.span_id, None)
+        self.window_blocks.pop(span.span_id, None)
 
     def _require_attended(self, span: Span, action: str) -> None:
         if not span.tier.attended:
@@ -551,6 +572,9 @@ class KVStore:
                     problems.append(f"dropped span {span.span_id} still has a block")
                 if span.tier.archived and (block is None or sorted(block.offsets) != span.kept_offsets):
                     problems.append(f"archived span {span.span_id} block does not match its kept tokens")
+        for block_span in self.window_blocks:
+            if block_span not in self.blocks:
+                problems.append(f"sliding-layer block of span {block_span} without its full layers' block")
         for block_span in self.blocks:
             if block_span not in by_id:
                 problems.append(f"archived block of unknown span {block_span}")

@@ -198,7 +198,7 @@ def decode_rate_ratio(model: Any, ids: list[int], new_tokens: int = 48, repeats:
 def _agentkv_decode_rate(model: Any, ids: list[int], new_tokens: int) -> float:
     """Greedy tokens/s of agentkv's runner over its own cache, the prompt prefilled first."""
     runner = ModelRunner(model)
-    physical = PhysicalCache(runner.num_layers)
+    physical = PhysicalCache(runner.num_layers, window=runner.window)  # as a session holds it
     feed = Feed(ids, list(range(len(ids))), [0] * len(ids), list(range(len(ids))))
     logits = runner.forward(physical, feed)
     assert logits is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from agentkv import AgentKVConfig, SpanState, Tier, TransformersBackend
@@ -16,6 +17,7 @@ from agentkv.events import ToolCallCompleted
 from agentkv.spans import Span, SpanKind
 from tests.unit.held_kv import span_keys
 from tests.unit.store_moves import quantize
+from tests.unit.window_models import build_case, case_params
 
 FILLER = "build log line ok compiled module linked fine "
 TOOL_TEXT = FILLER * 10 + "error code KX7-4471 in step nine " + FILLER * 10
@@ -348,3 +350,13 @@ def test_with_8_bit_keys_held_no_room_is_made_for_the_best_match(tiny_model, tin
     assert session.store.fine_key_tokens() > 0
     assert session.store.attended_quantized_tokens(tool) > 0
     assert session.stats().budget_satisfied
+
+
+@pytest.mark.parametrize("case", case_params(["gemma3", "qwen2-window"]))
+def test_on_a_windowed_model_the_recomputed_span_attends_the_window_before_it(case: str, tiny_tokenizer):
+    """The sliding layers dropped the window before the tool result; its recompute gets it back exactly."""
+    model = build_case(case)
+    session, tool = quantized_then_asked(model, tiny_tokenizer, budget_tokens=100_000)
+    assert tool.tier is Tier.DEVICE and session.stats().exact_recalled_tokens == tool.length
+    expected = full_cache_logits(model, tiny_tokenizer)
+    torch.testing.assert_close(session.continuation_logits([5, 6, 7]), expected, rtol=1e-4, atol=1e-4)

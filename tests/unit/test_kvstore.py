@@ -6,6 +6,8 @@ read its physical cache directly; tests of the session and the lifecycle go thro
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -47,9 +49,9 @@ def test_restoring_several_spans_at_once_is_exact_and_one_append(backend, tiny_m
     physical = session.store.physical
     original = physical.append_blocks
 
-    def counted(items):
+    def counted(items, windows=None):
         appends.append(len(items))
-        original(items)
+        original(items, windows)
 
     monkeypatch.setattr(physical, "append_blocks", counted)
     restore(session.store, spans)
@@ -100,3 +102,68 @@ def test_one_budget_check_compacts_the_cache_once(tiny_model, tiny_tokenizer, mo
         assert len(compactions) <= 1
         session.check()
     assert most_demoted >= 2
+
+
+# -- sliding layers ----------------------------------------------------------------------------
+
+
+def test_sliding_layers_hold_the_window_in_any_slot_order_and_the_probe_scatters_onto_slots(tiny_tokenizer):
+    """A windowed model's cache: sliding layers hold the last window - 1 slots, whatever the order;
+    the attention probe's weights of a sliding layer land on the slots its keys are."""
+    from agentkv.backend.runner import Feed
+    from agentkv.policies import AttentionProbe
+    from tests.unit.window_models import WINDOW, build_case, open_session
+
+    model = build_case("gemma3")
+    session = open_session(model, tiny_tokenizer)
+    physical = session.store.physical
+    assert physical.windowed and int(physical.slot_window.sum()) == WINDOW - 1
+    newest = int(physical.slot_position.max())
+    assert physical.slot_position[physical.slot_window].tolist() == list(
+        range(newest - WINDOW + 2, newest + 1)
+    )
+    physical.permute(torch.randperm(physical.length, generator=torch.Generator().manual_seed(1)))
+    assert sorted(physical.slot_position[physical.slot_window].tolist()) == list(
+        range(newest - WINDOW + 2, newest + 1)
+    )
+    assert_matches_full(session, model, [5, 6, 7])
+    session.check()
+    # The probe over the cache against eager attention of a plain forward (positions = columns).
+    ids = session.token_ids()
+    probe_ids = [5, 6, 7, 9]
+    start = len(ids)
+    feed = Feed(probe_ids, list(range(start, start + 4)), [-1] * 4, list(range(4)))
+    before = physical.length
+    order = physical.slot_position.clone()  # slot -> position (the probe's tokens last)
+    with physical.whole_window(), AttentionProbe(model, window=2) as probe:
+        session.runner.forward(physical, feed, logits="none", probe=probe)
+    layers = probe.layer_attention
+    physical.truncate(before)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.inference_mode():
+        out = eager(input_ids=torch.tensor([ids + probe_ids]), output_attentions=True)
+    for layer, weights in layers.items():
+        reference = out.attentions[layer][0, :, -2:].float().mean(dim=(0, 1))  # [positions]
+        on_slots = reference[torch.cat([order, torch.arange(start, start + 4)])]
+        assert (weights - on_slots).abs().max().item() <= TOL, f"layer {layer}"
+
+
+def test_the_attended_quantized_tier_holds_the_full_layers_and_sliding_ones_stay_exact(tiny_tokenizer):
+    from agentkv.spans import SpanKind
+    from agentkv.store.attended import QuantizedAttendedLayer
+    from tests.unit.store_moves import quantize
+    from tests.unit.window_models import HISTORY as WINDOW_HISTORY
+    from tests.unit.window_models import WINDOW, build_case, open_session
+
+    session = open_session(build_case("gemma3"), tiny_tokenizer)
+    (tool,) = [s for s in session.spans if s.kind is SpanKind.TOOL_RESULT]
+    quantize(session.store, [tool])
+    physical = session.store.physical
+    layers = physical.cache.managed_layers
+    assert session.store.attended_quantized_tokens(tool) > 0
+    assert all(isinstance(layers[i], QuantizedAttendedLayer) for i in physical.full_layers)
+    assert not any(isinstance(layers[i], QuantizedAttendedLayer) for i in physical.sliding_layers)
+    session.extend([*WINDOW_HISTORY, {"role": "user", "content": "and the secret code once more?"}])
+    assert int(physical.slot_window.sum()) == WINDOW - 1  # still trimmed after each forward
+    session.check()

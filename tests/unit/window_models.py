@@ -40,6 +40,7 @@ __all__ = [
     "FULL_CASES",
     "HISTORY",
     "MOVES",
+    "RULES",
     "VARIANTS",
     "WINDOW",
     "WINDOWED_CASES",
