@@ -18,6 +18,9 @@ class ChatConfig(Section):
     """Tool-call format: hermes, qwen, llama3_json, mistral, granite, phi4, pythonic; null = detected."""
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template, e.g. `enable_thinking: false` (Qwen3, SmolLM3)."""
+    template: str | None = None
+    """A built-in template (chatml, gemma, llama3) or a .jinja file instead of the tokenizer's; null = the
+    tokenizer's (one without: the built-in its turn tokens name)."""
 
     @field_validator("tool_format")
     @classmethod
@@ -26,5 +29,16 @@ class ChatConfig(Section):
 
         if value is not None and value not in FORMATS:
             msg = f"unknown tool format {value!r}; allowed: {', '.join(FORMATS)}"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        from agentkv.templates.builtin import BUILTIN_TEMPLATES
+
+        if value is not None and value not in BUILTIN_TEMPLATES and not value.endswith(".jinja"):
+            names = ", ".join(BUILTIN_TEMPLATES)
+            msg = f"unknown template {value!r}; allowed: {names}, or a path ending in .jinja"
             raise ValueError(msg)
         return value

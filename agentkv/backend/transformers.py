@@ -58,6 +58,7 @@ class TransformersBackend(SessionRegistry[Session]):
             tokenizer,
             tool_format=self.config.chat.tool_format,
             template_kwargs=self.config.chat.template_kwargs,
+            template=self.config.chat.template,
         )
         self.runner = ModelRunner(model, prefill_chunk=prefill_chunk)
         self.prefix_cache: PrefixCache | None = build_prefix_cache(

@@ -88,6 +88,7 @@ class EngineBackend(SessionRegistry[EngineSession]):
             tokenizer,
             tool_format=self.config.chat.tool_format,
             template_kwargs=self.config.chat.template_kwargs,
+            template=self.config.chat.template,
         )
         self.bytes_per_token = bytes_per_token
         self.max_positions = max_positions

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, ToolCall, check_unicode
+from agentkv.templates.builtin import BUILTIN_TEMPLATES, resolve_template, template_for_vocabulary, with_bos
 from agentkv.templates.probe import probe_rules
 from agentkv.templates.roles import RoleRules, template_dicts
 from agentkv.templates.segments import Cached, Split, common_prefix, safe_cut, split_history
@@ -38,8 +39,12 @@ message, which does not move, instead of in the first user message."""
 
 
 def fallback_template(tokenizer: Any) -> str:
-    """The ChatML fallback, with the tokenizer's `bos` in front when it has one."""
-    return ("{{ bos_token }}" if getattr(tokenizer, "bos_token", None) else "") + FALLBACK_CHAT_TEMPLATE
+    """The template a tokenizer without one gets: the built-in one its vocabulary's turn tokens name.
+
+    ChatML (with the tokenizer's `bos` in front when it has one) unless the vocabulary has
+    another family's turn tokens (`agentkv.templates.builtin.template_for_vocabulary`).
+    """
+    return with_bos(template_for_vocabulary(tokenizer), tokenizer)
 
 
 class ChatFormat:
@@ -50,6 +55,12 @@ class ChatFormat:
         tool_format: the tool-call format's name (`agentkv.toolformats.FORMATS`); None:
             detected from the template (Hermes when it has none).
         template_kwargs: extra variables for the template (`enable_thinking=False`, ...).
+        template: a built-in template's name (`agentkv.templates.builtin.BUILTIN_TEMPLATES`)
+            or a `.jinja` file, used instead of the tokenizer's; None: the tokenizer's, and
+            for a tokenizer without one the built-in its vocabulary's turn tokens name.
+
+    Raises:
+        ValueError: `template` names neither a built-in template nor a `.jinja` file.
     """
 
     def __init__(
@@ -58,16 +69,26 @@ class ChatFormat:
         *,
         tool_format: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None)
-        self.uses_fallback = not template
-        if not template:
+        own = getattr(tokenizer, "chat_template", None)
+        self.uses_fallback = not own and template is None
+        """True when the tokenizer has no template and none was named: a built-in one is guessed."""
+        if template is not None:
+            source = resolve_template(template, tokenizer)
+        elif own:
+            source = own if isinstance(own, str) else str(own)
+        else:
+            guessed = template_for_vocabulary(tokenizer)
             logger.warning(
-                "tokenizer has no chat template; using the built-in ChatML fallback "
-                "(<|im_start|>role\\ncontent<|im_end|>). Pass a tokenizer with a template for best results."
+                "tokenizer has no chat template; using the built-in %r template (its turn tokens are in "
+                "the vocabulary). Name one with chat.template (%s or a .jinja file) to choose another.",
+                guessed.name,
+                ", ".join(BUILTIN_TEMPLATES),
             )
-            template = fallback_template(tokenizer)
+            source = with_bos(guessed, tokenizer)
+        template = source
         self.template: str = template if isinstance(template, str) else str(template)
         self.template_kwargs: dict[str, Any] = {
             **{k: v for k, v in _DEFAULT_KWARGS.items() if k in self.template},

@@ -8,7 +8,7 @@ from chat_families import FAMILIES, family_tokenizer
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
-from agentkv.templates import ChatFormat
+from agentkv.templates import ChatFormat, resolve_template
 from tests.conftest import tiny_llama_config
 
 FAMILY = {f.name: f for f in FAMILIES}
@@ -120,16 +120,97 @@ def test_template_switches_reach_the_template():
 
 
 def test_the_fallback_template_starts_with_bos_and_stops_on_eos():
-    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    """A vocabulary with no known family's turn tokens (Phi-3's) gets ChatML, stopped by text."""
+    tokenizer = family_tokenizer(FAMILY["phi3.5"])
     tokenizer.chat_template = None
     fmt = ChatFormat(tokenizer)
     assert fmt.uses_fallback
     text = fmt.render(normalize_messages([{"role": "user", "content": "Hi"}]), add_generation_prompt=True)
-    assert text.startswith("<bos>")
+    assert text == "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token_id in fmt.stop_token_ids()
     # Its vocabulary has no `<|im_end|>` token: the answer stops where the model spells it out.
     assert "<|im_end|>" not in tokenizer.get_vocab()
     assert fmt.stop_strings() == ("<|im_end|>",)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "name": "weather", "args": {"city": "Oslo"}}],
+    },
+    {"role": "tool", "content": "rain, 4 C", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "Rainy and cold."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "named", "prompt", "end"),
+    [
+        ("gemma2", "gemma", "<start_of_turn>model\n", "<end_of_turn>"),
+        ("llama3.2", "llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+        ("qwen3", "chatml", "<|im_start|>assistant\n", "<|im_end|>"),
+    ],
+)
+def test_a_base_tokenizer_gets_the_template_its_turn_tokens_name(family, named, prompt, end):
+    """No chat template: the built-in template written in the vocabulary's own turn tokens, one token a turn end."""
+    tokenizer = family_tokenizer(FAMILY[family])
+    tokenizer.chat_template = None
+    guessed = ChatFormat(tokenizer)
+    assert guessed.uses_fallback
+    assert guessed.template == resolve_template(named, tokenizer)
+    messages = normalize_messages(CONVERSATION)
+    text = guessed.render(messages, add_generation_prompt=True)
+    assert text.endswith(prompt) and "rain, 4 C" in text and "Be brief." in text
+    assert text.startswith(tokenizer.bos_token or "")
+    assert tokenizer.convert_tokens_to_ids(end) in guessed.stop_token_ids()
+    assert guessed.stop_strings() == ()
+    # Message by message, the texts join into the whole rendering (the session holds one span each).
+    assert "".join(guessed.message_texts(messages)) + guessed.generation_prompt(messages) == text
+    assert not ChatFormat(tokenizer, template=named).uses_fallback
+
+
+def test_a_named_template_replaces_the_tokenizers_and_a_bad_name_is_refused(tmp_path):
+    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    messages = normalize_messages(CONVERSATION[:2])
+    named = ChatFormat(tokenizer, template="gemma")
+    assert named.render(messages) == "<bos><start_of_turn>user\nBe brief.\n\nWeather in Oslo?<end_of_turn>\n"
+    own = tmp_path / "plain.jinja"
+    own.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", encoding="utf-8"
+    )
+    assert (
+        ChatFormat(tokenizer, template=str(own)).render(messages)
+        == "system: Be brief.\nuser: Weather in Oslo?\n"
+    )
+    with pytest.raises(ValueError, match="neither a built-in template"):
+        ChatFormat(tokenizer, template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="unknown template 'vicuna'; allowed: chatml, gemma, llama3"):
+        AgentKVConfig(chat={"template": "vicuna"})
+    backend = backend_for(tokenizer, AgentKVConfig(policy="full", chat={"template": "gemma"}))
+    assert backend.chat_format.template == named.template
+
+
+def test_a_session_on_a_guessed_template_answers_and_extends_exactly():
+    """A base Gemma-like tokenizer: a generated answer ends at `<end_of_turn>` and the next turn reuses it."""
+    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    tokenizer.chat_template = None
+    backend = backend_for(tokenizer)
+    session = backend.session("base")
+    history = [{"role": "user", "content": "Weather in Oslo?"}]
+    session.extend(history)
+    text = session.generate(8)
+    answer = {"role": "assistant", "content": text}
+    session.bind_message(answer)
+    result = session.extend([*history, answer, {"role": "user", "content": "And tomorrow?"}])
+    assert result.cropped_tokens == 0
+    rendered = backend.chat_format.render(
+        normalize_messages([*history, answer, {"role": "user", "content": "And tomorrow?"}])
+    )
+    assert held_text(session) == rendered
 
 
 def test_a_template_whose_turn_ends_with_a_special_token_needs_no_stop_string():
