@@ -156,7 +156,7 @@ CONVERSATION = [
     ],
 )
 def test_a_base_tokenizer_gets_the_template_its_turn_tokens_name(family, named, prompt, end):
-    """No chat template: the built-in template written in the vocabulary's own turn tokens, one token a turn end."""
+    """No chat template: the built-in one in the vocabulary's own turn tokens; one token ends a turn."""
     tokenizer = family_tokenizer(FAMILY[family])
     tokenizer.chat_template = None
     guessed = ChatFormat(tokenizer)
