@@ -15,6 +15,7 @@ turn replayed up to its first token), and the medians are compared.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import statistics
@@ -125,7 +126,9 @@ class BareForward:
 
     The cache grows with the conversation (each turn's ids extend the previous
     turn's); after a timed forward it is cropped back, so every repeat runs over the
-    same cache. When the ids do not extend what it holds, it is rebuilt.
+    same cache. A model with sliding-window layers cannot crop them once the window
+    is full: its cache is copied before the timed forward instead (outside the
+    timing). When the ids do not extend what it holds, it is rebuilt.
     """
 
     def __init__(self, model: Any) -> None:
@@ -135,6 +138,7 @@ class BareForward:
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         self.ids: list[int] = []
+        self.windowed = ModelRunner(model).layout.windowed
 
     @torch.inference_mode()
     def _advance(self, prefix: list[int]) -> None:
@@ -161,6 +165,7 @@ class BareForward:
         prefix, new = ids[:-new_tokens], ids[-new_tokens:]
         self._advance(prefix)
         start = len(prefix)
+        kept = copy.deepcopy(self.cache) if self.windowed else None
         started = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([new], device=self.device),
@@ -171,7 +176,10 @@ class BareForward:
         )
         int(torch.argmax(out.logits[0, -1]))
         elapsed = time.perf_counter() - started
-        self.cache.crop(-len(new))  # transformers 5: a negative count of tokens to remove
+        if kept is not None:
+            self.cache = kept
+        else:
+            self.cache.crop(-len(new))  # transformers 5: a negative count of tokens to remove
         return elapsed
 
 
