@@ -260,7 +260,10 @@ def run_reuse_bench(
         max_new_tokens: Answer length per turn.
         tool_words: Length of each tool result.
         repeats: Extra first-token measurements per turn for the session and the bare
-            forward (medians are compared); 0 skips the overhead comparison.
+            forward (medians are compared); 0 skips the overhead comparison. A model with
+            sliding-window layers is not rewound for the session's repeats (its dropped
+            sliding KV would be recomputed, which no agent call pays): its turn's one
+            measurement is compared with the bare forward's median.
         out_dir: Where the files go.
         progress: Called after each turn of each mode (task "reuse: session" or
             "reuse: re-encode") and once the decode-rate comparison is done.
@@ -285,7 +288,7 @@ def run_reuse_bench(
             ours: list[float] = []
             theirs: list[float] = []
             for _ in range(repeats):  # alternate, so a drifting load slows both alike
-                ours.append(first_token_seconds(session, before, history))
+                ours.append(row.ttft_s if bare.windowed else first_token_seconds(session, before, history))
                 theirs.append(bare.first_token_seconds(ids, row.new_tokens))
             session.extend([*history, {"role": "assistant", "content": row.answer}])
             overhead_rows.append(
