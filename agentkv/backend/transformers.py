@@ -22,7 +22,7 @@ from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.placement import Rung
+from agentkv.lifecycle.rungs import Rung
 from agentkv.store.prefix_cache import PrefixCache
 from agentkv.templates import ChatFormat
 

@@ -22,10 +22,17 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer
+from agentkv.store.costs import ArchiveSpec, SlotBytes, settled_bytes, slot_bytes, slot_counts, span_costs
 from agentkv.store.host import HostBlock, check_host_limit
-from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
-from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
+from agentkv.store.key_planes import PLANE_KEY_BITS, fine_row_bytes
+from agentkv.store.protocol import (
+    ARCHIVE_TIERS,
+    AttendedFloor,
+    AttendedTokens,
+    MoveResult,
+    SpanCosts,
+    TierBytes,
+)
 from agentkv.store.quantized import QuantizedBlock
 from agentkv.store.tokens import keep_slots, read_tokens
 
@@ -91,11 +98,39 @@ class KVStore:
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
         return TierBytes(
-            device=self.physical.nbytes(),
+            device=self._device_bytes(),
             quantized=quantized,
             host=host,
             shared=self.physical.shared_bytes(),
         )
+
+    def _device_bytes(self) -> int:
+        """The attended cache's bytes, removals not compacted yet counted as gone (codes counted exactly)."""
+        physical = self.physical
+        if not physical.variable_slot_bytes or bool(physical.live_mask().all()):
+            return physical.nbytes()
+        unit = self._slot_bytes()
+        if unit is None:
+            return physical.nbytes()
+        return settled_bytes(slot_counts(physical, self._quantization_masks()[1]), unit)
+
+    def _slot_bytes(self) -> SlotBytes | None:
+        bits = self.attended_bits or 4
+        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
+        return slot_bytes(self.physical, bits=bits, key_bits=key_bits, group_size=self.group_size)
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now and at each attended rung (`agentkv.store.costs`).
+
+        Empty without an attended quantized tier or before the first token.
+        """
+        unit = self._slot_bytes() if self.attended_bits is not None else None
+        if unit is None:
+            return {}
+        counts = slot_counts(self.physical, self._quantization_masks()[1])
+        planes = self.attended_key_bits == PLANE_KEY_BITS
+        archive = ArchiveSpec(self.group_size, self.residual_tokens, self.host_bits)
+        return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes, archive=archive)
 
     def host_bytes(self) -> int:
         """Bytes on the host tier."""
@@ -289,33 +324,10 @@ class KVStore:
         The least the budget can bring attended spans to before archiving one: what
         recall plans with. None without an attended quantized tier or before the first token.
         """
-        if self.attended_bits is None:
+        unit = self._slot_bytes() if self.attended_bits is not None else None
+        if unit is None:
             return None
-        layers = self.physical.cache.managed_layers
-        held = next(
-            (t for layer in layers[:1] for t in (layer.keys, layer.prefix_keys) if _is_kv(t)),
-            None,
-        )
-        if held is None:
-            return None
-        b, h, _, d = held.shape
-        bits = self.attended_bits
-        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
-        planes = key_bits == PLANE_KEY_BITS
-        key_bits = floor_key_bits(key_bits)  # the floor: fine planes dropped
-        group = self.group_size
-        spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
-        token = spec(amortized=True)
-        fine = b * h * d * PLANE_BITS // 8 if planes else 0  # one token's fine key plane, per layer
-        # A span's last key group is partial: it holds a whole group's statistics for fewer tokens.
-        one_group = spec() - token
-        return AttendedFloor(
-            token_bytes=token * len(layers),
-            exact_token_bytes=2 * b * h * d * held.element_size() * len(layers),
-            span_bytes=one_group * len(layers),
-            exact_tokens=self.attended_sink_tokens + self.attended_residual_tokens,
-            fine_token_bytes=fine * len(layers),
-        )
+        return unit.floor(self.attended_sink_tokens + self.attended_residual_tokens)
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""
