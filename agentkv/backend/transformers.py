@@ -141,7 +141,7 @@ class TransformersBackend(SessionRegistry[Session]):
             locked = session.lock.acquire(blocking=False)
             try:
                 tensors = list(session.store.physical.tensors())
-                quantized = session.store.bytes_by_tier().quantized
+                quantized = session.store.archived_device_bytes()
             finally:
                 if locked:
                     session.lock.release()

@@ -120,21 +120,35 @@ class KVStore:
         return slot_bytes(self.physical, bits=bits, key_bits=key_bits, group_size=self.group_size)
 
     def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
-        """By attended span id: its bytes now and at each attended rung (`agentkv.store.costs`).
+        """By attended span id: its bytes now, at each attended rung and archived (`agentkv.store.costs`).
 
-        Empty without an attended quantized tier or before the first token.
+        Without an attended quantized tier a span has no attended rung below its bytes now
+        (nothing is quantizable), but its int8 / int4 archive still stays on the device and is
+        counted. Empty before the first token.
         """
-        unit = self._slot_bytes() if self.attended_bits is not None else None
+        unit = self._slot_bytes()
         if unit is None:
             return {}
-        counts = slot_counts(self.physical, self._quantization_masks()[1])
-        planes = self.attended_key_bits == PLANE_KEY_BITS
+        quantizable = self._quantization_masks()[1]
+        if self.attended_bits is None:
+            quantizable = torch.zeros_like(quantizable)
+        counts = slot_counts(self.physical, quantizable)
+        planes = self.attended_bits is not None and self.attended_key_bits == PLANE_KEY_BITS
         archive = ArchiveSpec(self.group_size, self.residual_tokens, self.host_bits)
         return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes, archive=archive)
 
     def host_bytes(self) -> int:
         """Bytes on the host tier."""
-        return sum(b.nbytes for b in self.blocks.values() if isinstance(b, HostBlock))
+        return sum(b.nbytes for b in list(self.blocks.values()) if isinstance(b, HostBlock))
+
+    def archived_device_bytes(self) -> int:
+        """Bytes of the device-resident archive (int8/int4 codes of spans out of attention).
+
+        Safe to read without the session's lock (the backend's global accounting does):
+        it reads a snapshot of the blocks and nothing of the attended cache, whose masks
+        and tensors a running operation may hold at different lengths.
+        """
+        return sum(b.nbytes for b in list(self.blocks.values()) if isinstance(b, QuantizedBlock))
 
     def span_bytes(self, span: Span) -> int:
         """Bytes held for a span in its tier."""
