@@ -142,11 +142,10 @@ class KVStore:
         return sum(b.nbytes for b in list(self.blocks.values()) if isinstance(b, HostBlock))
 
     def archived_device_bytes(self) -> int:
-        """Bytes of the device-resident archive (int8/int4 codes of spans out of attention).
+        """Bytes of the int8/int4 archive on the device; safe without the session's lock.
 
-        Safe to read without the session's lock (the backend's global accounting does):
-        it reads a snapshot of the blocks and nothing of the attended cache, whose masks
-        and tensors a running operation may hold at different lengths.
+        The backend's global accounting reads busy sessions: a snapshot of the blocks, nothing
+        of the attended cache, whose masks a running operation may hold at different lengths.
         """
         return sum(b.nbytes for b in list(self.blocks.values()) if isinstance(b, QuantizedBlock))
 
