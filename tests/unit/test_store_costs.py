@@ -100,3 +100,24 @@ def test_an_archive_costs_what_the_block_holds(tiny_model: Any, tiny_tokenizer: 
         else:
             assert after.quantized - before.quantized == getattr(predicted, tier) == store.span_bytes(span)
         assert before.device - after.device == predicted.now
+
+
+@pytest.mark.parametrize("tier", ["int8", "int4"])
+def test_without_an_attended_tier_an_archive_on_the_device_is_still_counted(
+    tiny_model: Any, tiny_tokenizer: Any, tier: str
+) -> None:
+    quantization = {"attended_bits": None}
+    data: dict[str, Any] = {"policy": "lifecycle", "archive_tier": tier, "quantization": quantization}
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
+    session.extend([{"role": "user", "content": f"lorem ipsum {turn} sit amet " * 6} for turn in range(3)])
+    store = session.store
+    spans = [s for s in session.spans if s.tier.attended]
+    costs = store.attended_costs(spans)
+    # Nothing is quantizable in attention: the span's only step down is its archive, at the block's bytes.
+    assert all(c.quantizable == 0 and c.keys8 is None and c.coarse == c.now for c in costs.values())
+    span = spans[1]
+    before = store.bytes_by_tier()
+    span.tier = store.archive(span, tier)
+    after = store.bytes_by_tier()
+    assert after.quantized - before.quantized == getattr(costs[span.span_id], tier) > 0
+    assert store.archived_device_bytes() == after.quantized
