@@ -111,10 +111,16 @@ class PhysicalCache:
         return 0 if self._pending is None else int(self._pending.sum())
 
     def _pending_bytes(self) -> int:
-        """Bytes of the slots removed inside `deferred_removal` and not compacted away yet."""
-        if self._pending is None:
+        """Bytes of the slots removed inside `deferred_removal` and not compacted away yet.
+
+        The global accounting reads a busy session without its lock (`device_bytes`), so
+        this reads each tensor once: a mask whose length differs from the window flags'
+        is a compaction under way, and its slots count as held (one operation stale).
+        """
+        pending, window = self._pending, self.slot_window
+        if pending is None or pending.numel() != window.numel():
             return 0
-        return self.slots_bytes(self._pending.nonzero().flatten())
+        return self._slots_bytes(pending.nonzero().flatten(), window)
 
     @property
     def windowed(self) -> bool:
@@ -138,10 +144,14 @@ class PhysicalCache:
         """Bytes the cache holds for `slots` (`long [n]`): full layers always, sliding ones where held."""
         if not slots.numel():
             return 0
+        return self._slots_bytes(slots, self.slot_window)
+
+    def _slots_bytes(self, slots: torch.Tensor, window: torch.Tensor) -> int:
+        """`slots_bytes` against given window flags (`bool [length]`), read once by the caller."""
         if self.variable_slot_bytes:
             return int(slots.numel()) * self.bytes_per_token()
         full, sliding = self.slot_bytes()
-        return int(slots.numel()) * full + int(self.slot_window[slots].sum()) * sliding
+        return int(slots.numel()) * full + int(window[slots].sum()) * sliding
 
     def shared_bytes(self) -> int:
         """Bytes of the prefix tensors this cache shares with another one."""
@@ -152,10 +162,11 @@ class PhysicalCache:
         if self.variable_slot_bytes:
             # Codes, statistics and the full-precision window: walk the tensors actually held.
             held = sum(tensor_bytes(t) for t in self.tensors())
-            pending = self._pending_slots()
-            return held - (held * pending // self.length if pending else 0)
+            pending, length = self._pending_slots(), self.length
+            return held - (held * min(pending, length) // length if pending and length else 0)
         full, sliding = self.slot_bytes()
-        return self.length * full + int(self.slot_window.sum()) * sliding - self._pending_bytes()
+        window = self.slot_window
+        return int(window.numel()) * full + int(window.sum()) * sliding - self._pending_bytes()
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Every tensor referenced (own and shared), for global de-duplicated accounting."""

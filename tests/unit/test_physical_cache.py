@@ -98,3 +98,21 @@ def test_nested_blocks_compact_at_the_outermost_end(monkeypatch: pytest.MonkeyPa
         physical.remove(physical.slots_of(2))
     assert calls == [2]
     assert physical.slot_span.tolist() == [1, 1]
+
+
+def test_bytes_read_mid_compaction_count_the_removed_slots_as_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another session's global accounting reads this cache without its lock, mid-compaction too."""
+    physical, _ = _cache_with_spans([3, 4, 5, 2])
+    per_slot = physical.nbytes() // physical.length
+    seen: list[int] = []
+    original = physical._select
+
+    def read_between(keep: torch.Tensor) -> None:
+        original(keep)  # the slots are gone, the pending mask is not replaced yet
+        seen.append(physical.nbytes())
+
+    monkeypatch.setattr(physical, "_select", read_between)
+    with physical.deferred_removal():
+        physical.remove(physical.slots_of(1))
+    assert seen == [(14 - 4) * per_slot]
+    assert physical.nbytes() == (14 - 4) * per_slot
