@@ -197,7 +197,7 @@ class QuantizationConfig(Section):
     attended_bits: Literal[4, 2] | None = 4
     """Under pressure, spans are first held at 4 or 2 bits, still attended; null = archive at once."""
     attended_key_bits: Literal[8, 4, 2] | None = 8
-    """Key bits (null = attended_bits); 8 = two 4-bit planes, kept to the limit, then 4 before archive."""
+    """Key bits (null = attended_bits); 8 = two 4-bit planes, dropped to 4 before any span leaves."""
     host_bits: Literal[8, 4] | None = None
     """Host archive held as int8 / int4 codes (~1/4, ~1/8 of fp32 bytes); null = full precision, exact."""
     attended_residual_tokens: int = Field(default=64, ge=0, strict=True)

@@ -44,7 +44,6 @@ from focus_probe import MASKED, MASS, gold_read, pages, probe_attention
 from key_noise_probe import GOLD_MARGIN, RESIDUAL, SINKS, quantized, question_tokens, render
 from transformers import AttentionInterface
 
-from agentkv.lifecycle.rungs import ARCHIVE_DEVICE_SHARE
 from agentkv.models import load_model
 from agentkv_bench.workloads import load_workloads
 
@@ -53,11 +52,11 @@ LADDERS = os.environ.get("LADDERS", "int4").split(",")
 """`int4`: int4 then exact; `k8`: int4, then 8-bit keys, then exact (labels ending `+k8`)."""
 ORDERS = os.environ.get("ORDERS", "orc,att,rec").split(",")
 """Which placements to read (`orx`: the gold window exact, then pages by attention at int4)."""
-INT4_SHARE = ARCHIVE_DEVICE_SHARE["int4"]
-"""Device bytes of a token at int4 per exact byte (codes plus statistics)."""
+INT4_SHARE = 0.16
+"""Device bytes of a token at int4 per exact byte (codes plus statistics), as the probe's figures were run."""
 
-K8_SHARE = (ARCHIVE_DEVICE_SHARE["int8"] + ARCHIVE_DEVICE_SHARE["int4"]) / 2
-"""Device bytes of a token with 8-bit keys and int4 values per exact byte."""
+K8_SHARE = (0.3 + INT4_SHARE) / 2
+"""Device bytes of a token with 8-bit keys and int4 values per exact byte (int8 at 0.3), as run."""
 
 Placement = tuple[set[int], set[int], set[int]]
 """History positions held exact, with 8-bit keys (int4 values), and at int4; the rest are not attended."""

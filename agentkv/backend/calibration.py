@@ -34,7 +34,7 @@ import torch
 
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.config_sections import QuantizationConfig
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.models import cache_root
 from agentkv.store.cache import PhysicalCache
 from agentkv.store.key_planes import floor_key_bits as planes_floor

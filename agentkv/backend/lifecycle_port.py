@@ -16,7 +16,7 @@ from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.runner import Feed, ModelRunner
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.budget import BudgetLimits
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.policies import AttentionProbe
 from agentkv.spans import Span, Tier
@@ -161,19 +161,9 @@ class SessionServices(SessionServicesBase[ServedSession]):
         return get() if callable(get) else None
 
     def global_device_bytes(self) -> int:
-        """Device KV bytes across the backend's sessions and its prefix cache.
+        """Device KV bytes across the backend's sessions and its prefix cache."""
+        return self.session.backend.device_bytes()
 
-        Over the global high watermark, what no session attends (unreferenced prefix
-        cache entries) goes first, before any session demotes a span of its own.
-        """
-        backend = self.session.backend
-        usage = backend.device_bytes()
-        limits = self.session.limits
-        limit = limits.global_device_bytes
-        if (
-            limit is not None
-            and usage > limit * limits.high
-            and backend.relieve_device(usage - int(limit * limits.low))
-        ):
-            usage = backend.device_bytes()
-        return usage
+    def relieve_global(self, free_bytes: int) -> int:
+        """Free device bytes no session attends (unreferenced prefix cache entries); bytes freed."""
+        return self.session.backend.relieve_device(free_bytes)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.placement import DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung
 from agentkv.lifecycle.table import SpanTable
 from agentkv.session_ids import is_branch_of
 from agentkv.spans import Span, Tier

@@ -21,7 +21,7 @@ from agentkv.backend.registry import SessionRegistry, UnknownSessionError
 from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
-from agentkv.lifecycle.placement import Rung
+from agentkv.lifecycle.rungs import Rung
 from agentkv.store.prefix_cache import PrefixCache
 from agentkv.templates import ChatFormat
 
@@ -141,7 +141,7 @@ class TransformersBackend(SessionRegistry[Session]):
             locked = session.lock.acquire(blocking=False)
             try:
                 tensors = list(session.store.physical.tensors())
-                quantized = session.store.bytes_by_tier().quantized
+                quantized = session.store.archived_device_bytes()
             finally:
                 if locked:
                     session.lock.release()

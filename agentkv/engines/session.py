@@ -75,6 +75,11 @@ class EngineServices(SessionServicesBase["EngineSession"]):
         """Engine KV bytes across the backend's sessions."""
         return self.session.backend.device_bytes()
 
+    def relieve_global(self, free_bytes: int) -> int:
+        """Nothing to free outside the sessions: the engine's own cache is its business (0)."""
+        del free_bytes
+        return 0
+
 
 class EngineSession(SessionCore):
     """One conversation on the engine. Thread-safe: a per-session lock serialises every call."""

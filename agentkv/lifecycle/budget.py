@@ -25,17 +25,9 @@ from agentkv.lifecycle.compression import Compressor
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.placer import PlacementPeer, Placer
 from agentkv.lifecycle.timing import SectionTimer
-from agentkv.spans import Span, SpanState, Tier
+from agentkv.spans import SpanState
 
 logger = logging.getLogger(__name__)
-
-COMPACTION_PASSES = 2
-"""Demotions per check at most: usage is measured again once the deferred removals are compacted.
-
-Inside a deferred removal the store's figures are estimates of what the compaction
-will leave: a demotion that stopped just within the limit can end a few bytes over it
-once compacted (seen with 8-bit keys), and a second pass finishes the job.
-"""
 
 
 class BudgetKeeper(PlacementPeer):
@@ -74,6 +66,8 @@ class BudgetKeeper(PlacementPeer):
         """Demote until under the low watermark when over the high one; then the host budget."""
         table = self.table
         limits = self.limits
+        if self.enforced:
+            self.placer.relieve_global()
         limit = self.placer.effective_limit() if self.enforced else None
         self.last_limit = limit
         if limit is not None:
@@ -81,11 +75,9 @@ class BudgetKeeper(PlacementPeer):
             if limits.over(usage, limit):
                 target = limits.low_bytes(limit)
                 if self.whole_spans:
-                    for _ in range(COMPACTION_PASSES):
-                        with self.port.store.deferred_removal():  # one compaction for all moves
-                            self.placer.demote_to(target, limit, coarsen_to=limits.high_bytes(limit))
-                        if not limits.over(self.usage_bytes(), limit):
-                            break
+                    # One compaction for all moves; the store counts its removals as gone before it.
+                    with self.port.store.deferred_removal():
+                        self.placer.demote_to(target, limit)
                 else:
                     # Token mode drops tokens, not spans; a span left with none is evicted, whatever
                     # its state (the generic baselines drop active tokens too, by design). Generic
@@ -112,7 +104,9 @@ class BudgetKeeper(PlacementPeer):
             self.satisfied = reported is None or not limits.over(self.usage_bytes(), reported)
             if not self.satisfied:
                 table.counters.budget_unmet += 1
-        self._enforce_host_budget()
+        host_limit = limits.host_bytes
+        if host_limit is not None and limits.over(self.port.store.host_bytes(), host_limit):
+            self.placer.relieve_host(limits.low_bytes(host_limit))
         tiers = self.port.store.bytes_by_tier()
         table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)
 
@@ -139,19 +133,3 @@ class BudgetKeeper(PlacementPeer):
                     f"({self.limits.high} of {self.last_limit} B)"
                 ]
         return []
-
-    def demotable(self, span: Span) -> bool:
-        """Neither pinned nor protected by this turn's recall."""
-        return not span.pinned and span.span_id not in self.marks.recalled
-
-    def _enforce_host_budget(self) -> None:
-        limit = self.limits.host_bytes
-        if limit is None:
-            return
-        store = self.port.store
-        host = [s for s in self.table.spans if s.tier is Tier.HOST]
-        for span in sorted(host, key=lambda s: (s.score, s.start)):
-            if store.host_bytes() <= self.limits.low_bytes(limit):
-                return
-            if self.demotable(span) and span.state is not SpanState.EVICTED:
-                self.mover.move(span, SpanState.EVICTED, reason="host budget")

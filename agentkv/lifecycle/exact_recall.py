@@ -44,9 +44,6 @@ from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
-MAKE_ROOM_PLANS = 3
-"""Plans made at most to free room for the best match (a plan that only quantizes frees no floor room)."""
-
 WHOLE_SPAN_PAGES = 2
 """A relevant span of at most this many pages is recomputed whole; a longer one page by page, best first."""
 
@@ -144,19 +141,18 @@ class ExactRecall(PlacementPeer):
 
         The placement service plans the moves in the `needed_last` order: every span the
         current question does not need gives up its steps (int4, then leaving attention,
-        least value first) before a needed one does. What leaves stays recallable from its
-        token ids. No fine plane of an 8-bit key is dropped for it, and while one is held no
-        span leaves for it either: a token read at 8-bit keys is about as good as exact, and
-        its fine plane costs a thirteenth of what an exact token adds. Returns the room,
-        measured again.
+        least value first) before a needed one does; 8-bit keys drop to 4 bits in that
+        order too, before any span leaves attention. What leaves stays recallable from its
+        token ids. Returns the room, measured again.
         """
         placer = self.placer
-        for _ in range(MAKE_ROOM_PLANS):
-            before = placer.usage_bytes()
-            placer.demote_to(before - (need - room), limit, order=NEEDED_LAST, coarsen_to=before)
-            room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
-            if room >= need or placer.usage_bytes() >= before:
-                break
+        # Room is counted at the floor (every quantizable token quantized, the new message's
+        # pending tokens at their quantized size): usage brought to the floor it must reach
+        # frees it, whatever mix of quantizing, coarsening and leaving the plan chooses.
+        floor_now = placer.floor_usage(placer.quantized_now(), floor)
+        pending = floor.span_cost(placer.pending_tokens())
+        placer.demote_to(floor_now - pending - (need - room), limit, order=NEEDED_LAST)
+        room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
         return room
 
     @staticmethod

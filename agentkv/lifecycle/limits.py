@@ -76,6 +76,13 @@ class BudgetLimits:
             limit = share if limit is None else min(limit, share)
         return limit
 
+    def global_relief(self, backend_usage: int) -> int:
+        """Bytes the backend frees first over the global high watermark (down to the low one); 0 under it."""
+        limit = self.global_device_bytes
+        if limit is None or backend_usage <= self.high_bytes(limit):
+            return 0
+        return backend_usage - self.low_bytes(limit)
+
     def in_tokens(self, nbytes: int) -> float:
         """`nbytes` in full-precision token equivalents (the unit of `device_tokens`)."""
         return nbytes / self.token_bytes if self.token_bytes else float("nan")

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+COARSEN_ALL = 1 << 62
+"""`coarsen_attended_until`'s byte goal that every span given reaches (their fine planes all dropped)."""
+
 CommitCompression = Callable[[Span], None]
 """Scores and compresses a span once, at its first commit (`Compressor.compress_at_commit`)."""
 
@@ -206,19 +209,14 @@ class Mover:
         self._write_tiers(result.tiers)
         return result.freed
 
-    def can_coarsen(self) -> bool:
-        """Whether the store holds 8-bit keys in attention that could drop to 4 bits."""
+    def hold_coarse(self, spans: Sequence[Span]) -> int:
+        """Hold the 8-bit keys of `spans` at 4 bits (fine planes dropped); bytes freed (failures: faults)."""
         store = self.store
-        return isinstance(store, AttendedQuantizer) and store.fine_key_bytes() > 0
-
-    def coarsen(self, spans: Sequence[Span], free_bytes: int) -> int:
-        """Hold 8-bit keys of `spans` at 4 bits, in order, until `free_bytes` are freed; bytes freed."""
-        store = self.store
-        if free_bytes <= 0 or not isinstance(store, AttendedQuantizer) or not store.fine_key_bytes():
+        if not isinstance(store, AttendedQuantizer):
             return 0
         with self.timer.timed("store_seconds"):
             try:
-                return store.coarsen_attended_until(spans, free_bytes)
+                return store.coarsen_attended_until(spans, COARSEN_ALL)
             except Exception as e:  # noqa: BLE001 - the keys stay at 8 bits, still attended
                 self.fault("key coarsening", None, e)
                 return 0

@@ -27,79 +27,17 @@ it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
 
-Pure: no store, no model. `agentkv.lifecycle.budget` builds the options from the store
-and applies the plan through the mover.
+Pure: no store, no model. `agentkv.lifecycle.options` builds the options from the store;
+`agentkv.lifecycle.placer` applies the plan through the mover.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Protocol
 
-
-class Rung(Enum):
-    """Where a span's KV is, from the most faithful to the cheapest."""
-
-    FULL = "full"
-    """Attended at the model's dtype."""
-    KEYS8 = "keys8"
-    """Attended, keys at 8 bits (two 4-bit planes), values quantized."""
-    ATTENDED_Q = "attended_q"
-    """Attended at the tier's bits (int4 or int2), sinks and residual window exact."""
-    ARCHIVED = "archived"
-    """Not attended, held on the archive tier (host exact, or int8/int4 on the device)."""
-    DROPPED = "dropped"
-    """Not held: recomputed from its token ids when needed."""
-
-
-ATTENDED_RUNGS: frozenset[Rung] = frozenset({Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q})
-"""Rungs that keep a span attended (all a pinned or active span may occupy)."""
-
-DEFAULT_FIDELITY: Mapping[Rung, float] = {
-    Rung.FULL: 0.0,
-    Rung.KEYS8: 0.05,
-    Rung.ATTENDED_Q: 0.25,
-    Rung.ARCHIVED: 0.9,
-    Rung.DROPPED: 1.0,
-}
-"""Fraction of a span's value lost at each rung, before calibration on the loaded model.
-
-An archived span is not attended but comes back exactly (or nearly) when recalled; a
-dropped one must be recomputed, against whatever the cache holds then.
-"""
-
-
-@dataclass(frozen=True)
-class RungOption:
-    """One rung a span may occupy, with what it costs there."""
-
-    rung: Rung
-    device_bytes: int
-    """Device bytes the span holds at this rung (what the device budget counts)."""
-    fidelity: float
-    """Fraction of the span's value lost at this rung (0 = none)."""
-
-
-@dataclass(frozen=True)
-class SpanOptions:
-    """One span's choice: where it is now and where it may go."""
-
-    span_id: int
-    value: float
-    """What losing the span entirely costs (the strategy's value)."""
-    options: tuple[RungOption, ...]
-    """The current rung first, then the cheaper rungs the span may be moved to."""
-    klass: int = 0
-    """The lifecycle's class: a lower class gives up each kind of step before a higher one."""
-    order: int = 0
-    """Tie-break between equal steps: the lower goes first (the span's start: older first)."""
-    released: bool = False
-    """Released by a rule (the grace queue): its steps come before every other span's."""
-    hard: bool = False
-    """Leaves attention only while the total is over `plan_placement`'s `hard_target` (recalled spans)."""
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, NEEDED_CLASS, Rung, RungOption, SpanOptions
 
 
 @dataclass(frozen=True)
@@ -123,9 +61,6 @@ ATTENDED_FIRST = "attended_first"
 PLACEMENT_ORDERS: tuple[str, ...] = (NEEDED_LAST, ATTENDED_FIRST)
 """The orders `plan_placement` knows, by name."""
 
-NEEDED_CLASS = 1
-"""The class of the spans the current question needs (`agentkv.lifecycle.rungs.NEEDED`)."""
-
 
 @dataclass(order=True)
 class _Step:
@@ -145,13 +80,15 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
     """The rungs a span steps through: current first, then the cheaper rungs on the lower convex hull.
 
     Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
-    less than the one before it (an inconsistent input) is taken at the earlier loss. A
+    less than the one before it (an inconsistent input) is taken at the earlier loss. An
     attended rung that loses more per byte saved than a cheaper rung beyond it is
-    skipped (the multiple-choice knapsack's LP-dominated item): on a model where the
-    quantized tier costs nearly as much as not attending a span, the span goes straight
-    to its archive. The archive is never skipped: it is the tier the configuration
-    names (an int8 archive on the device is where a span leaving attention goes, even
-    where dropping it would save more per unit of loss).
+    skipped (the multiple-choice knapsack's LP-dominated item): 8-bit keys that lose
+    more per byte than 4-bit keys, and 4-bit keys that lose more per byte than leaving
+    attention from 8-bit keys (on a model where the quantized tier costs nearly as much
+    as not attending a span, the span goes straight to its archive).
+    The archive is never skipped: it is the tier the configuration names (an int8
+    archive on the device is where a span leaving attention goes, even where dropping
+    it would save more per unit of loss).
     """
     current = options[0]
     cheaper = sorted(
@@ -291,28 +228,3 @@ def plan_placement(
             heapq.heappush(heap, step_to(spans[step.span_id], step.index + 1))
     rungs = {span_id: chains[span_id][index].rung for span_id, index in at.items()}
     return Placement(rungs=rungs, device_bytes=total, loss=loss, met=total <= target)
-
-
-class PlacementStrategy(Protocol):
-    """The value of a span: what the planner loses by holding it at a cheaper rung."""
-
-    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
-        """A span's value from its commit score, its held tokens and the lifecycle's weight for it."""
-        ...
-
-
-@dataclass(frozen=True)
-class GreedyDualValue:
-    """GreedyDual-Size (Cao & Irani 1997): the commit score is the value of a hit, whatever the span's size.
-
-    The planner divides by bytes, so a long log and a short user fact of equal score
-    are not equally cheap to keep. `weight` is the lifecycle's prior (pinned, active,
-    needed by the current question, recalled for it), multiplied in.
-    """
-
-    floor: float = 1e-3
-    """Value of a span scored 0 (never committed with a score): still more than nothing."""
-
-    def value(self, span_id: int, score: float, tokens: int, weight: float) -> float:
-        """`(score + floor) * weight`."""
-        return (max(0.0, score) + self.floor) * weight

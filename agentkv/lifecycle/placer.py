@@ -4,7 +4,7 @@ Budget enforcement, recall and exact recall do not predict each other:
 each asks this service. It measures usage against the limits (the watermark
 arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`), says how much room a
 question may fill (`recall_room`; exact recall's `floor_usage`), and makes a plan
-(`agentkv.lifecycle.rungs` gives every span its rungs,
+(`agentkv.lifecycle.options` gives every span its rungs,
 `agentkv.lifecycle.placement.plan_placement` picks one per span) that the mover applies
 (`demote_to`).
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.placement import ATTENDED_FIRST, ATTENDED_RUNGS, Rung, plan_placement
+from agentkv.lifecycle.options import host_options, span_options
+from agentkv.lifecycle.placement import ATTENDED_FIRST, plan_placement
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rungs import lifecycle_class, span_options
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
-
-REPLANS = 5
-"""Plans made at most per `demote_to` (the store's byte figures are estimates before a move)."""
 
 
 class Placer:
@@ -54,6 +52,14 @@ class Placer:
         if self.limits.global_device_bytes is None:
             return self.limits.device_bytes
         return self.limits.device_share(self.usage_bytes(), self.port.global_device_bytes())
+
+    def relieve_global(self) -> int:
+        """The plan's first step over the global high watermark: free what no session attends; bytes freed.
+
+        Unreferenced prefix cache entries go before any session demotes a span of its own.
+        """
+        free = self.limits.global_relief(self.port.global_device_bytes())
+        return self.port.relieve_global(free) if free else 0
 
     def floor(self) -> AttendedFloor | None:
         """What attended KV costs at the least the budget holds it in; None: full precision."""
@@ -89,6 +95,10 @@ class Placer:
         counts = store.attended_token_counts(attended)
         return {s.span_id: counts[s.span_id][0] if s.tier is Tier.ATTENDED_QUANTIZED else 0 for s in attended}
 
+    def pending_tokens(self) -> int:
+        """Tokens of attended spans not computed yet (the next prefill's)."""
+        return sum(s.length - s.n_computed for s in self.table.spans if s.tier.attended)
+
     def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
         """Device bytes after this turn's prefill with every token the budget may quantize quantized.
 
@@ -118,85 +128,62 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(
-        self, target: int, limit: int | None, *, order: str | None = None, coarsen_to: int | None = None
-    ) -> None:
-        """Bring device usage to at most `target` bytes with one placement plan (re-planned if short).
+    def demote_to(self, target: int, limit: int | None, *, order: str | None = None) -> None:
+        """Bring device usage to at most `target` bytes: the store's costs, one plan, its moves.
 
-        Spans recalled for this turn move only while usage is over `limit` itself (its
-        high watermark, not `target`): recall chose them for the question being
-        answered, but the budget is a limit and the turn's own new content must fit. The
-        store's byte figures are estimates before a move (int4 keys; a tier with 8-bit
-        keys holds more): when usage is still over `target` after the moves, the plan is
-        made again from what the store now holds (`REPLANS` at most). With 8-bit keys,
-        once nothing is left to quantize, keys drop to 4 bits (in the planner's order)
-        before any span leaves attention. `order` overrides the session's step order
-        (`placement_order`) for this call.
-
-        `coarsen_to` (the budget's limit): fine key planes are dropped only down to it,
-        and once usage is within it nothing else moves. A key at 8 bits reads about as
-        well as an exact one, and dropping a fine plane needs no recompute and no copy of
-        the span, so a hysteresis gap below the limit saves nothing there; each turn that
-        goes over drops the planes it needs, until none are left and spans move by the plan.
+        Every rung's bytes are the store's own counts (`attended_costs`), so the plan
+        lands where it says. Spans recalled for this turn leave attention only while
+        usage is over `limit` itself (its high watermark, not `target`): recall chose
+        them for the question being answered, but the budget is a limit and the turn's
+        own new content must fit. With 8-bit keys, holding a span's keys at 4 bits is one
+        of its steps (`Rung.KEYS8` -> `Rung.ATTENDED_Q`), taken in the planner's order
+        with the others: a lower class coarsens its keys before a higher class is
+        quantized, and every attended step comes before any span leaves attention.
+        `order` overrides the session's step order (`placement_order`) for this call.
         """
-        coarse_target = target if coarsen_to is None else max(target, coarsen_to)
+        usage = self.usage_bytes()
+        if usage <= target:
+            return
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
-        step_order = order or self.placement_order
-        for _ in range(REPLANS):
-            usage = self.usage_bytes()
-            if usage <= target:
-                return
-            choices = span_options(
-                self.table.spans,
-                self.port.store,
-                self.marks,
-                archive_tier=self.mover.archive_tier,
-                token_bytes=self.port.bytes_per_token,
-                fidelity=self.port.rung_fidelity(),
-            )
-            plan = plan_placement(choices, usage, target, hard_target=hard, order=step_order)
-            by_id = {s.span_id: s for s in self.table.spans}
-            moving = [by_id[c.span_id] for c in choices if c.span_id in plan.rungs]
-            leaving = [
-                s
-                for s in moving
-                if plan.rungs[s.span_id] not in ATTENDED_RUNGS and s.state is not SpanState.EVICTABLE
-            ]
-            if leaving and self.mover.can_coarsen():
-                # 8-bit keys drop to 4 bits before any span leaves attention: the rest of the plan first.
-                staying = [s for s in moving if s not in leaving]
-                self._apply(staying, plan.rungs)
-                if staying:
-                    continue
-                if self.usage_bytes() <= coarse_target:
-                    return  # within the limit with the fine planes held
-                if self.mover.coarsen(self._attended_in_order(), self.usage_bytes() - coarse_target):
-                    continue
-            if not plan.rungs:
-                if self.mover.coarsen(self._attended_in_order(), usage - coarse_target):
-                    continue
-                return
-            self._apply(moving, plan.rungs)
-            if leaving and self.mover.can_coarsen():
-                # The plan quantized spans while others left attention: their keys go to 4 bits too.
-                self.mover.coarsen(self._attended_in_order(), self.usage_bytes())
-                coarse_target = target
-            if self.usage_bytes() >= usage:
-                return  # nothing moved (every move failed): the plan would repeat itself
+        choices = span_options(
+            self.table.spans,
+            self.port.store,
+            self.marks,
+            archive_tier=self.mover.archive_tier,
+            fidelity=self.port.rung_fidelity(),
+        )
+        plan = plan_placement(choices, usage, target, hard_target=hard, order=order or self.placement_order)
+        by_id = {s.span_id: s for s in self.table.spans}
+        self._apply([by_id[c.span_id] for c in choices if c.span_id in plan.rungs], plan.rungs)
 
-    def _attended_in_order(self) -> list[Span]:
-        """Attended spans, the lifecycle's lowest class first (the order keys drop to 4 bits in)."""
-        attended = [s for s in self.table.spans if s.tier.attended]
-        return sorted(attended, key=lambda s: (lifecycle_class(s, self.marks), s.start))
+    def relieve_host(self, target: int) -> None:
+        """Bring host usage to at most `target` bytes: one plan over the spans archived there.
+
+        The same planner on the host resource (`agentkv.lifecycle.options.host_options`):
+        released spans first, then the least value lost per byte; what the plan drops is
+        evicted (its token ids stay; recall no longer counts it as archived).
+        """
+        store = self.port.store
+        usage = store.host_bytes()
+        if usage <= target:
+            return
+        choices = host_options(self.table.spans, store, self.marks, fidelity=self.port.rung_fidelity())
+        plan = plan_placement(choices, usage, target)
+        by_id = {s.span_id: s for s in self.table.spans}
+        for span_id in plan.rungs:
+            self.mover.move(by_id[span_id], SpanState.EVICTED, reason="host budget")
 
     def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:
-        """Make the planned moves through the mover: drops and archives, then one quantization pass."""
+        """Make the planned moves through the mover: drops and archives, quantization, then 4-bit keys."""
         marks = self.marks
         quantize: list[Span] = []
+        coarse: list[Span] = []
         for span in spans:
             rung = rungs[span.span_id]
-            if rung is Rung.ATTENDED_Q:
+            if rung in ATTENDED_RUNGS:
                 quantize.append(span)
+                if rung is Rung.ATTENDED_Q:
+                    coarse.append(span)
                 continue
             state = SpanState.EVICTED if rung is Rung.DROPPED else SpanState.ARCHIVED
             was_recallable = span.span_id in marks.recallable
@@ -209,6 +196,8 @@ class Placer:
                 marks.recallable.add(span.span_id)
         if quantize:
             self.mover.hold_quantized(quantize)
+        if coarse:
+            self.mover.hold_coarse(coarse)
 
 
 class PlacementPeer:

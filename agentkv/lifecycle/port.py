@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agentkv.config import AgentKVConfig
-    from agentkv.lifecycle.placement import Rung
+    from agentkv.lifecycle.rungs import Rung
     from agentkv.lifecycle.table import SpanTable
     from agentkv.spans import Span, Tier
     from agentkv.store.protocol import KVStoreProtocol
@@ -100,6 +100,10 @@ class SessionPort(Protocol):
 
     def global_device_bytes(self) -> int:
         """Device KV bytes held by every session of the backend (the global budget)."""
+        ...
+
+    def relieve_global(self, free_bytes: int) -> int:
+        """Free up to `free_bytes` of device KV no session attends (unreferenced prefix cache entries)."""
         ...
 
     def child_branches(self) -> Sequence[tuple[str, str | None]]:

@@ -168,7 +168,7 @@ class Recaller(PlacementPeer):
     def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
         """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
 
-        The budget demotes them after every other committed span (their class in `agentkv.lifecycle.rungs`).
+        The budget demotes them after every other committed span (their class in `agentkv.lifecycle.options`).
         """
         if not ranked:
             return set()

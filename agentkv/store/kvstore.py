@@ -22,11 +22,19 @@ from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.attended import QuantizedAttendedLayer, check_attended_spec, quantized_bytes
 from agentkv.store.block import KVBlock, tensor_bytes
 from agentkv.store.cache import LayerFactory, PhysicalCache, SharedPrefixLayer, WindowSpec
+from agentkv.store.costs import ArchiveSpec, SlotBytes, settled_bytes, slot_bytes, slot_counts, span_costs
 from agentkv.store.host import HostBlock, check_host_limit
-from agentkv.store.key_planes import PLANE_BITS, PLANE_KEY_BITS, fine_row_bytes, floor_key_bits
-from agentkv.store.kivi import token_bytes
-from agentkv.store.protocol import ARCHIVE_TIERS, AttendedFloor, AttendedTokens, MoveResult, TierBytes
+from agentkv.store.key_planes import PLANE_KEY_BITS, fine_row_bytes
+from agentkv.store.protocol import (
+    ARCHIVE_TIERS,
+    AttendedFloor,
+    AttendedTokens,
+    MoveResult,
+    SpanCosts,
+    TierBytes,
+)
 from agentkv.store.quantized import QuantizedBlock
+from agentkv.store.store_checks import store_problems
 from agentkv.store.tokens import keep_slots, read_tokens
 
 __all__ = ["ARCHIVE_TIERS", "KVStore", "TierBytes"]
@@ -97,16 +105,58 @@ class KVStore:
         quantized = sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
         host = sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
         return TierBytes(
-            device=self.physical.nbytes(),
+            device=self._device_bytes(),
             quantized=quantized,
             host=host,
             shared=self.physical.shared_bytes(),
         )
 
+    def _device_bytes(self) -> int:
+        """The attended cache's bytes, removals not compacted yet counted as gone (codes counted exactly)."""
+        physical = self.physical
+        if not physical.variable_slot_bytes or bool(physical.live_mask().all()):
+            return physical.nbytes()
+        unit = self._slot_bytes()
+        if unit is None:
+            return physical.nbytes()
+        return settled_bytes(slot_counts(physical, self._quantization_masks()[1]), unit)
+
+    def _slot_bytes(self) -> SlotBytes | None:
+        bits = self.attended_bits or 4
+        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
+        return slot_bytes(self.physical, bits=bits, key_bits=key_bits, group_size=self.group_size)
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now, at each attended rung and archived (`agentkv.store.costs`).
+
+        Without an attended quantized tier a span has no attended rung below its bytes now
+        (nothing is quantizable), but its int8 / int4 archive still stays on the device and is
+        counted. Empty before the first token.
+        """
+        unit = self._slot_bytes()
+        if unit is None:
+            return {}
+        quantizable = self._quantization_masks()[1]
+        if self.attended_bits is None:
+            quantizable = torch.zeros_like(quantizable)
+        counts = slot_counts(self.physical, quantizable)
+        planes = self.attended_bits is not None and self.attended_key_bits == PLANE_KEY_BITS
+        archive = ArchiveSpec(self.group_size, self.residual_tokens, self.host_bits)
+        return span_costs([s for s in spans if s.tier.attended], counts, unit, planes=planes, archive=archive)
+
     def host_bytes(self) -> int:
         """Bytes on the host tier."""
         blocks = [*self.blocks.values(), *self.window_blocks.values()]
         return sum(b.nbytes for b in blocks if isinstance(b, HostBlock))
+
+    def archived_device_bytes(self) -> int:
+        """Bytes of the int8/int4 archive on the device; safe without the session's lock.
+
+        The backend's global accounting reads busy sessions: a snapshot of the blocks, nothing
+        of the attended cache, whose masks a running operation may hold at different lengths.
+        """
+        blocks = [*list(self.blocks.values()), *list(self.window_blocks.values())]
+        return sum(b.nbytes for b in blocks if isinstance(b, QuantizedBlock))
 
     def span_bytes(self, span: Span) -> int:
         """Bytes held for a span in its tier."""
@@ -297,33 +347,10 @@ class KVStore:
         The least the budget can bring attended spans to before archiving one: what
         recall plans with. None without an attended quantized tier or before the first token.
         """
-        if self.attended_bits is None:
+        unit = self._slot_bytes() if self.attended_bits is not None else None
+        if unit is None:
             return None
-        layers = self.physical.quantizable_layers
-        held = next(
-            (t for layer in layers[:1] for t in (layer.keys, layer.prefix_keys) if _is_kv(t)),
-            None,
-        )
-        if held is None:
-            return None
-        b, h, _, d = held.shape
-        bits = self.attended_bits
-        key_bits = bits if self.attended_key_bits is None else self.attended_key_bits
-        planes = key_bits == PLANE_KEY_BITS
-        key_bits = floor_key_bits(key_bits)  # the floor: fine planes dropped
-        group = self.group_size
-        spec = partial(token_bytes, b, h, d, bits=bits, key_bits=key_bits, group_size=group, tokens=1)
-        token = spec(amortized=True)
-        fine = b * h * d * PLANE_BITS // 8 if planes else 0  # one token's fine key plane, per layer
-        # A span's last key group is partial: it holds a whole group's statistics for fewer tokens.
-        one_group = spec() - token
-        return AttendedFloor(
-            token_bytes=token * len(layers),
-            exact_token_bytes=2 * b * h * d * held.element_size() * len(layers),
-            span_bytes=one_group * len(layers),
-            exact_tokens=self.attended_sink_tokens + self.attended_residual_tokens,
-            fine_token_bytes=fine * len(layers),
-        )
+        return unit.floor(self.attended_sink_tokens + self.attended_residual_tokens)
 
     def attended_quantized_tokens(self, span: Span | None = None) -> int:
         """Slots held quantized in attention (of one span, or all)."""
@@ -528,69 +555,7 @@ class KVStore:
 
     def check(self, spans: Sequence[Span]) -> list[str]:
         """Slots, blocks and byte accounting against the spans' tiers; one line per problem."""
-        physical = self.physical
-        problems: list[str] = []
-        by_id = {s.span_id: s for s in spans}
-        # Slots: each belongs to a live span, sits at that span's logical position, and appears once.
-        offsets: dict[int, list[int]] = {}
-        for slot_span, offset, position in zip(
-            physical.slot_span.tolist(),
-            physical.slot_offset.tolist(),
-            physical.slot_position.tolist(),
-            strict=True,
-        ):
-            owner = by_id.get(slot_span)
-            if owner is None:
-                problems.append(f"physical slot holds unknown span {slot_span}")
-                continue
-            offsets.setdefault(slot_span, []).append(offset)
-            if position != owner.start + offset:
-                problems.append(
-                    f"span {slot_span} offset {offset} at position {position}, "
-                    f"expected {owner.start + offset}"
-                )
-        for span in spans:
-            held = sorted(offsets.get(span.span_id, []))
-            block = self.blocks.get(span.span_id)
-            if span.tier.attended:
-                if held != span.kept_offsets:
-                    problems.append(
-                        f"span {span.span_id} holds {len(held)} slots, expected {span.held_tokens} "
-                        "(its kept offsets)"
-                    )
-                if block is not None:
-                    problems.append(f"device span {span.span_id} also has an archived block")
-                slots_say = self.attended_tier(span)
-                if slots_say is not span.tier:
-                    problems.append(f"span {span.span_id} is on tier {span.tier}, its slots say {slots_say}")
-            else:
-                if held:
-                    problems.append(
-                        f"span {span.span_id} on tier {span.tier.value} still has {len(held)} slots"
-                    )
-                if span.tier is Tier.DROPPED and block is not None:
-                    problems.append(f"dropped span {span.span_id} still has a block")
-                if span.tier.archived and (block is None or sorted(block.offsets) != span.kept_offsets):
-                    problems.append(f"archived span {span.span_id} block does not match its kept tokens")
-        for block_span in self.window_blocks:
-            if block_span not in self.blocks:
-                problems.append(f"sliding-layer block of span {block_span} without its full layers' block")
-        for block_span in self.blocks:
-            if block_span not in by_id:
-                problems.append(f"archived block of unknown span {block_span}")
-        # Accounting: what the tiers report is what their tensors hold.
-        tiers = self.bytes_by_tier()
-        walked = sum(tensor_bytes(t) for t in physical.tensors())
-        if walked != physical.nbytes():
-            problems.append(f"the cache's tensors hold {walked} B, its accounting says {physical.nbytes()} B")
-        if tiers.device != physical.nbytes():
-            problems.append(f"device tier reports {tiers.device} B, the cache holds {physical.nbytes()} B")
-        return problems
-
-
-def _is_kv(tensor: object) -> bool:
-    """A `[B, H, S, D]` key or value tensor (a layer not yet initialized holds none)."""
-    return isinstance(tensor, torch.Tensor) and tensor.dim() == 4
+        return store_problems(self, spans)
 
 
 def _count_by_span(span_ids: torch.Tensor) -> dict[int, int]:

@@ -95,6 +95,35 @@ class AttendedFloor:
         return self.exact_tokens * max(0, self.exact_token_bytes - self.token_bytes)
 
 
+@dataclass(frozen=True)
+class SpanCosts:
+    """One attended span's device bytes now and at each attended rung, counted from the store's codes.
+
+    Slots never quantized (the attention sinks, the residual window) stay exact at every rung.
+    """
+
+    held: int
+    """Slots the span holds in attention."""
+    quantized: int
+    """Of them, held quantized now."""
+    fine: int
+    """Of the quantized, keys held at 8 bits (their fine plane is held)."""
+    quantizable: int
+    """Exact slots the attended tier would quantize now."""
+    now: int
+    """Bytes held now."""
+    keys8: int | None
+    """Bytes with every quantizable slot quantized at 8-bit keys (None: the tier has no 8-bit keys)."""
+    coarse: int
+    """Bytes with every quantizable slot quantized and every key at the tier's floor bits."""
+    int8: int = 0
+    """Device bytes of the span archived on the int8 tier (codes, statistics, residual)."""
+    int4: int = 0
+    """Device bytes of the span archived on the int4 tier."""
+    host: int = 0
+    """Host bytes of the span archived on the host tier (at `host_bits` where that is smaller)."""
+
+
 @dataclass(frozen=True, eq=False)
 class AttendedTokens:
     """Attended tokens as a policy scores them: what `KVStoreProtocol.attended_tokens` reads.
@@ -250,6 +279,15 @@ class WholeSpanStore:
         """Not supported: None."""
         del span
         return None
+
+
+@runtime_checkable
+class CostReporter(Protocol):
+    """A store that counts what each attended span costs at each attended rung (the planner's input)."""
+
+    def attended_costs(self, spans: Sequence[Span]) -> dict[int, SpanCosts]:
+        """By attended span id: its bytes now and at each attended rung, in one pass over the cache."""
+        ...
 
 
 @runtime_checkable

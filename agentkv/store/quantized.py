@@ -360,3 +360,28 @@ def _check_4d(t: torch.Tensor, name: str) -> None:
     if t.dim() != 4:
         msg = f"{name}: expected shape [B, H, n, D], got {list(t.shape)}"
         raise ValueError(msg)
+
+
+def quantized_block_bytes(
+    shape: tuple[int, int, int],
+    tokens: int,
+    *,
+    bits: int,
+    group_size: int,
+    residual_tokens: int,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes `QuantizedBlock.from_block` holds for `tokens` tokens of one layer of `shape` `(B, H, D)`.
+
+    What its codes, statistics and full-precision residual take, counted without quantizing
+    (the placement planner's cost of an int8 / int4 archive); `nbytes` of the block it builds.
+    """
+    b, h, d = shape
+    r = min(residual_tokens, tokens)
+    q = tokens - r
+    stat = 2 if dtype in _HALF_DTYPES else 4
+    codes = 2 * math.ceil(b * h * q * d * bits / 8) if q else 0
+    key_stats = 2 * b * h * d * -(-q // group_size) * stat
+    value_stats = 2 * b * h * q * -(-d // group_size) * stat
+    residual = 2 * b * h * r * d * torch.empty(0, dtype=dtype).element_size()
+    return codes + key_stats + value_stats + residual

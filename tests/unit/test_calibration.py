@@ -15,14 +15,8 @@ from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.backend import calibration
 from agentkv.backend.calibration import ARCHIVE_MISS, RungCosts, fractions, measure_rung_costs, rung_costs
 from agentkv.config_sections import QuantizationConfig
-from agentkv.lifecycle.placement import (
-    DEFAULT_FIDELITY,
-    Rung,
-    RungOption,
-    SpanOptions,
-    plan_placement,
-    step_chain,
-)
+from agentkv.lifecycle.placement import plan_placement, step_chain
+from agentkv.lifecycle.rungs import DEFAULT_FIDELITY, Rung, RungOption, SpanOptions
 
 
 def test_fractions_are_shares_of_a_drop_ordered_by_rung() -> None:

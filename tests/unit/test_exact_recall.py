@@ -337,18 +337,20 @@ def test_with_no_room_at_the_floor_spans_the_question_does_not_need_leave_for_it
     assert session.stats().budget_satisfied
 
 
-def test_with_8_bit_keys_held_no_room_is_made_for_the_best_match(tiny_model, tiny_tokenizer):
-    """The same budget with keys at 8 bits (the default): they read about as well as exact, nothing leaves.
+def test_with_8_bit_keys_held_the_room_comes_from_fine_planes_before_any_span_leaves(
+    tiny_model, tiny_tokenizer
+):
+    """The same budget with keys at 8 bits (the default): one plan makes the room, by the rungs' costs.
 
-    Room for a page at full precision would come from fine key planes (a thirteenth of
-    an exact token's extra bytes each) or from spans leaving attention; exact recall
-    takes neither while fine planes are held.
+    Holding a key at 4 bits is a step of the plan like any other: the spans the question
+    does not need drop their fine planes before any of them leaves attention.
     """
     budget_tokens = no_room_at_the_floor(tiny_model, tiny_tokenizer)
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=budget_tokens)
-    assert not [s for s in session.spans if s.state is SpanState.ARCHIVED], "no committed span left"
-    assert session.store.fine_key_tokens() > 0
-    assert session.store.attended_quantized_tokens(tool) > 0
+    quantized = set(session.store.quantized_offsets(tool))
+    assert not quantized & set(page_of_code(session, tool)), "the page holding the asked-for code is exact"
+    gone = [s for s in session.spans if s.state is SpanState.ARCHIVED]
+    assert not gone or session.store.fine_key_tokens() == 0, "a span left while fine planes were held"
     assert session.stats().budget_satisfied
 
 

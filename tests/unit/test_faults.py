@@ -135,7 +135,7 @@ def test_failed_archive_keeps_spans_on_the_device(tiny_model, tiny_tokenizer, si
         tiny_model,
         tiny_tokenizer,
         archive_tier=tier,
-        budget={"device_tokens": 120},
+        budget={"device_tokens": 128},
         quantization={"attended_bits": None},
     )
     session = backend.session("t")

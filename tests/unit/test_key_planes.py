@@ -122,7 +122,9 @@ def _session(tiny_model: Any, tiny_tokenizer: Any, device_tokens: int | None, ke
         },
     }
     if device_tokens is not None:
-        data["budget"] = {"device_tokens": device_tokens}
+        # The priors' rung costs (8-bit keys lose a fifth of 4-bit keys): the tiny random model's
+        # calibration measures both alike, and then the plan holds no key at 8 bits at all.
+        data["budget"] = {"device_tokens": device_tokens, "rung_costs": "fixed"}
     return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
 
 
