@@ -137,6 +137,7 @@ def plan_placement(
     target: int,
     *,
     hard_target: int | None = None,
+    spare_above: int | None = None,
     order: str = ATTENDED_FIRST,
 ) -> Placement:
     """Choose a rung for every span so that the device total is at most `target`, losing the least.
@@ -159,6 +160,13 @@ def plan_placement(
         target: the total to reach (the low watermark).
         hard_target: the total above which `hard` spans may leave attention too (the high
             watermark); None = they move like any other.
+        spare_above: the total above which any span may leave attention or drop its fine
+            key planes (8-bit keys to the tier's bits); None = no such bound. Released
+            spans are not bound by it, and it holds only where 8-bit keys are in play
+            (some span's rungs include them). At the high watermark: once every span is
+            held quantized, a history under the limit keeps its 8-bit keys and every
+            span attended (a key at 8 bits reads about as well as an exact one, and the
+            hysteresis gap below the limit saves no re-plan there).
         order: one of `PLACEMENT_ORDERS`.
 
     Returns:
@@ -189,8 +197,20 @@ def plan_placement(
         heap.append(step_to(choice, 1))
     heapq.heapify(heap)
     total = usage
+    if not any(option.rung is Rung.KEYS8 for chain in chains.values() for option in chain):
+        spare_above = None
+
+    def spares(step: _Step) -> bool:
+        """The step takes a kept span out of attention, or drops its fine key planes."""
+        chain = chains[step.span_id]
+        before, after = chain[step.index - 1].rung, chain[step.index].rung
+        if spans[step.span_id].released:
+            return False
+        return after not in ATTENDED_RUNGS or (before is Rung.KEYS8 and after is not Rung.KEYS8)
 
     def blocked(step: _Step) -> bool:
+        if spare_above is not None and total <= spare_above and spares(step):
+            return True
         return spans[step.span_id].hard and step.leaves and hard_target is not None and total <= hard_target
 
     def saved(step: _Step) -> int:

@@ -131,3 +131,32 @@ def test_span_options_read_every_attended_rung_from_the_store() -> None:
     second = by_id[2].options  # pinned: attended rungs only
     assert [o.rung for o in second] == [Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q]
     assert [o.device_bytes for o in second] == [3200, 1300, 1100]
+
+
+def test_under_the_limit_no_span_leaves_attention_and_no_more_fine_planes_are_dropped() -> None:
+    history = [_keys8(i, 200, REST) for i in range(1, 6)]  # 14,000 bytes at 8-bit keys
+    result = _exact(10, 100, ACTIVE)  # 6,400 bytes exact; 1,400 at 8-bit keys
+    released = SpanOptions(
+        20,
+        0.0,
+        (RungOption(Rung.FULL, 640, 0.0), RungOption(Rung.DROPPED, 0, 1.0)),
+        klass=REST,
+        order=20,
+        released=True,
+    )
+    choices = [*history, result, released]
+    usage = _usage(choices)  # 21,040
+    target, limit = usage - 15_000, usage - 8_000
+    # Unbounded, the plan reaches the low watermark by taking old spans out of attention.
+    plan = plan_placement(choices, usage, target)
+    assert plan.met and Rung.DROPPED in {plan.rungs[i] for i in range(1, 6)}
+    # Bounded by the limit: the released call goes, the old spans drop their fine planes while
+    # the total is over the limit, the result is quantized; under the limit nothing else moves.
+    plan = plan_placement(choices, usage, target, spare_above=limit)
+    assert plan.rungs == {20: Rung.DROPPED, **{i: Rung.ATTENDED_Q for i in range(1, 6)}, 10: Rung.KEYS8}
+    assert not plan.met and plan.device_bytes == usage - 640 - 5 * 800 - 5_000 <= limit
+    # Without 8-bit keys in play the bound does not hold: the plan goes to the low watermark.
+    coarse = [_keys8(i, 200, REST, fine=False) for i in range(1, 6)]
+    usage = _usage(coarse)
+    plan = plan_placement(coarse, usage, usage - 4_000, spare_above=usage - 1_000)
+    assert plan.met and set(plan.rungs.values()) == {Rung.DROPPED}
