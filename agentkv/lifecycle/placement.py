@@ -21,7 +21,8 @@ while anything it does not need can still be archived (at 25% of the cache, int4
 needed span cost answers that 12.5%, which archives and recalls it exactly, kept:
 issue 27, docs/benchmarks.md). `attended_first`, the default: every int4 step of every
 class before any archive (`needed_last` can archive a committed span while released
-scaffolding still waits in the grace queue on the device). Within a class, the least
+scaffolding still waits in the grace queue on the device). In either order, every span
+is quantized (to 8-bit keys) before any drops its fine key planes. Within a class, the least
 value lost per byte saved (GreedyDual-Size). A span's allowed rungs bound how far
 it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
@@ -68,6 +69,9 @@ class _Step:
     """0, or 1 for the steps that wait for every other span's (`needed_last`: the needed spans)."""
     leaves: bool
     """The step takes the span out of attention (archived or dropped): after every step that does not."""
+    coarsens: bool
+    """The step drops a span's fine key planes (8-bit keys to the tier's bits): after every step
+    that quantizes a span, so every span holds 8-bit keys before any holds 4-bit ones."""
     klass: int
     slope: float
     order: int
@@ -186,7 +190,8 @@ def plan_placement(
         klass = -1 if choice.released else choice.klass
         slope = _slope(choice.value, before, after)
         phase = int(order == NEEDED_LAST and klass == NEEDED_CLASS)
-        return _Step(phase, leaves, klass, slope, choice.order, choice.span_id, index)
+        coarsens = before.rung is Rung.KEYS8 and after.rung is Rung.ATTENDED_Q and not choice.released
+        return _Step(phase, leaves, coarsens, klass, slope, choice.order, choice.span_id, index)
 
     for choice in choices:
         chain = step_chain(choice.options)
@@ -230,13 +235,9 @@ def plan_placement(
         if saved(step) >= total - target:
             # The last step: any step that alone closes the gap will do; take the least loss.
             closing = [s for s in heap if saved(s) >= total - target and not blocked(s)]
-            best = min(closing, key=lambda s: (s.phase, s.leaves, s.klass, lost(s), s.order), default=step)
-            if (best.phase, best.leaves, best.klass, lost(best)) < (
-                step.phase,
-                step.leaves,
-                step.klass,
-                lost(step),
-            ):
+            rank = lambda s: (s.phase, s.leaves, s.coarsens, s.klass, lost(s))  # noqa: E731
+            best = min(closing, key=lambda s: (*rank(s), s.order), default=step)
+            if rank(best) < rank(step):
                 heap.remove(best)
                 heap.append(step)
                 heapq.heapify(heap)
