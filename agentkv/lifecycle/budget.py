@@ -77,7 +77,7 @@ class BudgetKeeper(PlacementPeer):
                 if self.whole_spans:
                     # One compaction for all moves; the store counts its removals as gone before it.
                     with self.port.store.deferred_removal():
-                        self.placer.demote_to(target, limit)
+                        self.placer.demote_to(target, limit, spare_above=limits.high_bytes(limit))
                 else:
                     # Token mode drops tokens, not spans; a span left with none is evicted, whatever
                     # its state (the generic baselines drop active tokens too, by design). Generic

@@ -151,7 +151,11 @@ class ExactRecall(PlacementPeer):
         # frees it, whatever mix of quantizing, coarsening and leaving the plan chooses.
         floor_now = placer.floor_usage(placer.quantized_now(), floor)
         pending = floor.span_cost(placer.pending_tokens())
-        placer.demote_to(floor_now - pending - (need - room), limit, order=NEEDED_LAST)
+        # With 8-bit keys in play only quantizing makes this room (`spare_above`: usage now):
+        # no span leaves attention and no fine key plane is dropped for an upgrade.
+        placer.demote_to(
+            floor_now - pending - (need - room), limit, order=NEEDED_LAST, spare_above=placer.usage_bytes()
+        )
         room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
         return room
 

@@ -21,7 +21,8 @@ while anything it does not need can still be archived (at 25% of the cache, int4
 needed span cost answers that 12.5%, which archives and recalls it exactly, kept:
 issue 27, docs/benchmarks.md). `attended_first`, the default: every int4 step of every
 class before any archive (`needed_last` can archive a committed span while released
-scaffolding still waits in the grace queue on the device). Within a class, the least
+scaffolding still waits in the grace queue on the device). In either order, every span
+is quantized (to 8-bit keys) before any drops its fine key planes. Within a class, the least
 value lost per byte saved (GreedyDual-Size). A span's allowed rungs bound how far
 it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
@@ -68,6 +69,9 @@ class _Step:
     """0, or 1 for the steps that wait for every other span's (`needed_last`: the needed spans)."""
     leaves: bool
     """The step takes the span out of attention (archived or dropped): after every step that does not."""
+    coarsens: bool
+    """The step drops a span's fine key planes (8-bit keys to the tier's bits): after every step
+    that quantizes a span, so every span holds 8-bit keys before any holds 4-bit ones."""
     klass: int
     slope: float
     order: int
@@ -137,6 +141,7 @@ def plan_placement(
     target: int,
     *,
     hard_target: int | None = None,
+    spare_above: int | None = None,
     order: str = ATTENDED_FIRST,
 ) -> Placement:
     """Choose a rung for every span so that the device total is at most `target`, losing the least.
@@ -159,6 +164,13 @@ def plan_placement(
         target: the total to reach (the low watermark).
         hard_target: the total above which `hard` spans may leave attention too (the high
             watermark); None = they move like any other.
+        spare_above: the total above which any span may leave attention or drop its fine
+            key planes (8-bit keys to the tier's bits); None = no such bound. Released
+            spans are not bound by it, and it holds only where 8-bit keys are in play
+            (some span's rungs include them). At the high watermark: once every span is
+            held quantized, a history under the limit keeps its 8-bit keys and every
+            span attended (a key at 8 bits reads about as well as an exact one, and the
+            hysteresis gap below the limit saves no re-plan there).
         order: one of `PLACEMENT_ORDERS`.
 
     Returns:
@@ -178,7 +190,8 @@ def plan_placement(
         klass = -1 if choice.released else choice.klass
         slope = _slope(choice.value, before, after)
         phase = int(order == NEEDED_LAST and klass == NEEDED_CLASS)
-        return _Step(phase, leaves, klass, slope, choice.order, choice.span_id, index)
+        coarsens = before.rung is Rung.KEYS8 and after.rung is Rung.ATTENDED_Q and not choice.released
+        return _Step(phase, leaves, coarsens, klass, slope, choice.order, choice.span_id, index)
 
     for choice in choices:
         chain = step_chain(choice.options)
@@ -189,8 +202,20 @@ def plan_placement(
         heap.append(step_to(choice, 1))
     heapq.heapify(heap)
     total = usage
+    if not any(option.rung is Rung.KEYS8 for chain in chains.values() for option in chain):
+        spare_above = None
+
+    def spares(step: _Step) -> bool:
+        """The step takes a kept span out of attention, or drops its fine key planes."""
+        chain = chains[step.span_id]
+        before, after = chain[step.index - 1].rung, chain[step.index].rung
+        if spans[step.span_id].released:
+            return False
+        return after not in ATTENDED_RUNGS or (before is Rung.KEYS8 and after is not Rung.KEYS8)
 
     def blocked(step: _Step) -> bool:
+        if spare_above is not None and total <= spare_above and spares(step):
+            return True
         return spans[step.span_id].hard and step.leaves and hard_target is not None and total <= hard_target
 
     def saved(step: _Step) -> int:
@@ -210,13 +235,9 @@ def plan_placement(
         if saved(step) >= total - target:
             # The last step: any step that alone closes the gap will do; take the least loss.
             closing = [s for s in heap if saved(s) >= total - target and not blocked(s)]
-            best = min(closing, key=lambda s: (s.phase, s.leaves, s.klass, lost(s), s.order), default=step)
-            if (best.phase, best.leaves, best.klass, lost(best)) < (
-                step.phase,
-                step.leaves,
-                step.klass,
-                lost(step),
-            ):
+            rank = lambda s: (s.phase, s.leaves, s.coarsens, s.klass, lost(s))  # noqa: E731
+            best = min(closing, key=lambda s: (*rank(s), s.order), default=step)
+            if rank(best) < rank(step):
                 heap.remove(best)
                 heap.append(step)
                 heapq.heapify(heap)

@@ -128,7 +128,9 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(self, target: int, limit: int | None, *, order: str | None = None) -> None:
+    def demote_to(
+        self, target: int, limit: int | None, *, order: str | None = None, spare_above: int | None = None
+    ) -> None:
         """Bring device usage to at most `target` bytes: the store's costs, one plan, its moves.
 
         Every rung's bytes are the store's own counts (`attended_costs`), so the plan
@@ -140,6 +142,8 @@ class Placer:
         with the others: a lower class coarsens its keys before a higher class is
         quantized, and every attended step comes before any span leaves attention.
         `order` overrides the session's step order (`placement_order`) for this call.
+        `spare_above`: no span leaves attention or drops its fine key planes while usage
+        is at or under it (`plan_placement`); the budget passes its high watermark.
         """
         usage = self.usage_bytes()
         if usage <= target:
@@ -152,7 +156,14 @@ class Placer:
             archive_tier=self.mover.archive_tier,
             fidelity=self.port.rung_fidelity(),
         )
-        plan = plan_placement(choices, usage, target, hard_target=hard, order=order or self.placement_order)
+        plan = plan_placement(
+            choices,
+            usage,
+            target,
+            hard_target=hard,
+            spare_above=spare_above,
+            order=order or self.placement_order,
+        )
         by_id = {s.span_id: s for s in self.table.spans}
         self._apply([by_id[c.span_id] for c in choices if c.span_id in plan.rungs], plan.rungs)
 

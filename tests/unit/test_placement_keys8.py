@@ -1,9 +1,10 @@
-"""8-bit keys as a planned rung: finer keys against keeping other spans attended or exact, by their costs.
+"""8-bit keys as a planned rung: every span quantized before any fine plane goes, none leaving first.
 
-A span with 8-bit keys steps `KEYS8 -> ATTENDED_Q` (its fine planes dropped) like any other
-step, in the planner's order: a lower class drops its fine planes before a higher class
-(the pinned tool descriptions, the active result the next call copies from) is quantized,
-and every attended step of every span comes before any span leaves attention.
+A span with 8-bit keys steps `KEYS8 -> ATTENDED_Q` (its fine planes dropped) in the planner's
+order: every span is quantized (to 8-bit keys) before any fine plane goes, fine planes go the
+lowest class first, and every attended step of every span comes before any span leaves
+attention. Bounded by the limit (`spare_above`), fine planes go and spans leave only while
+the total is over it.
 """
 
 from __future__ import annotations
@@ -46,19 +47,18 @@ def _usage(choices: list[SpanOptions]) -> int:
     return sum(c.options[0].device_bytes for c in choices)
 
 
-def test_old_spans_drop_their_fine_planes_before_the_active_result_is_quantized() -> None:
+def test_every_span_holds_8_bit_keys_before_any_drops_its_fine_planes() -> None:
     history = [_keys8(i, 200, REST) for i in range(1, 6)]  # 5 x 200 slots at 8-bit keys: 14,000 bytes
     result = _exact(10, 100, ACTIVE)  # the result the next call copies from: 6,400 bytes exact
     choices = [*history, result]
     usage = _usage(choices)
-    # Dropping every old fine plane frees 4,000 bytes: enough, so the active result stays exact.
+    # Quantizing the result to 8-bit keys frees 5,000 bytes: enough, and every fine plane stays.
     plan = plan_placement(choices, usage, usage - 3_000)
-    assert plan.met and 10 not in plan.rungs
-    assert set(plan.rungs.values()) == {Rung.ATTENDED_Q}
-    # More than that: the active result is quantized (8-bit keys first), and nothing leaves attention.
+    assert plan.met and plan.rungs == {10: Rung.KEYS8}
+    # More than that: then fine planes go, the lowest class first, and nothing leaves attention.
     plan = plan_placement(choices, usage, usage - 6_000)
     assert plan.met and plan.rungs[10] is Rung.KEYS8
-    assert all(r in (Rung.ATTENDED_Q, Rung.KEYS8) for r in plan.rungs.values())
+    assert {plan.rungs[i] for i in range(1, 6) if i in plan.rungs} == {Rung.ATTENDED_Q}
 
 
 def test_every_fine_plane_goes_before_any_span_leaves_attention() -> None:
@@ -131,3 +131,38 @@ def test_span_options_read_every_attended_rung_from_the_store() -> None:
     second = by_id[2].options  # pinned: attended rungs only
     assert [o.rung for o in second] == [Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q]
     assert [o.device_bytes for o in second] == [3200, 1300, 1100]
+
+
+def test_under_the_limit_no_span_leaves_attention_and_no_more_fine_planes_are_dropped() -> None:
+    history = [_keys8(i, 200, REST) for i in range(1, 6)]  # 14,000 bytes at 8-bit keys
+    result = _exact(10, 100, ACTIVE)  # 6,400 bytes exact; 1,400 at 8-bit keys
+    released = SpanOptions(
+        20,
+        0.0,
+        (RungOption(Rung.FULL, 640, 0.0), RungOption(Rung.DROPPED, 0, 1.0)),
+        klass=REST,
+        order=20,
+        released=True,
+    )
+    choices = [*history, result, released]
+    usage = _usage(choices)  # 21,040
+    target, limit = usage - 15_000, usage - 8_000
+    # Unbounded, the plan reaches the low watermark by taking old spans out of attention.
+    plan = plan_placement(choices, usage, target)
+    assert plan.met and Rung.DROPPED in {plan.rungs[i] for i in range(1, 6)}
+    # Bounded by the limit: the released call goes and the result is quantized; over the limit
+    # still, old spans drop their fine planes until it holds; under it nothing else moves.
+    plan = plan_placement(choices, usage, target, spare_above=limit)
+    assert plan.rungs == {
+        20: Rung.DROPPED,
+        10: Rung.KEYS8,
+        1: Rung.ATTENDED_Q,
+        2: Rung.ATTENDED_Q,
+        3: Rung.ATTENDED_Q,
+    }
+    assert not plan.met and plan.device_bytes == usage - 640 - 5_000 - 3 * 800 <= limit
+    # Without 8-bit keys in play the bound does not hold: the plan goes to the low watermark.
+    coarse = [_keys8(i, 200, REST, fine=False) for i in range(1, 6)]
+    usage = _usage(coarse)
+    plan = plan_placement(coarse, usage, usage - 4_000, spare_above=usage - 1_000)
+    assert plan.met and set(plan.rungs.values()) == {Rung.DROPPED}

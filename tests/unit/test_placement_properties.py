@@ -8,7 +8,9 @@ costs per rung, planned to random targets. Whatever the input:
 - pinned and active spans never leave attention;
 - no span leaves attention while another span still holds a fine key plane whose step
   to 4-bit keys loses less per byte than leaving (8-bit keys drop to 4 before anything leaves);
-- more room never loses more value, and never holds fewer spans in attention.
+- more room never loses more value, and never holds fewer spans in attention;
+- bounded by the limit (`spare_above`), no span leaves attention while every span fits
+  under the limit at its cheapest attended rung.
 """
 
 from __future__ import annotations
@@ -135,6 +137,26 @@ def test_more_room_never_loses_more_value(table: Table, a: float, b: float) -> N
     assert roomy.loss <= tight.loss + 1e-9
     left = lambda p: {i for i, r in p.rungs.items() if r not in ATTENDED_RUNGS}  # noqa: E731
     assert len(left(roomy)) <= len(left(tight))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables(), st.floats(0, 1.0), st.floats(0, 1.2))
+def test_under_the_limit_no_span_leaves_attention(table: Table, share: float, limit_share: float) -> None:
+    usage = sum(c.now for c in table.costs.values())
+    target = int(usage * share)
+    limit = max(target, int(usage * limit_share))
+    options = span_options(table.spans, table, RecallMarks(), archive_tier="drop")  # type: ignore[arg-type]
+    plan = plan_placement(options, usage, target, spare_above=limit)
+    chains = [step_chain(o.options) for o in options]
+    if not any(r.rung is Rung.KEYS8 for chain in chains for r in chain):
+        return  # the bound holds only where 8-bit keys are in play
+    if limit >= _floor(table):
+        assert plan.device_bytes <= limit
+    still = set(table.costs) - {o.span_id for o in options}  # spans that may not move stay as they are
+    attended_floor = sum(min(r.device_bytes for r in chain if r.rung in ATTENDED_RUNGS) for chain in chains)
+    attended_floor += sum(table.costs[i].now for i in still)
+    if attended_floor <= limit:
+        assert all(rung in ATTENDED_RUNGS for rung in plan.rungs.values()), plan.rungs
 
 
 @st.composite
