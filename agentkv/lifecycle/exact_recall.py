@@ -141,9 +141,9 @@ class ExactRecall(PlacementPeer):
 
         The placement service plans the moves in the `needed_last` order: every span the
         current question does not need gives up its steps (int4, then leaving attention,
-        least value first) before a needed one does; 8-bit keys drop to 4 bits in that
-        order too, before any span leaves attention. What leaves stays recallable from its
-        token ids. Returns the room, measured again.
+        least value first) before a needed one does. With 8-bit keys in play only
+        quantizing makes this room: no fine plane is dropped and no span leaves for it.
+        What leaves stays recallable from its token ids. Returns the room, measured again.
         """
         placer = self.placer
         # Room is counted at the floor (every quantizable token quantized, the new message's

@@ -206,12 +206,13 @@ def plan_placement(
         spare_above = None
 
     def spares(step: _Step) -> bool:
-        """The step takes a kept span out of attention, or drops its fine key planes."""
-        chain = chains[step.span_id]
-        before, after = chain[step.index - 1].rung, chain[step.index].rung
-        if spans[step.span_id].released:
-            return False
-        return after not in ATTENDED_RUNGS or (before is Rung.KEYS8 and after is not Rung.KEYS8)
+        """The step drops a span's fine key planes, or takes a kept span out of attention."""
+        exits = chains[step.span_id][step.index].rung not in ATTENDED_RUNGS
+        return step.coarsens or (exits and not spans[step.span_id].released)
+
+    def rank(step: _Step) -> tuple[int, bool, bool, int, float]:
+        """The step order's keys, loss in place of the slope (for the closing step)."""
+        return (step.phase, step.leaves, step.coarsens, step.klass, lost(step))
 
     def blocked(step: _Step) -> bool:
         if spare_above is not None and total <= spare_above and spares(step):
@@ -235,7 +236,6 @@ def plan_placement(
         if saved(step) >= total - target:
             # The last step: any step that alone closes the gap will do; take the least loss.
             closing = [s for s in heap if saved(s) >= total - target and not blocked(s)]
-            rank = lambda s: (s.phase, s.leaves, s.coarsens, s.klass, lost(s))  # noqa: E731
             best = min(closing, key=lambda s: (*rank(s), s.order), default=step)
             if rank(best) < rank(step):
                 heap.remove(best)

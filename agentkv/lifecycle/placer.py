@@ -139,8 +139,8 @@ class Placer:
         them for the question being answered, but the budget is a limit and the turn's
         own new content must fit. With 8-bit keys, holding a span's keys at 4 bits is one
         of its steps (`Rung.KEYS8` -> `Rung.ATTENDED_Q`), taken in the planner's order
-        with the others: a lower class coarsens its keys before a higher class is
-        quantized, and every attended step comes before any span leaves attention.
+        with the others: every span is quantized (to 8-bit keys) before any coarsens,
+        and every attended step comes before any span leaves attention.
         `order` overrides the session's step order (`placement_order`) for this call.
         `spare_above`: no span leaves attention or drops its fine key planes while usage
         is at or under it (`plan_placement`); the budget passes its high watermark.

@@ -10,7 +10,7 @@ forward whose queries need a dropped slot gets it back first (`missing_slots`, t
 Every sliding layer of a model shares one window, so they share one index: the
 bool `held` `[S]` over the physical slots (`PhysicalCache.slot_window`). A sliding
 layer's tensors hold exactly the held slots, in physical order: slot i is at local
-index `held[:i].sum()`. The full layers hold every slot as before.
+index `held[:i].sum()`. The full layers hold every slot.
 """
 
 from __future__ import annotations
