@@ -37,15 +37,28 @@ context, as any rehydration.
 
 from __future__ import annotations
 
-from agentkv.lifecycle.exact_pages import RankedPages, SpanPages
-from agentkv.lifecycle.placement import NEEDED_LAST
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agentkv.lifecycle.exact_pages import RankedPages
+from agentkv.lifecycle.options import promotion
 from agentkv.lifecycle.placer import PlacementPeer, Placer
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, PROMOTION_CLASS, Rung, RungOption, SpanOptions
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 WHOLE_SPAN_PAGES = 2
 """A relevant span of at most this many pages is recomputed whole; a longer one page by page, best first."""
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One upgrade to full precision: a span whole (`offsets` None) or some of its quantized tokens."""
+
+    span: Span
+    offsets: list[int] | None
+    options: SpanOptions
 
 
 class ExactRecall(PlacementPeer):
@@ -56,14 +69,18 @@ class ExactRecall(PlacementPeer):
         self.enabled = enabled
 
     def recompute(
-        self, spans: list[Span], floor: AttendedFloor | None, pages: RankedPages | None = None
+        self,
+        spans: list[Span],
+        floor: AttendedFloor | None,
+        pages: RankedPages | None = None,
+        scores: Mapping[int, float] | None = None,
     ) -> list[int]:
-        """Recompute `spans` (relevant, attended, best first) that are held quantized, while the room allows.
+        """Recompute `spans` (relevant, attended, best first) that are held quantized, as the plan grants.
 
-        A span longer than `WHOLE_SPAN_PAGES` pages, or one that does not fit whole, has
-        its best pages recomputed first, when `pages` ranks them and the session can
-        recompute single tokens; room left once every relevant span had its turn goes to
-        the rest of those spans.
+        Each upgrade is a promotion the placement service plans with every span (`_units`):
+        a span of at most `WHOLE_SPAN_PAGES` pages whole, a longer one by its pages (when
+        `pages` ranks them and the session can recompute single tokens). `scores`: each
+        span's relevance (default: by rank).
 
         Returns:
             Ids of the spans recomputed at full precision, whole or in part.
@@ -73,102 +90,109 @@ class ExactRecall(PlacementPeer):
         limit = placer.effective_limit()
         if not self.enabled or floor is None or limit is None or not isinstance(store, AttendedQuantizer):
             return []
-        if not any(s.tier is Tier.ATTENDED_QUANTIZED for s in self.table.spans):
+        quantized = [s for s in spans if s.tier is Tier.ATTENDED_QUANTIZED]
+        if not quantized:
             return []
-        quantized = placer.quantized_now()
-        room = placer.limits.low_bytes(limit) - placer.floor_usage(quantized, floor)
-        extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
         if not self.port.recomputes_offsets:
             pages = None
-        cuts: dict[int, SpanPages | None] = {}
-
-        def cut_of(span: Span) -> SpanPages | None:
-            if span.span_id not in cuts:
-                cuts[span.span_id] = pages(span, store.quantized_offsets(span)) if pages is not None else None
-            return cuts[span.span_id]
-
-        best = next((s for s in spans if s.tier is Tier.ATTENDED_QUANTIZED), None)
-        if best is not None:
-            need = self._need(best, cut_of(best), extra_per_token)
-            if need > room:
-                room = self._make_room(need, room, limit, floor)
-        whole: list[Span] = []
-        parts: list[tuple[Span, SpanPages, list[int]]] = []
-        for span in spans:
-            if span.tier is not Tier.ATTENDED_QUANTIZED:
-                continue
-            extra = span.length * extra_per_token
-            cut = cut_of(span)
-            if (cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES) and extra <= room:
-                whole.append(span)
-                room -= extra
-            elif cut is not None and room >= extra_per_token:
-                chosen, room = self._fit(cut, cut.relevant, room, extra_per_token)
-                if chosen:
-                    more, room = self._fit(cut, cut.context(chosen), room, extra_per_token)
-                    parts.append((span, cut, chosen + more))
-        for i, (span, cut, chosen) in enumerate(parts):  # room left over: the rest of the long spans
-            taken = set(chosen)
-            rest = [j for j in range(len(cut.pages)) if j not in taken]
-            more, room = self._fit(cut, rest, room, extra_per_token)
-            parts[i] = (span, cut, chosen + more)
-        # A span that got every page back is recomputed whole: its tokens join the prefill.
-        whole += [span for span, cut, chosen in parts if len(chosen) == len(cut.pages)]
-        parts = [part for part in parts if len(part[2]) < len(part[1].pages)]
+        if scores is None:
+            scores = {s.span_id: 1.0 / (i + 1) for i, s in enumerate(quantized)}
+        extra_per_token = max(0, floor.exact_token_bytes - floor.token_bytes)
+        units = self._units(store, quantized, pages, scores, extra_per_token)
+        plan = placer.plan_promotions(
+            [u.options for u in units],
+            placer.limits.low_bytes(limit),
+            keep_attended=frozenset({quantized[0].span_id}),
+            spare=True,
+        )
+        leaving = {i for i, rung in plan.rungs.items() if rung not in ATTENDED_RUNGS}
+        granted = [u for u in units if u.options.span_id in plan.raised and u.span.span_id not in leaving]
+        if not granted:
+            return []
+        placer.apply_exits(plan)  # the budget after the prefill quantizes before it archives
+        whole = [u.span for u in granted if u.offsets is None]
+        by_span: dict[int, tuple[Span, list[int]]] = {}
+        for unit in granted:
+            if unit.offsets is not None:
+                by_span.setdefault(unit.span.span_id, (unit.span, []))[1].extend(unit.offsets)
+        parts: list[tuple[Span, list[int]]] = []
+        for span, offsets in by_span.values():
+            if len(offsets) == len(store.quantized_offsets(span)):
+                whole.append(span)  # every page back: recomputed whole, its tokens join the prefill
+            else:
+                parts.append((span, sorted(offsets)))
         exact: list[int] = []
         # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
-            paged = [(span, sorted(o for i in chosen for o in cut.pages[i])) for span, cut, chosen in parts]
-            if paged and self._recompute_offsets(paged):
-                exact += [span.span_id for span, _ in paged]
+            if parts and self._recompute_offsets(parts):
+                exact += [span.span_id for span, _ in parts]
             for span in whole:
                 if self._recompute(span):
                     self.table.counters.exact_recalled_tokens += span.length
                     exact.append(span.span_id)
         return exact
 
-    @staticmethod
-    def _need(span: Span, cut: SpanPages | None, extra_per_token: int) -> int:
-        """Bytes the best match needs at full precision: whole, or its best page and its neighbours."""
-        if cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES:
-            return span.length * extra_per_token
-        chosen = cut.relevant[:1]
-        return sum(len(cut.pages[i]) for i in chosen + cut.context(chosen)) * extra_per_token
+    def _units(
+        self,
+        store: AttendedQuantizer,
+        spans: list[Span],
+        pages: RankedPages | None,
+        scores: Mapping[int, float],
+        extra_per_token: int,
+    ) -> list[_Unit]:
+        """Every upgrade exact recall asks the plan for, in priority order.
 
-    def _make_room(self, need: int, room: int, limit: int, floor: AttendedFloor) -> int:
-        """Free `need - room` bytes for the best match: the spans the question does not need go first.
-
-        The placement service plans the moves in the `needed_last` order: every span the
-        current question does not need gives up its steps (int4, then leaving attention,
-        least value first) before a needed one does. With 8-bit keys in play only
-        quantizing makes this room: no fine plane is dropped and no span leaves for it.
-        What leaves stays recallable from its token ids. Returns the room, measured again.
+        A unit's value is its span's relevance per token it makes exact: the plan keeps
+        the most relevant per byte. The pages of a long span next to its relevant ones
+        weigh as the span (a log entry or a table row often continues on the following
+        line); its other pages weigh nothing and take only room left over. The question's
+        best match (its best page with its neighbours, or the whole span) is given up
+        last: after everything the question does not need has given up its steps. Ties go
+        to the earlier unit (`order`).
         """
-        placer = self.placer
-        # Room is counted at the floor (every quantizable token quantized, the new message's
-        # pending tokens at their quantized size): usage brought to the floor it must reach
-        # frees it, whatever mix of quantizing, coarsening and leaving the plan chooses.
-        floor_now = placer.floor_usage(placer.quantized_now(), floor)
-        pending = floor.span_cost(placer.pending_tokens())
-        # With 8-bit keys in play only quantizing makes this room (`spare_above`: usage now):
-        # no span leaves attention and no fine key plane is dropped for an upgrade.
-        placer.demote_to(
-            floor_now - pending - (need - room), limit, order=NEEDED_LAST, spare_above=placer.usage_bytes()
-        )
-        room = placer.limits.low_bytes(limit) - placer.floor_usage(placer.quantized_now(), floor)
-        return room
+        fidelity = self.port.rung_fidelity()
+        units: list[_Unit] = []
 
-    @staticmethod
-    def _fit(cut: SpanPages, indices: list[int], room: int, extra_per_token: int) -> tuple[list[int], int]:
-        """The pages among `indices` that fit, taken in that order, and the room left."""
-        chosen: list[int] = []
-        for i in indices:
-            cost = len(cut.pages[i]) * extra_per_token
-            if cost <= room:
-                chosen.append(i)
-                room -= cost
-        return chosen, room
+        def add(span: Span, offsets: list[int] | None, weight: float, last: bool = False) -> None:
+            tokens = span.length if offsets is None else len(offsets)
+            if not tokens:
+                return
+            unit_id = -2 - len(units)
+            options = promotion(
+                unit_id,
+                weight * tokens,
+                RungOption(Rung.FULL, tokens * extra_per_token, fidelity[Rung.FULL]),
+                RungOption(Rung.ATTENDED_Q, 0, fidelity[Rung.ATTENDED_Q]),
+                klass=PROMOTION_CLASS,
+                order=-len(units),
+                last=last,
+            )
+            units.append(_Unit(span, offsets, options))
+
+        rest: list[tuple[Span, list[int]]] = []
+        for rank, span in enumerate(spans):
+            score = max(scores.get(span.span_id, 0.0), 0.0)
+            cut = pages(span, store.quantized_offsets(span)) if pages is not None else None
+            if cut is None or len(cut.pages) <= WHOLE_SPAN_PAGES:
+                add(span, None, score, last=rank == 0)
+                continue
+            taken: list[int] = []
+            for i, page in enumerate(cut.relevant):
+                group = [page] if i else [page, *cut.context([page])]
+                group = [j for j in group if j not in taken]
+                add(span, [o for j in group for o in cut.pages[j]], score, last=rank == 0 and i == 0)
+                taken += group
+            context = cut.context(taken)
+            if context:
+                add(span, [o for j in context for o in cut.pages[j]], score)
+                taken += context
+            left = [o for j in range(len(cut.pages)) if j not in taken for o in cut.pages[j]]
+            if left:
+                rest.append((span, left))
+        for span, offsets in rest:
+            add(span, offsets, 0.0)
+        return units
 
     def _recompute_offsets(self, parts: list[tuple[Span, list[int]]]) -> bool:
         """Recompute tokens of spans at full precision in one forward; False (a recorded fault) if not."""

@@ -185,7 +185,7 @@ class LifecycleManager:
             Ids of the spans brought back (recalled, recomputed exactly).
         """
         found = self.recaller.recall(message)
-        exact = self.exact.recompute(found.relevant, found.floor, found.pages_of)
+        exact = self.exact.recompute(found.relevant, found.floor, found.pages_of, found.scores)
         if found.spans or exact:
             self.table.record("recall", spans=found.spans, exact=exact)
         return found.spans + exact

@@ -32,7 +32,7 @@ from agentkv.lifecycle.rungs import (
     SpanOptions,
 )
 from agentkv.spans import Span, SpanState, Tier
-from agentkv.store.protocol import CostReporter, KVStoreProtocol, SpanCosts
+from agentkv.store.protocol import AttendedFloor, CostReporter, KVStoreProtocol, SpanCosts
 
 REST, NEEDED, ACTIVE, PINNED = 0, NEEDED_CLASS, 2, 3
 """The lifecycle's classes, lowest first: a lower class gives up each kind of step before a higher one."""
@@ -49,9 +49,51 @@ def lifecycle_class(span: Span, marks: RecallMarks) -> int:
     return REST
 
 
-def relevance_weight(span: Span, marks: RecallMarks) -> float:
-    """A span recalled for the current question weighs more by its relevance (1 = no raise)."""
-    return 1.0 + max(0.0, marks.relevance.get(span.span_id, 0.0))
+def promotion(
+    span_id: int,
+    value: float,
+    higher: RungOption,
+    now: RungOption,
+    *,
+    klass: int,
+    order: int,
+    last: bool = False,
+) -> SpanOptions:
+    """One promotion the plan may grant: `higher` (what it would hold there) above the rung it is on now.
+
+    A recalled span's return to attention is its span's own options (`higher`: attended,
+    `now`: archived or dropped); an exact recompute's page is a unit of its own
+    (`higher`: its extra bytes at full precision, `now`: none).
+    """
+    return SpanOptions(span_id, value, (higher, now), klass=klass, order=order, current=1, last=last)
+
+
+def pending_options(
+    tokens: int,
+    floor: AttendedFloor | None,
+    exact_token_bytes: int,
+    fidelity: Mapping[Rung, float] = DEFAULT_FIDELITY,
+) -> SpanOptions | None:
+    """The next prefill's tokens (the new message): exact when encoded, quantizable by the budget after.
+
+    They hold nothing yet, so their exact bytes are the plan's to place: at full precision,
+    at 8-bit keys where the tier holds them, and at the tier's floor bits, never out of
+    attention (they are the active turn's). None without pending tokens.
+    """
+    if tokens <= 0:
+        return None
+    exact = tokens * exact_token_bytes
+    options = [RungOption(Rung.FULL, exact, 0.0)]
+    if floor is not None:
+        if floor.fine_token_bytes:
+            fine = floor.span_cost(tokens) + tokens * floor.fine_token_bytes
+            options.append(RungOption(Rung.KEYS8, fine, fidelity[Rung.KEYS8]))
+        options.append(RungOption(Rung.ATTENDED_Q, floor.span_cost(tokens), fidelity[Rung.ATTENDED_Q]))
+    return SpanOptions(PENDING_ID, 1.0, tuple(options), klass=ACTIVE, order=1 << 62)
+
+
+PENDING_ID = -1
+"""The plan's id for the next prefill's tokens (`pending_options`)."""
 
 
 def span_options(
@@ -62,6 +104,9 @@ def span_options(
     archive_tier: str,
     strategy: PlacementStrategy | None = None,
     fidelity: Mapping[Rung, float] = DEFAULT_FIDELITY,
+    relevance: Mapping[int, float] | None = None,
+    klass_of: Mapping[int, int] | None = None,
+    attended: frozenset[int] = frozenset(),
 ) -> list[SpanOptions]:
     """Every span that may move under pressure, with its rungs (current first) and its value.
 
@@ -72,10 +117,16 @@ def span_options(
         archive_tier: where an archived span goes (`host`, `int8`, `int4`, `drop`).
         strategy: the span's value (default: GreedyDual-Size on the commit score).
         fidelity: the fraction of a span's value lost at each rung.
+        relevance: each span's relevance to the current question, where recall asks the plan
+            before it marks anything (default: the marks' recalled spans').
+        klass_of: classes that override the lifecycle's (recall's best match).
+        attended: spans that stay attended whatever the plan (an exact recompute's spans).
     """
     strategy = strategy or GreedyDualValue()
-    attended = [s for s in spans if s.tier.attended]
-    costs = store.attended_costs(attended) if isinstance(store, CostReporter) else {}
+    relevance = marks.relevance if relevance is None else relevance
+    klass_of = klass_of or {}
+    in_attention = [s for s in spans if s.tier.attended]
+    costs = store.attended_costs(in_attention) if isinstance(store, CostReporter) else {}
     out: list[SpanOptions] = []
     for span in spans:
         if span.state is SpanState.EVICTED:
@@ -87,8 +138,9 @@ def span_options(
             if not span.pinned and (span.tier.attended or span.tier is Tier.QUANTIZED):
                 out.append(_droppable(span, held, value=0.0, fidelity=fidelity, released=True))
             continue
-        klass = lifecycle_class(span, marks)
-        value = strategy.value(span.span_id, span.score, span.held_tokens, relevance_weight(span, marks))
+        klass = klass_of.get(span.span_id, lifecycle_class(span, marks))
+        weight = 1.0 + max(0.0, relevance.get(span.span_id, 0.0))
+        value = strategy.value(span.span_id, span.score, span.held_tokens, weight)
         if span.tier is Tier.QUANTIZED:
             if not span.pinned:
                 out.append(_droppable(span, held, value=value, fidelity=fidelity, klass=klass))
@@ -96,7 +148,7 @@ def span_options(
         if not span.tier.attended or not span.held_tokens:
             continue
         options = _attended_rungs(span, cost, held, fidelity)
-        if not span.pinned and span.state is SpanState.COMMITTED:
+        if not span.pinned and span.state is SpanState.COMMITTED and span.span_id not in attended:
             options += _leaving_rungs(cost, archive_tier, fidelity)
         if len(options) >= 2:
             hard = span.span_id in marks.recalled

@@ -35,7 +35,7 @@ Pure: no store, no model. `agentkv.lifecycle.options` builds the options from th
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from agentkv.lifecycle.rungs import ATTENDED_RUNGS, NEEDED_CLASS, Rung, RungOption, SpanOptions
@@ -46,13 +46,15 @@ class Placement:
     """What `plan_placement` chose."""
 
     rungs: dict[int, Rung]
-    """The chosen rung of every span that moves (span id -> rung); spans absent stay."""
+    """The chosen rung of every span that moves, up or down (span id -> rung); spans absent stay."""
     device_bytes: int
     """The estimated device total once the moves are made."""
     loss: float
     """The estimated value lost by the moves."""
     met: bool
     """Whether the estimated total is at or under the target."""
+    raised: frozenset[int] = frozenset()
+    """The spans the plan keeps above their current rung (the promotions it grants)."""
 
 
 NEEDED_LAST = "needed_last"
@@ -80,8 +82,8 @@ class _Step:
     """Index in the span's chain of the rung this step reaches."""
 
 
-def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
-    """The rungs a span steps through: current first, then the cheaper rungs on the lower convex hull.
+def step_chain(options: Sequence[RungOption], current: int = 0) -> list[RungOption]:
+    """The rungs a span steps through: its highest first, then the cheaper rungs on the lower convex hull.
 
     Among rungs of equal bytes the least loss is kept; a rung that saves bytes but loses
     less than the one before it (an inconsistent input) is taken at the earlier loss. An
@@ -92,14 +94,15 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
     as not attending a span, the span goes straight to its archive).
     The archive is never skipped: it is the tier the configuration names (an int8
     archive on the device is where a span leaving attention goes, even where dropping
-    it would save more per unit of loss).
+    it would save more per unit of loss). Nor is the rung the span is on now
+    (`options[current]`, below a promotion): the plan may always leave it where it is.
     """
-    current = options[0]
+    top, now = options[0], options[current]
     cheaper = sorted(
-        (o for o in options[1:] if o.device_bytes < current.device_bytes),
-        key=lambda o: (-o.device_bytes, o.fidelity),
+        (o for o in options[1:] if o.device_bytes < top.device_bytes),
+        key=lambda o: (-o.device_bytes, o.fidelity, o is not now),
     )
-    monotone = [current]
+    monotone = [top]
     for option in cheaper:
         if option.device_bytes == monotone[-1].device_bytes:
             continue
@@ -111,11 +114,17 @@ def step_chain(options: Sequence[RungOption]) -> list[RungOption]:
         while (
             len(chain) >= 2
             and chain[-1].rung in ATTENDED_RUNGS
+            and chain[-1].device_bytes != now.device_bytes
             and _slope(1.0, chain[-2], chain[-1]) > _slope(1.0, chain[-2], option)
         ):
             chain.pop()
         chain.append(option)
     return chain
+
+
+def _current_index(chain: Sequence[RungOption], now: RungOption) -> int:
+    """Where the span is now in its chain: the rung at its current bytes (the top without a promotion)."""
+    return next((i for i, o in enumerate(chain) if o.device_bytes == now.device_bytes), 0)
 
 
 def _attended_is_cheaper(options: Sequence[RungOption]) -> bool:
@@ -133,6 +142,39 @@ def _attended_is_cheaper(options: Sequence[RungOption]) -> bool:
 def _slope(value: float, a: RungOption, b: RungOption) -> float:
     saved = a.device_bytes - b.device_bytes
     return value * (b.fidelity - a.fidelity) / saved if saved > 0 else float("inf")
+
+
+def _give_back(
+    chains: dict[int, list[RungOption]],
+    spans: dict[int, SpanOptions],
+    current: dict[int, int],
+    at: dict[int, int],
+    total: int,
+    target: int,
+    *,
+    rank_of: Callable[[int, int], tuple[int, bool, bool, int, float]],
+) -> int:
+    """Give promotions back the steps the room left over allows: the last in the order first; the total.
+
+    A promotion stepped down while the total was over the target; once the later steps
+    closed the gap, one that fits again is granted again, so no promotion the plan
+    refuses would have fit on its own.
+    """
+    while True:
+        undo = [
+            (rank_of(span_id, index), span_id)
+            for span_id, index in at.items()
+            if index > 0
+            and current[span_id] > 0
+            and total + chains[span_id][index - 1].device_bytes - chains[span_id][index].device_bytes
+            <= target
+        ]
+        if not undo:
+            return total
+        _, span_id = max(undo)
+        index = at[span_id]
+        total += chains[span_id][index - 1].device_bytes - chains[span_id][index].device_bytes
+        at[span_id] = index - 1
 
 
 def plan_placement(
@@ -186,22 +228,26 @@ def plan_placement(
         chain = chains[choice.span_id]
         before, after = chain[index - 1], chain[index]
         leaves = after.rung not in ATTENDED_RUNGS and not choice.released
-        leaves = leaves and _attended_is_cheaper(choice.options)
+        leaves = (leaves and _attended_is_cheaper(choice.options)) or choice.last
         klass = -1 if choice.released else choice.klass
         slope = _slope(choice.value, before, after)
         phase = int(order == NEEDED_LAST and klass == NEEDED_CLASS)
         coarsens = before.rung is Rung.KEYS8 and after.rung is Rung.ATTENDED_Q and not choice.released
         return _Step(phase, leaves, coarsens, klass, slope, choice.order, choice.span_id, index)
 
+    current: dict[int, int] = {}
+    total = usage
     for choice in choices:
-        chain = step_chain(choice.options)
+        chain = step_chain(choice.options, choice.current)
+        now = _current_index(chain, choice.options[choice.current])
+        total += chain[0].device_bytes - chain[now].device_bytes  # a promotion starts granted
         if len(chain) < 2:
             continue
         chains[choice.span_id] = chain
         spans[choice.span_id] = choice
+        current[choice.span_id] = now
         heap.append(step_to(choice, 1))
     heapq.heapify(heap)
-    total = usage
     if not any(option.rung is Rung.KEYS8 for chain in chains.values() for option in chain):
         spare_above = None
 
@@ -227,7 +273,6 @@ def plan_placement(
         chain = chains[step.span_id]
         return spans[step.span_id].value * (chain[step.index].fidelity - chain[step.index - 1].fidelity)
 
-    loss = 0.0
     at: dict[int, int] = {}
     while heap and total > target:
         step = heapq.heappop(heap)
@@ -243,9 +288,20 @@ def plan_placement(
                 heapq.heapify(heap)
                 step = best
         total -= saved(step)
-        loss += lost(step)
         at[step.span_id] = step.index
         if step.index + 1 < len(chains[step.span_id]):
             heapq.heappush(heap, step_to(spans[step.span_id], step.index + 1))
-    rungs = {span_id: chains[span_id][index].rung for span_id, index in at.items()}
-    return Placement(rungs=rungs, device_bytes=total, loss=loss, met=total <= target)
+    total = _give_back(
+        chains,
+        spans,
+        current,
+        at,
+        total,
+        target,
+        rank_of=lambda span_id, index: rank(step_to(spans[span_id], index)),
+    )
+    final = {span_id: at.get(span_id, 0) for span_id in chains}
+    loss = sum(spans[i].value * (chains[i][f].fidelity - chains[i][0].fidelity) for i, f in final.items())
+    rungs = {span_id: chains[span_id][i].rung for span_id, i in final.items() if i != current[span_id]}
+    raised = frozenset(span_id for span_id, i in final.items() if i < current[span_id])
+    return Placement(rungs=rungs, device_bytes=total, loss=loss, met=total <= target, raised=raised)

@@ -16,15 +16,17 @@ pinned and active spans that stay; the sinks and the residual window stay exact.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from agentkv.lifecycle.limits import BudgetLimits
 from agentkv.lifecycle.marks import RecallMarks
 from agentkv.lifecycle.mover import Mover
-from agentkv.lifecycle.options import host_options, span_options
-from agentkv.lifecycle.placement import ATTENDED_FIRST, plan_placement
+from agentkv.lifecycle.options import host_options, pending_options, span_options
+from agentkv.lifecycle.placement import ATTENDED_FIRST, Placement, plan_placement
 from agentkv.lifecycle.port import SessionPort
-from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung
+from agentkv.lifecycle.rungs import ATTENDED_RUNGS, Rung, SpanOptions
 from agentkv.lifecycle.timing import SectionTimer
-from agentkv.spans import Span, SpanState, Tier
+from agentkv.spans import Span, SpanState
 from agentkv.store.protocol import AttendedFloor, AttendedQuantizer
 
 
@@ -66,65 +68,72 @@ class Placer:
         store = self.port.store
         return store.attended_floor() if isinstance(store, AttendedQuantizer) else None
 
-    def recall_room(self, floor: AttendedFloor | None) -> int | None:
-        """Device bytes recall may fill: the high watermark minus pinned and active spans (None = no limit).
-
-        Up to the high watermark, not the low one: the low watermark is where demotion
-        stops, the high one is the limit the prefill that follows must respect.
-        """
-        limit = self.effective_limit()
-        if limit is None:
-            return None
-        fixed = [
-            s.held_tokens + (s.length - s.n_computed)
-            for s in self.table.spans
-            if s.tier.attended and (s.pinned or s.state is SpanState.ACTIVE)
-        ]
-        if floor is None:
-            held = sum(fixed) * self.port.bytes_per_token
-        else:
-            held = sum(floor.span_cost(tokens) for tokens in fixed) + floor.exact_surplus
-        return max(0, self.limits.high_bytes(limit) - held)
-
-    def quantized_now(self) -> dict[int, int]:
-        """Each attended span's slots held quantized in attention now, by span id (empty without the tier)."""
-        store = self.port.store
-        if not isinstance(store, AttendedQuantizer):
-            return {}
-        attended = [s for s in self.table.spans if s.tier.attended]
-        counts = store.attended_token_counts(attended)
-        return {s.span_id: counts[s.span_id][0] if s.tier is Tier.ATTENDED_QUANTIZED else 0 for s in attended}
-
     def pending_tokens(self) -> int:
         """Tokens of attended spans not computed yet (the next prefill's)."""
         return sum(s.length - s.n_computed for s in self.table.spans if s.tier.attended)
 
-    def floor_usage(self, quantized: dict[int, int], floor: AttendedFloor) -> int:
-        """Device bytes after this turn's prefill with every token the budget may quantize quantized.
+    def plan_promotions(
+        self,
+        promotions: Sequence[SpanOptions],
+        target: int,
+        *,
+        relevance: Mapping[int, float] | None = None,
+        klass_of: Mapping[int, int] | None = None,
+        keep_attended: frozenset[int] = frozenset(),
+        spare: bool = False,
+    ) -> Placement:
+        """One plan over every span, the next prefill's tokens and the promotions asked for.
 
-        What the device counts now (attended KV, quantized archives), less the
-        evictable spans (the budget drops them first), less what quantizing the exact
-        tokens would free (the sinks and the residual window stay exact), plus the new
-        message's pending tokens at their quantized size. `quantized`: each device span's
-        slots held quantized now. The fine planes of 8-bit keys count as held: a key read
-        at 8 bits is about as good as exact, for a thirteenth of the bytes that holding
-        its token exact adds, so exact recall does not take them for room.
+        The promotions start granted; the plan steps down from there, every span by its
+        rungs and class and value, until the device total (the new message's tokens at the
+        rung the budget will hold them in included) is at `target`. A promotion it keeps
+        fits: the steps of everything below it in the order make its room. A promotion
+        of span `s` stands for `s`'s own options (`s` is left out of the rest).
+
+        Args:
+            promotions: what recall asks for (`options.promotion`), best first.
+            target: the device total to reach.
+            relevance: each span's relevance to the current question (raises its value).
+            klass_of: classes that override the lifecycle's.
+            keep_attended: spans that may not leave attention in this plan.
+            spare: no span leaves attention or drops its fine key planes (where 8-bit keys
+                are in play): only quantizing makes room.
         """
+        asked = {p.span_id for p in promotions}
         store = self.port.store
+        choices = [
+            c
+            for c in span_options(
+                self.table.spans,
+                store,
+                self.marks,
+                archive_tier=self.mover.archive_tier,
+                fidelity=self.port.rung_fidelity(),
+                relevance=relevance,
+                klass_of=klass_of,
+                attended=keep_attended,
+            )
+            if c.span_id not in asked
+        ]
+        pending = pending_options(
+            self.pending_tokens(), self.floor(), self.port.bytes_per_token, self.port.rung_fidelity()
+        )
         usage = self.usage_bytes()
-        exact_held = 0
-        pending = 0
-        for span in self.table.spans:
-            if not span.tier.attended:
-                continue
-            if span.state is SpanState.EVICTABLE:
-                usage -= store.span_bytes(span)
-                continue
-            exact_held += span.held_tokens - quantized[span.span_id]
-            pending += span.length - span.n_computed
-        quantizable = max(0, exact_held - floor.exact_tokens)
-        saved = quantizable * max(0, floor.exact_token_bytes - floor.token_bytes)
-        return usage - saved + floor.span_cost(pending)
+        if pending is not None:
+            choices.append(pending)
+            usage += pending.options[0].device_bytes
+        choices += promotions
+        spare_above = None
+        if spare:
+            raised = sum(p.options[0].device_bytes - p.options[p.current].device_bytes for p in promotions)
+            spare_above = usage + raised
+        return plan_placement(choices, usage, target, spare_above=spare_above, order=self.placement_order)
+
+    def apply_exits(self, plan: Placement) -> None:
+        """Make the moves of `plan` that take a span out of attention (the rest wait for the budget)."""
+        by_id = {s.span_id: s for s in self.table.spans}
+        exits = {i: r for i, r in plan.rungs.items() if i in by_id and r not in ATTENDED_RUNGS}
+        self._apply([by_id[i] for i in exits], exits)
 
     # -- order and plans --------------------------------------------------------------------
 

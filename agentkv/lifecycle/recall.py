@@ -15,8 +15,18 @@ from typing import Any
 from agentkv.chat import ChatMessage
 from agentkv.config import RecallConfig
 from agentkv.lifecycle.exact_pages import PageNames, RankedPages, SpanPages, text_pages
+from agentkv.lifecycle.options import promotion
 from agentkv.lifecycle.placer import PlacementPeer, Placer
-from agentkv.lifecycle.recall_ranking import Information, choose_within_room, rank_for_recall
+from agentkv.lifecycle.recall_ranking import Information, rank_for_recall
+from agentkv.lifecycle.rungs import (
+    ATTENDED_RUNGS,
+    NEEDED_CLASS,
+    PROMOTION_CLASS,
+    GreedyDualValue,
+    Rung,
+    RungOption,
+    SpanOptions,
+)
 from agentkv.lifecycle.timing import SectionTimer
 from agentkv.spans import Span, SpanState, Tier
 from agentkv.store.protocol import AttendedFloor
@@ -30,6 +40,8 @@ class Recalled:
     """Ids of the spans brought back to the device (restored or recomputed)."""
     relevant: list[Span] = field(default_factory=list)
     """Attended spans relevant to the message, best first (the protected ones first)."""
+    scores: dict[int, float] = field(default_factory=dict)
+    """Each ranked span's relevance to the message, by span id."""
     floor: AttendedFloor | None = None
     """What attended KV costs at the floor of the demotion order (None: full precision)."""
     pages_of: RankedPages | None = None
@@ -105,19 +117,13 @@ class Recaller(PlacementPeer):
             if score > 0 and (config.min_score is None or score >= config.min_score)
         ]
         attended_ids = {s.span_id for s in attended}
-        self.marks.needed = self._needed(ranked, attended_ids)
+        eligible = self._eligible(ranked)
+        self.marks.needed = {span.span_id for span, _ in eligible if span.span_id in attended_ids}
         floor = self.placer.floor()
-        costs = [self._cost(span, floor) for span, _ in ranked]
-        room = self.placer.recall_room(floor)
-        picked = choose_within_room(ranked, costs, room, relative_floor=config.relative_floor)
-        chosen: list[tuple[Span, float]] = []
-        protected: list[Span] = []
-        for span, score in (ranked[i] for i in picked):
-            if span.state is SpanState.COMMITTED:  # already attended: keep it there for this turn
-                self.marks.mark_recalled(span.span_id, score)
-                protected.append(span)
-            elif len(chosen) < config.max_spans:
-                chosen.append((span, score))
+        chosen, protected = self._plan(eligible, attended_ids, floor)
+        for span, score in protected:  # already attended: keep it there for this turn
+            self.marks.mark_recalled(span.span_id, score)
+        chosen = chosen[: config.max_spans]
         self.mover.restore_together([span for span, _ in chosen])
         recalled: list[int] = []
         for span, score in chosen:
@@ -125,11 +131,12 @@ class Recaller(PlacementPeer):
                 recalled.append(span.span_id)
                 self.marks.mark_recalled(span.span_id, score)
         # Room left after the protected spans goes to the next most relevant attended spans.
-        protected_ids = {s.span_id for s in protected}
+        protected_ids = {s.span_id for s, _ in protected}
         others = [s for s, _ in ranked if s.span_id in attended_ids and s.span_id not in protected_ids]
         return Recalled(
             spans=recalled,
-            relevant=protected + others,
+            relevant=[s for s, _ in protected] + others,
+            scores={s.span_id: score for s, score in ranked},
             floor=floor,
             pages_of=self._ranked_pages(message, query_ids, ranked[0][1] if ranked else 0.0),
         )
@@ -165,20 +172,73 @@ class Recaller(PlacementPeer):
 
         return ranked_pages
 
-    def _needed(self, ranked: list[tuple[Span, float]], attended_ids: set[int]) -> set[int]:
-        """Attended spans relevant to the message by recall's own rule (`relative_floor` of the best).
+    def _eligible(self, ranked: list[tuple[Span, float]]) -> list[tuple[Span, float]]:
+        """The ranked spans at least `relative_floor` times as relevant as the best: what competes for room.
 
-        The budget demotes them after every other committed span (their class in `agentkv.lifecycle.options`).
+        Many barely relevant short spans must not crowd out a few clearly relevant ones.
         """
         if not ranked:
-            return set()
-        floor = ranked[0][1] * self.config.relative_floor
-        return {span.span_id for span, score in ranked if span.span_id in attended_ids and score >= floor}
+            return []
+        least = ranked[0][1] * self.config.relative_floor
+        return [(span, score) for span, score in ranked if score >= least]
 
-    def _cost(self, span: Span, floor: AttendedFloor | None) -> int:
-        """Device bytes a span holds once attended (a dropped span is recomputed in full)."""
+    def _plan(
+        self, eligible: list[tuple[Span, float]], attended_ids: set[int], floor: AttendedFloor | None
+    ) -> tuple[list[tuple[Span, float]], list[tuple[Span, float]]]:
+        """The demoted spans to bring back and the attended ones to keep, as one plan grants them.
+
+        Every eligible demoted span asks for its return to attention, at what the budget
+        would hold it in (`floor`), with its value raised by its relevance; the eligible
+        attended spans weigh the same way. The placement service plans every span down to
+        the high watermark (the limit the prefill that follows must respect; the low one
+        is where demotion stops): what the question does not need gives up its steps
+        first, and a promotion the plan keeps fits. The best match competes last, so it is
+        taken whenever it fits, whatever its length (a long tool result holding the
+        fitted parameter); when it cannot fit, the room it leaves goes back to the rest.
+        """
+        demoted = [(s, score) for s, score in eligible if s.span_id not in attended_ids]
+        kept_attended = [(s, score) for s, score in eligible if s.span_id in attended_ids]
+        limit = self.placer.effective_limit()
+        if limit is None or not eligible:
+            return demoted, kept_attended
+        relevance = {s.span_id: score for s, score in eligible}
+        best = eligible[0][0].span_id
+        promotions = [
+            self._promotion(span, score, floor, first=span.span_id == best) for span, score in demoted
+        ]
+        klass_of = {best: PROMOTION_CLASS} if best in attended_ids else {}
+        target = self.placer.limits.high_bytes(limit)
+        plan = self.placer.plan_promotions(promotions, target, relevance=relevance, klass_of=klass_of)
+
+        def kept(span_id: int) -> bool:
+            if span_id in attended_ids:
+                return plan.rungs.get(span_id, Rung.FULL) in ATTENDED_RUNGS
+            return span_id in plan.raised
+
+        return (
+            [(s, score) for s, score in demoted if kept(s.span_id)],
+            [(s, score) for s, score in kept_attended if kept(s.span_id)],
+        )
+
+    def _promotion(
+        self, span: Span, score: float, floor: AttendedFloor | None, *, first: bool
+    ) -> SpanOptions:
+        """A demoted span's return to attention, as the plan weighs it (its value raised by its relevance)."""
+        fidelity = self.port.rung_fidelity()
         tokens = span.n_computed if span.tier is Tier.DROPPED else span.held_tokens
-        return tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
+        back = Rung.FULL if floor is None else Rung.ATTENDED_Q
+        cost = tokens * self.port.bytes_per_token if floor is None else floor.span_cost(tokens)
+        now = Rung.DROPPED if span.tier is Tier.DROPPED else Rung.ARCHIVED
+        held = self.port.store.span_bytes(span) if span.tier is Tier.QUANTIZED else 0
+        value = GreedyDualValue().value(span.span_id, span.score, span.held_tokens, 1.0 + score)
+        return promotion(
+            span.span_id,
+            value,
+            RungOption(back, cost, fidelity[back]),
+            RungOption(now, held, fidelity[now]),
+            klass=PROMOTION_CLASS if first else NEEDED_CLASS,
+            order=span.start,
+        )
 
     def _text(self, span: Span) -> str:
         """A span's text, from its tokens' texts (cached per token; `rank_for_recall` caches per span)."""

@@ -67,7 +67,8 @@ class SpanOptions:
     value: float
     """What losing the span entirely costs (the strategy's value)."""
     options: tuple[RungOption, ...]
-    """The current rung first, then the cheaper rungs the span may be moved to."""
+    """The rungs the span may occupy, the most faithful first: the current one (`current`), the
+    higher ones a promotion may reach before it, the cheaper ones it may be moved to after it."""
     klass: int = 0
     """The lifecycle's class: a lower class gives up each kind of step before a higher one."""
     order: int = 0
@@ -76,10 +77,19 @@ class SpanOptions:
     """Released by a rule (the grace queue): its steps come before every other span's."""
     hard: bool = False
     """Leaves attention only while the total is over `plan_placement`'s `hard_target` (recalled spans)."""
+    current: int = 0
+    """Index in `options` of the rung the span is on now; the rungs before it are promotions
+    (a return to attention, a recompute at full precision) the plan may keep."""
+    last: bool = False
+    """Its steps down rank with the steps that take a span out of attention, after those of lower
+    classes: the current question's best match is given up after everything the question does not need."""
 
 
 NEEDED_CLASS = 1
 """The class of the spans the current question needs (`agentkv.lifecycle.options.NEEDED`)."""
+PROMOTION_CLASS = 4
+"""The class of a promotion (`agentkv.lifecycle.options.PROMOTION`): above pinned spans, so an
+upgrade is given up only after every span is held at its quantized rung."""
 
 
 class PlacementStrategy(Protocol):

@@ -183,14 +183,14 @@ def test_a_span_compressed_at_commit_is_recomputed_holding_the_same_tokens(tiny_
 def test_room_left_after_the_protected_spans_goes_to_the_next_relevant_one(
     tiny_model, tiny_tokenizer, monkeypatch
 ):
-    """Recall protecting nothing (its knapsack picks no span) still leaves the spare room to exact recall.
+    """Recall protecting nothing (its plan keeps no span) still leaves the spare room to exact recall.
 
     Which spans recall protects is a choice about bringing demoted spans back; with room to spare
     at the low watermark the relevant spans held at int4 are still recomputed, best match first.
     """
     import agentkv.lifecycle.recall as recall_module
 
-    monkeypatch.setattr(recall_module, "choose_within_room", lambda *args, **kwargs: [])
+    monkeypatch.setattr(recall_module.Recaller, "_plan", lambda *args, **kwargs: ([], []))
     session, tool = quantized_then_asked(tiny_model, tiny_tokenizer, budget_tokens=100_000)
     assert session.store.attended_quantized_tokens(tool) == 0, "recomputed at full precision"
     assert session.stats().exact_recalled_tokens >= tool.length

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from agentkv import AgentKVConfig, TransformersBackend
+from agentkv.lifecycle.options import promotion
+from agentkv.lifecycle.rungs import PROMOTION_CLASS, Rung, RungOption
 from agentkv.spans import SpanState
 from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.block import tensor_bytes
@@ -229,21 +231,27 @@ def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_t
 
 def test_exact_recall_does_not_take_the_fine_planes_for_room(tiny_model: Any, tiny_tokenizer: Any) -> None:
     # A key at 8 bits reads about as well as an exact one, for a thirteenth of the bytes an exact
-    # token adds: exact recall plans its room with the fine planes held, not as room to reclaim.
+    # token adds: exact recall's plan (`spare=True`) keeps the fine planes, not as room to reclaim.
     history = _history()
-    held, dropped = (_session(tiny_model, tiny_tokenizer, 10_000, 8) for _ in range(2))
-    for session in (held, dropped):
-        session.extend(history)
-        for span in session.spans:
-            quantize(session.store, [span])
-    dropped.store.coarsen_attended_until(list(dropped.spans), 1 << 40)
-    assert held.store.fine_key_bytes() > 0 == dropped.store.fine_key_bytes()
-    held_usage, dropped_usage = (s.stats().budget_used_bytes for s in (held, dropped))
-    assert held_usage - dropped_usage == held.store.fine_key_bytes()
-
-    def floor_usage(session: Any) -> int:
-        store = session.store
-        quantized = {s.span_id: store.attended_quantized_tokens(s) for s in session.spans if s.tier.attended}
-        return session.manager.placer.floor_usage(quantized, store.attended_floor())
-
-    assert floor_usage(held) - floor_usage(dropped) == held.store.fine_key_bytes()
+    session = _session(tiny_model, tiny_tokenizer, 10_000, 8)
+    session.extend(history)
+    for span in session.spans:
+        quantize(session.store, [span])
+    fine = session.store.fine_key_bytes()
+    assert fine > 0
+    placer = session.manager.placer
+    unit = promotion(
+        -2,
+        1.0,
+        RungOption(Rung.FULL, fine, 0.0),
+        RungOption(Rung.ATTENDED_Q, 0, 0.25),
+        klass=PROMOTION_CLASS,
+        order=0,
+        last=True,  # the question's best match: given up after every other step
+    )
+    target = placer.usage_bytes()
+    spared = placer.plan_promotions([unit], target, spare=True)
+    assert -2 not in spared.raised
+    assert not any(rung in (Rung.ATTENDED_Q, Rung.ARCHIVED, Rung.DROPPED) for rung in spared.rungs.values())
+    # Without the bound the fine planes (or whole spans) are room, and the upgrade fits.
+    assert -2 in placer.plan_promotions([unit], target).raised
