@@ -4,33 +4,35 @@ Quantization noise is small on average but not on what a question asks to quote:
 digit of a code or a letter of a name can flip at int4, while the same span at full
 precision is copied exactly. Recall knows which attended spans the new user message
 needs (`agentkv.lifecycle.recall`); those the attended quantized tier holds at int4
-are recomputed from their token ids, best first, while the room allows.
+are recomputed from their token ids, as far as the placement plan grants.
 
 A relevant span longer than `WHOLE_SPAN_PAGES` pages is recomputed in part first:
 its pages (`agentkv.lifecycle.exact_pages`) that the caller ranks as relevant are
-recomputed in full precision, best first, while the room allows; the rest of the
-span stays attended at int4. The pages next to the chosen ones come next (the
-following page first): a log entry or a table row often continues on the line after
-the one the question's words match. The room goes to what the question needs most
-densely: a 600-token tool result that ranks second on a word it shares with the
-question must not take, whole, the room the line holding the answer in the third
-span needs. Only once every relevant span has its pages does room left over
-recompute the rest of the long spans, in their rank order. A page is recomputed
-over the cache as it is (the span's own earlier tokens at int4 included) and
-replaces the quantized KV of its tokens.
+recomputed in full precision, best first; the rest of the span stays attended at
+int4. The pages next to the chosen ones come next (the following page first): a log
+entry or a table row often continues on the line after the one the question's words
+match. The room goes to what the question needs most densely: a 600-token tool
+result that ranks second on a word it shares with the question must not take, whole,
+the room the line holding the answer in the third span needs. Only room left over
+recomputes the rest of the long spans. A page is recomputed over the cache as it is
+(the span's own earlier tokens at int4 included) and replaces the quantized KV of
+its tokens.
 
-The room is the low watermark minus what the device would hold with every other
-attended token at the floor of the demotion order (`AttendedFloor`; the placement
-service's `Placer.floor_usage`). The budget check after the prefill quantizes
-committed spans before recalled ones, so an upgrade that fits only quantizes
-lower-priority spans. When the room at the floor cannot hold even the question's
-best match (its best page and that page's neighbours, or the whole span when it is
-short), room is made
-for that one unit: the placement service plans in the `needed_last` order, so the
-spans the question does not need give up attention first (least value first; they
-stay recallable from their token ids). A tight budget thereby holds the answer's
-source exact and drops what the question does not read, where holding everything
-at int4 would leave no room to recompute anything. A recomputed span
+Which upgrades happen is the placement plan's choice, not a room this module
+predicts: every upgrade is a promotion (its extra bytes at full precision), planned
+with every span and the new message's tokens down to the low watermark
+(`Placer.plan_promotions`). A unit's value is its span's relevance per token, so the
+plan keeps what the question needs most densely; pages the question's words are not
+on weigh nothing and take only room left over. An upgrade is given up after every
+span is held quantized, before any fine key plane is dropped or any span leaves
+attention; with 8-bit keys in play neither happens for an upgrade at all. The
+question's best match (its best page with its neighbours, or the whole span) is given
+up last: when everything quantized cannot make its room, the spans the question does
+not need leave attention for it (least value first; they stay recallable from their
+token ids), and those moves are made now (the budget after the prefill quantizes
+before it archives, and would take the room back). A tight budget thereby holds the
+answer's source exact and drops what the question does not read, where holding
+everything at int4 would leave no room to recompute anything. A recomputed span
 attends its context as the cache holds it now (partly quantized): exact up to that
 context, as any rehydration.
 """

@@ -28,6 +28,15 @@ it may go: pinned and active spans are never archived or dropped, only held at a
 cheaper attended rung, so a pinned prompt larger than the budget is held at int4
 instead of leaving the budget unmet at full precision.
 
+The plan runs in both directions. A span may also hold rungs *above* the one it is on
+(`SpanOptions.current`): a recalled span's return to attention, a page recomputed at
+full precision. Such a promotion starts granted, and its steps back down compete with
+every other step in the same order (its class places it: recall's candidates with the
+spans the question needs, an upgrade above pinned spans, the best match last). Once
+the total is at the target, the promotions refused on the way are granted again,
+the last in the order first, wherever the room left over holds them
+(`_give_back`), so no refused promotion would have fit on its own.
+
 Pure: no store, no model. `agentkv.lifecycle.options` builds the options from the store;
 `agentkv.lifecycle.placer` applies the plan through the mover.
 """
@@ -215,8 +224,12 @@ def plan_placement(
             hysteresis gap below the limit saves no re-plan there).
         order: one of `PLACEMENT_ORDERS`.
 
+    Promotions (`SpanOptions.current` > 0) start granted and count in the total from the
+    start; those refused are given back the room left over at the end (`_give_back`).
+
     Returns:
-        The moves (span id -> rung), the estimated total and loss, and whether `target` is met.
+        The moves (span id -> rung, up or down), the estimated total and loss, whether
+        `target` is met, and the promotions granted (`raised`).
     """
     if order not in PLACEMENT_ORDERS:
         raise ValueError(f"unknown placement order {order!r}; expected one of {PLACEMENT_ORDERS}")

@@ -1,17 +1,14 @@
 """The placement service: the one owner of what the device holds, and of the room left on it.
 
-Budget enforcement, recall and exact recall do not predict each other:
-each asks this service. It measures usage against the limits (the watermark
-arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`), says how much room a
-question may fill (`recall_room`; exact recall's `floor_usage`), and makes a plan
+Budget enforcement, recall and exact recall do not predict each other's room: each
+asks this service for a plan. It measures usage against the limits (the watermark
+arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`) and plans
 (`agentkv.lifecycle.options` gives every span its rungs,
-`agentkv.lifecycle.placement.plan_placement` picks one per span) that the mover applies
-(`demote_to`).
-
-Room is counted at the *floor* of the demotion order (`AttendedFloor`): with an
-attended quantized tier, the budget holds every attended span quantized before it
-archives any, so a span brought back needs room at its quantized size, and so do the
-pinned and active spans that stay; the sinks and the residual window stay exact.
+`agentkv.lifecycle.placement.plan_placement` picks one per span) in both directions:
+down, for the budget (`demote_to`, `relieve_host`), and up, for recall and exact
+recall (`plan_promotions`: a recalled span's return to attention, a page recomputed
+at full precision, each a promotion the plan grants when its room can be made by the
+steps of everything below it in the lifecycle's order). The mover applies the moves.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Recall: before the model answers a new user turn, make the spans most relevant to it attended.
 
 Ranking lives in `agentkv.lifecycle.recall_ranking` (word overlap and embeddings,
-no forward pass); this module chooses within the budget room and moves the
-chosen spans back through the mover. What recall found relevant is its answer
-(`Recalled`): the manager hands it to exact recall (`agentkv.lifecycle.exact_recall`),
-which asks the placement service (`agentkv.lifecycle.placer`) for its room as recall does.
+no forward pass). This module turns the ranking into values and promotions, asks the
+placement service (`agentkv.lifecycle.placer.Placer.plan_promotions`) which of them
+the budget allows, and moves the granted spans back through the mover. What recall
+found relevant is its answer (`Recalled`): the manager hands it to exact recall
+(`agentkv.lifecycle.exact_recall`), which asks the same plan for its upgrades.
 """
 
 from __future__ import annotations
@@ -72,12 +73,11 @@ class Recaller(PlacementPeer):
         that is already attended is protected for this turn like a recalled one, so the
         demotions after the prefill cannot push it out in favour of less relevant spans.
 
-        Recall may fill the budget up to its high watermark minus what cannot be demoted
-        (pinned and active spans, the new message included): recalled spans displace
-        lower-ranked committed spans, which the budget check after the prefill archives
-        as usual. A fixed fraction of the budget would rule out recalling a long tool
-        result at tight budgets, precisely where it matters. `max_spans` bounds the spans
-        brought back; protecting an attended span only spends budget room.
+        What comes back is the placement plan's choice (`_plan`): recalled spans displace
+        what the question does not need, which the budget check after the prefill
+        demotes as usual. A fixed fraction of the budget would rule out recalling a long
+        tool result at tight budgets, precisely where it matters. `max_spans` bounds the
+        spans brought back; protecting an attended span only spends budget room.
 
         The attended spans relevant to the message are kept for the turn
         (`RecallMarks.needed`): under pressure the budget demotes them after the rest,
