@@ -10,7 +10,10 @@ costs per rung, planned to random targets. Whatever the input:
   to 4-bit keys loses less per byte than leaving (8-bit keys drop to 4 before anything leaves);
 - more room never loses more value, and never holds fewer spans in attention;
 - bounded by the limit (`spare_above`), no span leaves attention while every span fits
-  under the limit at its cheapest attended rung.
+  under the limit at its cheapest attended rung;
+- promotions (archived spans asking to come back) in the same plan: the limit still holds
+  whenever it can, none is granted while it is unmet, and none refused would fit in the
+  room the plan leaves.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.lifecycle.marks import RecallMarks
-from agentkv.lifecycle.options import host_options, span_options
+from agentkv.lifecycle.options import host_options, promotion, span_options
 from agentkv.lifecycle.placement import Placement, plan_placement, step_chain
-from agentkv.lifecycle.rungs import ATTENDED_RUNGS, DEFAULT_FIDELITY, Rung
+from agentkv.lifecycle.rungs import (
+    ATTENDED_RUNGS,
+    DEFAULT_FIDELITY,
+    NEEDED_CLASS,
+    PROMOTION_CLASS,
+    Rung,
+    RungOption,
+)
 from agentkv.spans import Span, SpanKind, SpanState, Tier
 from agentkv.store.protocol import SpanCosts
 
@@ -198,3 +208,44 @@ def test_the_host_limit_holds_whenever_it_can_released_spans_first(
     released = evictable - marks.recalled
     if set(plan.rungs) - released:
         assert released <= set(plan.rungs), "released spans leave the host before any other"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tables(),
+    st.lists(st.tuples(st.floats(0, 5), st.integers(1, 3000)), max_size=6),
+    st.floats(0, 1.5),
+    st.booleans(),
+)
+def test_a_recalled_span_is_placed_at_the_best_rung_the_limit_allows(
+    table: Table, asked: list[tuple[float, int]], share: float, first: bool
+) -> None:
+    """Archived spans asking to come back share the plan with the spans held: both directions at once."""
+    options = span_options(table.spans, table, RecallMarks(), archive_tier="drop")  # type: ignore[arg-type]
+    promotions = [
+        promotion(
+            100 + i,
+            value,
+            RungOption(Rung.ATTENDED_Q, cost, DEFAULT_FIDELITY[Rung.ATTENDED_Q]),
+            RungOption(Rung.ARCHIVED, 0, DEFAULT_FIDELITY[Rung.ARCHIVED]),
+            klass=PROMOTION_CLASS if first and i == 0 else NEEDED_CLASS,
+            order=100 + i,
+        )
+        for i, (value, cost) in enumerate(asked)
+    ]
+    usage = sum(c.now for c in table.costs.values())
+    target = int((usage + sum(cost for _, cost in asked)) * share)
+    plan = plan_placement([*options, *promotions], usage, target)
+    if target >= _floor(table):
+        assert plan.met, "refusing every promotion and demoting the rest would meet it"
+    for span in table.spans:
+        if span.pinned or span.state is SpanState.ACTIVE:
+            assert plan.rungs.get(span.span_id, Rung.FULL) in ATTENDED_RUNGS
+    granted = {p.span_id for p in promotions} & plan.raised
+    assert granted == {i for i, r in plan.rungs.items() if i >= 100}
+    if plan.met:
+        for p in promotions:
+            if p.span_id not in granted:
+                assert plan.device_bytes + p.options[0].device_bytes > target, "a refused promotion would fit"
+    else:
+        assert not granted, "no promotion is granted while the limit is unmet"
