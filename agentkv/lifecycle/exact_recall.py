@@ -111,7 +111,6 @@ class ExactRecall(PlacementPeer):
         granted = [u for u in units if u.options.span_id in plan.raised and u.span.span_id not in leaving]
         if not granted:
             return []
-        placer.apply_exits(plan)  # the budget after the prefill quantizes before it archives
         whole = [u.span for u in granted if u.offsets is None]
         by_span: dict[int, tuple[Span, list[int]]] = {}
         for unit in granted:
@@ -127,6 +126,7 @@ class ExactRecall(PlacementPeer):
         # Pages first: a whole span recomputed lazily waits for the prefill, and a page after it
         # in the conversation must attend it.
         with store.deferred_removal():  # one compaction for every span dropped here
+            placer.apply_exits(plan)  # the budget after the prefill quantizes before it archives
             if parts and self._recompute_offsets(parts):
                 exact += [span.span_id for span, _ in parts]
             for span in whole:
