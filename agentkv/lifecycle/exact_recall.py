@@ -104,7 +104,7 @@ class ExactRecall(PlacementPeer):
         plan = placer.plan_promotions(
             [u.options for u in units],
             placer.limits.low_bytes(limit),
-            keep_attended=frozenset({quantized[0].span_id}),
+            keep_attended=frozenset({quantized[0].span_id, *self.marks.recalled}),  # recall's stay
             spare=True,
         )
         leaving = {i for i, rung in plan.rungs.items() if rung not in ATTENDED_RUNGS}

@@ -577,3 +577,34 @@ def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() ->
     assert plan.rungs == {1: Rung.ATTENDED_Q, 4: Rung.ATTENDED_Q}
     with pytest.raises(ValueError, match="unknown placement order"):
         plan_placement(choices, usage, target=250, order="nope")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_both_limits_hold_through_recall_and_every_budget_check(seed: int) -> None:
+    """Device and host budgets, recall asking the plan for spans back at each question: after every
+    operation the device usage is under its limit whenever the budget says it is met, the host under
+    its own, and a span recalled for the turn is attended."""
+    import random
+
+    rng = random.Random(seed)
+    port, manager = quantizing(
+        budget={"device_tokens": rng.randint(20, 60), "host_tokens": rng.randint(10, 60)}, archive_tier="host"
+    )
+    spans = conversation(port, manager, turns=4, seed=seed)
+    limits = manager.budget.limits
+    device_limit, host_limit = limits.device_bytes, limits.host_bytes
+    assert device_limit is not None and host_limit is not None
+    for _ in range(4):
+        asked = rng.sample(spans, k=2)
+        words = [port.token_text(t).strip() for span in asked for t in span.token_ids[:2]]
+        recalled = manager.recall(ChatMessage("user", " ".join(words)))
+        for span_id in recalled:
+            assert port.table.span(span_id).tier.attended
+        spans.append(port.add(manager, SpanKind.USER, " ".join(words)))
+        manager.after_operation()
+        if manager.budget_satisfied:
+            assert manager.budget.usage_bytes() <= limits.high_bytes(device_limit)
+        assert port.store.host_bytes() <= limits.high_bytes(host_limit)
+        manager.apply(TurnEnded())
+        manager.after_operation()
+        manager.check()
