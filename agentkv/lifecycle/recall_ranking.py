@@ -64,9 +64,10 @@ def _idf(spans: Sequence[frozenset[str]]) -> dict[str, float]:
 
 
 def _mean_embedding(embed: Any, ids: Sequence[int]) -> torch.Tensor | None:
+    """The mean input embedding of the distinct `ids` `[hidden]`, outside autograd (None without either)."""
     if embed is None or not ids:
         return None
-    weight = embed.weight
+    weight = embed.weight.detach()  # a model loaded for training still ranks without building a graph
     index = torch.tensor(list(set(ids)), dtype=torch.long, device=weight.device)
     return weight.index_select(0, index).float().mean(0).cpu()  # [hidden]
 

@@ -75,3 +75,27 @@ def test_background_logprobs_are_a_distribution_computed_once(tiny_model, tiny_t
     assert first.shape == (tiny_model.config.vocab_size,)
     assert torch.allclose(first.exp().sum(), torch.tensor(1.0), atol=1e-4)
     assert port.background_logprobs() is first
+
+
+def test_the_embedding_signal_builds_no_autograd_graph():
+    """A model loaded with trainable weights (`from_pretrained`'s default) ranks without autograd."""
+    import warnings
+
+    embed = torch.nn.Embedding(100, 8)
+    assert embed.weight.requires_grad
+    history = spans()
+    memo: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # converting a tensor that requires grad to a float warns
+        ranked = rank_for_recall(
+            QUESTION,
+            history,
+            history,
+            text_of=lambda s: HISTORY[s.span_id],
+            query_ids=list(range(5)),
+            embed=embed,
+            memo=memo,
+        )
+    assert ranked and not any(v.requires_grad for v in memo.values() if isinstance(v, torch.Tensor)), (
+        "a span's mean embedding is held outside autograd"
+    )
