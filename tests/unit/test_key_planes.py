@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.lifecycle.options import promotion
 from agentkv.lifecycle.rungs import PROMOTION_CLASS, Rung, RungOption
 from agentkv.spans import SpanState
@@ -20,9 +19,8 @@ from agentkv.store.attended import QuantizedAttendedLayer
 from agentkv.store.block import tensor_bytes
 from agentkv.store.key_planes import coarse_stats, split_planes
 from agentkv.store.kivi import unpack_codes
+from tests.unit.attended_sessions import GROUP, attended_session
 from tests.unit.store_moves import quantize
-
-GROUP = 16
 
 
 def _group_range(k: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -112,24 +110,6 @@ def test_keys_at_selection_and_fork_keep_the_fine_plane_with_its_slots() -> None
     assert torch.equal(_read(layer)[0][:, :, :-1], before[:, :, keep])
 
 
-def _session(tiny_model: Any, tiny_tokenizer: Any, device_tokens: int | None, key_bits: int) -> Any:
-    data: dict[str, Any] = {
-        "policy": "lifecycle",
-        "archive_tier": "drop",
-        "quantization": {
-            "attended_bits": 4,
-            "attended_key_bits": key_bits,
-            "group_size": GROUP,
-            "attended_residual_tokens": 16,
-        },
-    }
-    if device_tokens is not None:
-        # The priors' rung costs (8-bit keys lose a fifth of 4-bit keys): the tiny random model's
-        # calibration measures both alike, and then the plan holds no key at 8 bits at all.
-        data["budget"] = {"device_tokens": device_tokens, "rung_costs": "fixed"}
-    return TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
-
-
 def _history() -> list[dict[str, Any]]:
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
     for turn in range(5):
@@ -147,17 +127,17 @@ def test_budget_drops_fine_planes_before_archiving_and_keeps_them_when_there_is_
     tiny_model: Any, tiny_tokenizer: Any
 ) -> None:
     history = _history()
-    sizing = _session(tiny_model, tiny_tokenizer, None, 8)
+    sizing = attended_session(tiny_model, tiny_tokenizer, 8)
     sizing.extend(history)
     logical = sizing.stats().logical_tokens
     # Roomy: everything fits at 8-bit keys once quantized (K8V4 is ~22% of fp32 here plus the window).
-    roomy = _session(tiny_model, tiny_tokenizer, int(logical * 0.6), 8)
+    roomy = attended_session(tiny_model, tiny_tokenizer, 8, int(logical * 0.6))
     _walk(history, roomy)
     store = roomy.store
     assert roomy.stats().budget_satisfied and store.attended_quantized_tokens() > 0
     assert store.fine_key_tokens() == store.attended_quantized_tokens()  # no key went to 4 bits
     # Tight: every key at 8 bits does not fit under the limit, every key at 4 bits does.
-    tight = _session(tiny_model, tiny_tokenizer, int(logical * 0.28), 8)
+    tight = attended_session(tiny_model, tiny_tokenizer, 8, int(logical * 0.28))
     _walk(history, tight)
     stats, store = tight.stats(), tight.store
     assert stats.budget_satisfied and stats.attended_tokens == stats.logical_tokens  # nothing archived
@@ -167,7 +147,7 @@ def test_budget_drops_fine_planes_before_archiving_and_keeps_them_when_there_is_
     # Tighter still: in one demotion, spans leave attention only once no key is left at 8 bits.
     # (Across turns a newer span may hold 8-bit keys while an older one that left stays out:
     # the budget drops fine planes only down to its limit, and recall brings spans back.)
-    tighter = _session(tiny_model, tiny_tokenizer, 40, 8)
+    tighter = attended_session(tiny_model, tiny_tokenizer, 8, 40)
     tighter.extend(history)
     tighter.check()
     archived = [s for s in tighter.spans if s.state in (SpanState.ARCHIVED, SpanState.EVICTED)]
@@ -179,13 +159,13 @@ def test_8_bit_keys_give_logits_closer_to_full_precision_than_4_bit_keys(
     tiny_model: Any, tiny_tokenizer: Any
 ) -> None:
     history = _history()
-    plain = _session(tiny_model, tiny_tokenizer, None, 4)
+    plain = attended_session(tiny_model, tiny_tokenizer, 4)
     plain.extend(history)
     prompt = plain.format.generation_prompt_ids(plain.messages)
     full = plain.continuation_logits(prompt)[-1]
     errors = {}
     for key_bits in (4, 8):
-        session = _session(tiny_model, tiny_tokenizer, None, key_bits)
+        session = attended_session(tiny_model, tiny_tokenizer, key_bits)
         session.extend(history)
         assert torch.equal(session.continuation_logits(prompt)[-1], full)  # nothing quantized: exact
         for span in session.spans:
@@ -199,7 +179,7 @@ def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_t
     tiny_model: Any, tiny_tokenizer: Any
 ) -> None:
     history = _history()
-    together, alone = (_session(tiny_model, tiny_tokenizer, None, 8) for _ in range(2))
+    together, alone = (attended_session(tiny_model, tiny_tokenizer, 8) for _ in range(2))
     for session in (together, alone):
         session.extend(history)
         for span in session.spans:
@@ -233,7 +213,7 @@ def test_exact_recall_does_not_take_the_fine_planes_for_room(tiny_model: Any, ti
     # A key at 8 bits reads about as well as an exact one, for a thirteenth of the bytes an exact
     # token adds: exact recall's plan (`spare=True`) keeps the fine planes, not as room to reclaim.
     history = _history()
-    session = _session(tiny_model, tiny_tokenizer, 10_000, 8)
+    session = attended_session(tiny_model, tiny_tokenizer, 8, 10_000)
     session.extend(history)
     for span in session.spans:
         quantize(session.store, [span])

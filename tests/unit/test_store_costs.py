@@ -11,23 +11,12 @@ from typing import Any
 import pytest
 
 from agentkv import AgentKVConfig, TransformersBackend
+from tests.unit.attended_sessions import attended_session
 from tests.unit.store_accounting import held_bytes
-
-GROUP = 16
 
 
 def _session(tiny_model: Any, tiny_tokenizer: Any, key_bits: int) -> Any:
-    data: dict[str, Any] = {
-        "policy": "lifecycle",
-        "archive_tier": "drop",
-        "quantization": {
-            "attended_bits": 4,
-            "attended_key_bits": key_bits,
-            "group_size": GROUP,
-            "attended_residual_tokens": 16,
-        },
-    }
-    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("s")
+    session = attended_session(tiny_model, tiny_tokenizer, key_bits)
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
     for turn in range(5):
         history.append({"role": "user", "content": f"lorem ipsum dolor {turn} sit amet " * (3 + 2 * turn)})
