@@ -155,7 +155,6 @@ def _slope(value: float, a: RungOption, b: RungOption) -> float:
 
 def _give_back(
     chains: dict[int, list[RungOption]],
-    spans: dict[int, SpanOptions],
     current: dict[int, int],
     at: dict[int, int],
     total: int,
@@ -306,7 +305,6 @@ def plan_placement(
             heapq.heappush(heap, step_to(spans[step.span_id], step.index + 1))
     total = _give_back(
         chains,
-        spans,
         current,
         at,
         total,

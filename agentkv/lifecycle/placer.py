@@ -97,21 +97,8 @@ class Placer:
                 are in play): only quantizing makes room.
         """
         asked = {p.span_id for p in promotions}
-        store = self.port.store
-        choices = [
-            c
-            for c in span_options(
-                self.table.spans,
-                store,
-                self.marks,
-                archive_tier=self.mover.archive_tier,
-                fidelity=self.port.rung_fidelity(),
-                relevance=relevance,
-                klass_of=klass_of,
-                attended=keep_attended,
-            )
-            if c.span_id not in asked
-        ]
+        options = self._span_options(relevance=relevance, klass_of=klass_of, attended=keep_attended)
+        choices = [c for c in options if c.span_id not in asked]
         pending = pending_options(
             self.pending_tokens(), self.floor(), self.port.bytes_per_token, self.port.rung_fidelity()
         )
@@ -125,6 +112,25 @@ class Placer:
             raised = sum(p.options[0].device_bytes - p.options[p.current].device_bytes for p in promotions)
             spare_above = usage + raised
         return plan_placement(choices, usage, target, spare_above=spare_above, order=self.placement_order)
+
+    def _span_options(
+        self,
+        *,
+        relevance: Mapping[int, float] | None = None,
+        klass_of: Mapping[int, int] | None = None,
+        attended: frozenset[int] = frozenset(),
+    ) -> list[SpanOptions]:
+        """Every span's rungs at the store's costs (`options.span_options`), with this session's settings."""
+        return span_options(
+            self.table.spans,
+            self.port.store,
+            self.marks,
+            archive_tier=self.mover.archive_tier,
+            fidelity=self.port.rung_fidelity(),
+            relevance=relevance,
+            klass_of=klass_of,
+            attended=attended,
+        )
 
     def apply_exits(self, plan: Placement) -> None:
         """Make the moves of `plan` that take a span out of attention (the rest wait for the budget)."""
@@ -155,13 +161,7 @@ class Placer:
         if usage <= target:
             return
         hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
-        choices = span_options(
-            self.table.spans,
-            self.port.store,
-            self.marks,
-            archive_tier=self.mover.archive_tier,
-            fidelity=self.port.rung_fidelity(),
-        )
+        choices = self._span_options()
         plan = plan_placement(
             choices,
             usage,
