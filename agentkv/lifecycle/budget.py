@@ -8,7 +8,7 @@ the placement service's (`agentkv.lifecycle.placer.Placer`). This module decides
 Two ways to relieve pressure, chosen by what the policy declares (`whole_spans`):
 - *span mode* (agentkv's `lifecycle` policy, and `full`): pressure moves whole spans
   down their rungs (full precision -> attended quantized -> archived -> dropped), one
-  rung per span chosen by the placement planner (`Placer.demote_to`) so that the
+  rung per span chosen by the placement planner (`Placer.place`) so that the
   limit holds at the least value lost: evictable spans first, pinned and active spans
   last and never out of attention, the spans the current question needs after the
   rest. Spans were compressed once, at commit.
@@ -63,13 +63,15 @@ class BudgetKeeper(PlacementPeer):
         return self.placer.usage_bytes()
 
     def enforce(self) -> None:
-        """Demote until under the low watermark when over the high one; then the host budget."""
+        """Demote until under the low watermark when over the high one, the host budget in the same plan."""
         table = self.table
         limits = self.limits
         if self.enforced:
             self.placer.relieve_global()
         limit = self.placer.effective_limit() if self.enforced else None
         self.last_limit = limit
+        host_limit = limits.host_bytes
+        host_planned = False
         if limit is not None:
             usage = self.usage_bytes()
             if limits.over(usage, limit):
@@ -77,7 +79,10 @@ class BudgetKeeper(PlacementPeer):
                 if self.whole_spans:
                     # One compaction for all moves; the store counts its removals as gone before it.
                     with self.port.store.deferred_removal():
-                        self.placer.demote_to(target, limit, spare_above=limits.high_bytes(limit))
+                        self.placer.place(
+                            target, limit, host_limit=host_limit, spare_above=limits.high_bytes(limit)
+                        )
+                    host_planned = True
                 else:
                     # Token mode drops tokens, not spans; a span left with none is evicted, whatever
                     # its state (the generic baselines drop active tokens too, by design). Generic
@@ -104,9 +109,8 @@ class BudgetKeeper(PlacementPeer):
             self.satisfied = reported is None or not limits.over(self.usage_bytes(), reported)
             if not self.satisfied:
                 table.counters.budget_unmet += 1
-        host_limit = limits.host_bytes
-        if host_limit is not None and limits.over(self.port.store.host_bytes(), host_limit):
-            self.placer.relieve_host(limits.low_bytes(host_limit))
+        if host_limit is not None and not host_planned:
+            self.placer.place(None, None, host_limit=host_limit)
         tiers = self.port.store.bytes_by_tier()
         table.counters.peak_device_bytes = max(table.counters.peak_device_bytes, tiers.device)
 

@@ -149,7 +149,7 @@ def span_options(
             continue
         options = _attended_rungs(span, cost, held, fidelity)
         if not span.pinned and span.state is SpanState.COMMITTED and span.span_id not in attended:
-            options += _leaving_rungs(cost, archive_tier, fidelity)
+            options += _leaving_rungs(cost, held, archive_tier, fidelity)
         if len(options) >= 2:
             hard = span.span_id in marks.recalled
             rungs = tuple(options)
@@ -203,17 +203,21 @@ def _attended_rungs(
 
 
 def _leaving_rungs(
-    cost: SpanCosts | None, archive_tier: str, fidelity: Mapping[Rung, float]
+    cost: SpanCosts | None, held: int, archive_tier: str, fidelity: Mapping[Rung, float]
 ) -> list[RungOption]:
     """Archived (on the configured tier, at the store's count) and, for an archive on the device, dropped.
 
     A store that reports no costs archives to the host or drops: nothing stays on the device.
+    An archive on the host holds the store's host count (`SpanCosts.host`; without costs, the
+    span's bytes now), which the host budget plans with (`host_options`).
     """
-    archived = 0
+    archived = host = 0
     if cost is not None and archive_tier in ("int8", "int4"):
         archived = cost.int8 if archive_tier == "int8" else cost.int4
+    if archive_tier == "host":
+        host = cost.host if cost is not None else held
     loss = fidelity[Rung.DROPPED] if archive_tier == "drop" else fidelity[Rung.ARCHIVED]
-    options = [RungOption(Rung.ARCHIVED, archived, loss)]
+    options = [RungOption(Rung.ARCHIVED, archived, loss, host_bytes=host)]
     if archived:  # an archive on the device: dropping the span frees what the archive would keep
         options.append(RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]))
     return options
@@ -224,23 +228,37 @@ def host_options(
     store: KVStoreProtocol,
     marks: RecallMarks,
     *,
+    arriving: Mapping[int, int] | None = None,
     strategy: PlacementStrategy | None = None,
     fidelity: Mapping[Rung, float] = DEFAULT_FIDELITY,
 ) -> list[SpanOptions]:
-    """The spans archived on the host, each with its host bytes and one step down: dropped.
+    """The spans on the host, each with its host bytes and one step down: dropped.
 
-    The host budget's resource, planned by the same planner as the device's: the grace
-    queue first, then the least value lost per byte. A span recalled for this turn stays.
+    The host budget's resource, planned by the same planner as the device's (the
+    options' `device_bytes` are host bytes here): the grace queue first, then the least
+    value lost per byte. `arriving`: spans the device's plan archives to the host (span
+    id -> the host bytes their archive will hold); one the host cannot hold is dropped
+    instead of copied there first. A span recalled for this turn stays.
     """
     strategy = strategy or GreedyDualValue()
+    arriving = arriving or {}
     out: list[SpanOptions] = []
     for span in spans:
-        if span.tier is not Tier.HOST or span.state is SpanState.EVICTED or span.pinned:
+        if span.span_id in marks.recalled or span.state is SpanState.EVICTED or span.pinned:
             continue
-        if span.span_id in marks.recalled:
+        klass = lifecycle_class(span, marks)
+        if span.span_id in arriving:
+            value = strategy.value(span.span_id, span.score, span.held_tokens, 1.0)
+            options = (
+                RungOption(Rung.ARCHIVED, arriving[span.span_id], fidelity[Rung.ARCHIVED]),
+                RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED]),
+            )
+            out.append(SpanOptions(span.span_id, value, options, klass=klass, order=span.start))
+            continue
+        if span.tier is not Tier.HOST:
             continue
         released = span.state is SpanState.EVICTABLE
         value = 0.0 if released else strategy.value(span.span_id, span.score, span.held_tokens, 1.0)
-        held, klass = store.span_bytes(span), lifecycle_class(span, marks)
+        held = store.span_bytes(span)
         out.append(_droppable(span, held, value=value, fidelity=fidelity, klass=klass, released=released))
     return out

@@ -5,10 +5,11 @@ asks this service for a plan. It measures usage against the limits (the watermar
 arithmetic lives in `agentkv.lifecycle.limits.BudgetLimits`) and plans
 (`agentkv.lifecycle.options` gives every span its rungs,
 `agentkv.lifecycle.placement.plan_placement` picks one per span) in both directions:
-down, for the budget (`demote_to`, `relieve_host`), and up, for recall and exact
-recall (`plan_promotions`: a recalled span's return to attention, a page recomputed
-at full precision, each a promotion the plan grants when its room can be made by the
-steps of everything below it in the lifecycle's order). The mover applies the moves.
+down, for the budgets (`place`: the device, and the host as the plan's second
+resource), and up, for recall and exact recall (`plan_promotions`: a recalled span's
+return to attention, a page recomputed at full precision, each a promotion the plan
+grants when its room can be made by the steps of everything below it in the
+lifecycle's order). The mover applies the moves.
 """
 
 from __future__ import annotations
@@ -140,57 +141,81 @@ class Placer:
 
     # -- order and plans --------------------------------------------------------------------
 
-    def demote_to(
-        self, target: int, limit: int | None, *, order: str | None = None, spare_above: int | None = None
+    def place(
+        self,
+        target: int | None,
+        limit: int | None,
+        *,
+        host_limit: int | None = None,
+        order: str | None = None,
+        spare_above: int | None = None,
     ) -> None:
-        """Bring device usage to at most `target` bytes: the store's costs, one plan, its moves.
+        """Bring the device to at most `target` bytes and the host under `host_limit`: one plan, its moves.
 
-        Every rung's bytes are the store's own counts (`attended_costs`), so the plan
-        lands where it says. Spans recalled for this turn leave attention only while
-        usage is over `limit` itself (its high watermark, not `target`): recall chose
-        them for the question being answered, but the budget is a limit and the turn's
-        own new content must fit. With 8-bit keys, holding a span's keys at 4 bits is one
-        of its steps (`Rung.KEYS8` -> `Rung.ATTENDED_Q`), taken in the planner's order
-        with the others: every span is quantized (to 8-bit keys) before any coarsens,
-        and every attended step comes before any span leaves attention.
-        `order` overrides the session's step order (`placement_order`) for this call.
-        `spare_above`: no span leaves attention or drops its fine key planes while usage
-        is at or under it (`plan_placement`); the budget passes its high watermark.
+        The device is planned first, on the store's own counts (`attended_costs`), so the
+        plan lands where it says. Spans recalled for this turn leave attention only while
+        usage is over `limit` itself (its high watermark, not `target`): recall chose them
+        for the question being answered, but the budget is a limit and the turn's own new
+        content must fit. With 8-bit keys, holding a span's keys at 4 bits is one of its
+        steps (`Rung.KEYS8` -> `Rung.ATTENDED_Q`), taken in the planner's order with the
+        others: every span is quantized (to 8-bit keys) before any coarsens, and every
+        attended step comes before any span leaves attention.
+
+        The host is the plan's second resource: what the host holds once the device's
+        archives arrive (each at its host bytes, `RungOption.host_bytes`) is planned
+        against `host_limit` by the same planner (`options.host_options`), down to its low
+        watermark; a span the device sends to the host that the host cannot keep is dropped
+        instead of copied there first (its token ids stay: recall recomputes it).
+
+        Args:
+            target: the device total to reach (its low watermark); None: the device is not over.
+            limit: the device limit (`target`'s high watermark is its bound for recalled spans).
+            host_limit: the host budget's limit; None: no host budget.
+            order: overrides the session's step order (`placement_order`) for this call.
+            spare_above: no span leaves attention or drops its fine key planes while usage
+                is at or under it (`plan_placement`); the budget passes its high watermark.
         """
+        choices: list[SpanOptions] = []
+        rungs: dict[int, Rung] = {}
         usage = self.usage_bytes()
-        if usage <= target:
-            return
-        hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
-        choices = self._span_options()
-        plan = plan_placement(
-            choices,
-            usage,
-            target,
-            hard_target=hard,
-            spare_above=spare_above,
-            order=order or self.placement_order,
-        )
+        if target is not None and usage > target:
+            hard = max(target, self.limits.high_bytes(limit)) if limit is not None else target
+            choices = self._span_options()
+            plan = plan_placement(
+                choices,
+                usage,
+                target,
+                hard_target=hard,
+                spare_above=spare_above,
+                order=order or self.placement_order,
+            )
+            rungs = dict(plan.rungs)
+        dropped: dict[int, Rung] = {}
+        if host_limit is not None:
+            arriving = {
+                c.span_id: option.host_bytes
+                for c in choices
+                for option in c.options
+                if rungs.get(c.span_id) is option.rung and option.host_bytes
+            }
+            dropped = self._host_plan(host_limit, arriving)
+        for span_id in dropped.keys() & rungs.keys():
+            rungs[span_id] = dropped.pop(span_id)  # the device's archive the host cannot keep
         by_id = {s.span_id: s for s in self.table.spans}
-        self._apply([by_id[c.span_id] for c in choices if c.span_id in plan.rungs], plan.rungs)
+        self._apply([by_id[i] for i in rungs if i in by_id], rungs)
+        self._apply([by_id[i] for i in dropped if i in by_id], dropped, reason="host budget")
 
-    def relieve_host(self, target: int) -> None:
-        """Bring host usage to at most `target` bytes: one plan over the spans archived there.
-
-        The same planner on the host resource (`agentkv.lifecycle.options.host_options`):
-        released spans first, then the least value lost per byte; what the plan drops is
-        evicted (its token ids stay; recall no longer counts it as archived).
-        """
+    def _host_plan(self, host_limit: int, arriving: Mapping[int, int]) -> dict[int, Rung]:
+        """The host's moves (span id -> `Rung.DROPPED`) once `arriving` lands there; none under the limit."""
         store = self.port.store
-        usage = store.host_bytes()
-        if usage <= target:
-            return
-        choices = host_options(self.table.spans, store, self.marks, fidelity=self.port.rung_fidelity())
-        plan = plan_placement(choices, usage, target)
-        by_id = {s.span_id: s for s in self.table.spans}
-        for span_id in plan.rungs:
-            self.mover.move(by_id[span_id], SpanState.EVICTED, reason="host budget")
+        usage = store.host_bytes() + sum(arriving.values())
+        if not self.limits.over(usage, host_limit):
+            return {}
+        fidelity = self.port.rung_fidelity()
+        choices = host_options(self.table.spans, store, self.marks, arriving=arriving, fidelity=fidelity)
+        return plan_placement(choices, usage, self.limits.low_bytes(host_limit)).rungs
 
-    def _apply(self, spans: list[Span], rungs: dict[int, Rung]) -> None:
+    def _apply(self, spans: list[Span], rungs: Mapping[int, Rung], reason: str = "budget") -> None:
         """Make the planned moves through the mover: drops and archives, quantization, then 4-bit keys."""
         marks = self.marks
         quantize: list[Span] = []
@@ -205,7 +230,7 @@ class Placer:
             state = SpanState.EVICTED if rung is Rung.DROPPED else SpanState.ARCHIVED
             was_recallable = span.span_id in marks.recallable
             committed = span.state is SpanState.COMMITTED
-            if self.mover.move(span, state, reason="budget") is None:
+            if self.mover.move(span, state, reason=reason) is None:
                 continue
             # Archived or dropped by the budget, or an archive the budget evicted: still recallable
             # (restored, or recomputed from its token ids). Released spans are not.

@@ -57,6 +57,8 @@ class RungOption:
     """Device bytes the span holds at this rung (what the device budget counts)."""
     fidelity: float
     """Fraction of the span's value lost at this rung (0 = none)."""
+    host_bytes: int = 0
+    """Host bytes the span holds at this rung (what the host budget counts): its host archive."""
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,26 @@ def test_host_tokens_is_a_host_budget_in_tokens() -> None:
     manager.check()
 
 
+def test_an_archive_the_host_cannot_keep_is_dropped_not_copied_there_first() -> None:
+    """The host is the device plan's second resource: a span it would evict on arrival never goes there."""
+    port, manager = simulated(
+        budget={"device_tokens": 4, "host_tokens": 5, "low_watermark": 1.0}, archive_tier="host"
+    )
+    large = port.add(manager, SpanKind.USER, "the vendor list has six entries")
+    manager.apply(TurnEnded())
+    small = port.add(manager, SpanKind.USER, "code 4417")
+    manager.apply(TurnEnded())
+    port.add(manager, SpanKind.USER, "thanks")
+    manager.after_operation()
+    assert large.state is SpanState.EVICTED  # 6 tokens: more than the host's 5
+    assert small.tier in (Tier.DEVICE, Tier.HOST)  # 2 tokens: kept, on the device or the host
+    assert ("archive", large.span_id) not in port.store.calls
+    assert ("drop", large.span_id) in port.store.calls
+    assert port.store.bytes_by_tier().host <= 5 * BYTES_PER_TOKEN
+    assert large.token_ids and large.span_id in manager.marks.recallable  # recall recomputes it
+    manager.check()
+
+
 def test_recall_brings_back_the_archived_span_the_question_names() -> None:
     port, manager = simulated(budget={"device_tokens": 8}, archive_tier="host")
     fact = port.add(manager, SpanKind.TOOL_RESULT, "the door code is 4417", owner="t")
@@ -583,13 +603,24 @@ def test_the_needed_span_stays_at_full_precision_until_the_rest_is_archived() ->
 def test_both_limits_hold_through_recall_and_every_budget_check(seed: int) -> None:
     """Device and host budgets, recall asking the plan for spans back at each question: after every
     operation the device usage is under its limit whenever the budget says it is met, the host under
-    its own, and a span recalled for the turn is attended."""
+    its own (no span copied there and dropped by the same check), and a span recalled for the turn
+    is attended."""
     import random
 
     rng = random.Random(seed)
     port, manager = quantizing(
-        budget={"device_tokens": rng.randint(20, 60), "host_tokens": rng.randint(10, 60)}, archive_tier="host"
+        budget={"device_tokens": rng.randint(20, 60), "host_tokens": rng.randint(4, 60)}, archive_tier="host"
     )
+    enforce = manager.budget.enforce
+
+    def one_plan() -> None:
+        before = len(port.store.calls)
+        enforce()
+        moves = port.store.calls[before:]
+        archived = {i for verb, i in moves if verb == "archive"}
+        assert not {i for verb, i in moves if verb == "drop"} & archived, "copied to the host, then dropped"
+
+    manager.budget.enforce = one_plan  # type: ignore[method-assign]
     spans = conversation(port, manager, turns=4, seed=seed)
     limits = manager.budget.limits
     device_limit, host_limit = limits.device_bytes, limits.host_bytes
