@@ -23,12 +23,14 @@ def read_tokens(
 ) -> AttendedTokens:
     """The attended tokens at `slots` (`long [n]`): keys, the recent keys, positions and attention.
 
+    Keys and recent keys are read from the layers that hold every slot (`scored_layers`).
+
     Raises:
         RuntimeError: the cache holds no keys to read ("empty cache").
     """
     recent = torch.arange(max(0, physical.length - RECENT_TOKENS), physical.length)
     slot_keys, query_keys = [], []
-    for layer in range(physical.num_layers if keys or queries else 0):
+    for layer in scored_layers(physical) if keys or queries else ():
         layer_keys = physical.layer_keys_at(layer, slots) if keys else None
         recent_keys = physical.layer_keys_at(layer, recent) if queries else None
         if (keys and layer_keys is None) or (queries and recent_keys is None):
@@ -50,6 +52,18 @@ def read_tokens(
         decayed_attention=physical.slot_attention[slots],
         attended=physical.length,
     )
+
+
+def scored_layers(physical: PhysicalCache) -> list[int]:
+    """The layers whose keys a policy scores: every layer, or only the full-attention ones.
+
+    A sliding-window layer no longer holds the keys of tokens behind its window (their
+    slots read as zeros there), so on a model with full-attention layers too (Gemma 2 / 3,
+    windowed Qwen variants) only those are read. A model whose every layer is windowed
+    (Mistral 7B v0.1) has nothing better: all its layers are read.
+    """
+    full = [i for i in range(physical.num_layers) if i not in physical.sliding_layers]
+    return full or list(range(physical.num_layers))
 
 
 def keep_slots(physical: PhysicalCache, spans: Sequence[Span], keep: torch.Tensor) -> dict[int, int]:

@@ -195,3 +195,17 @@ def test_a_fork_a_shared_prefix_and_a_rewrite_keep_each_layers_window(case: str,
     # A rewrite: the last message replaced; the new one attends a window that was dropped.
     first.extend([*history[:-1], {"role": "user", "content": "forget that; what was the weather?"}])
     assert_plain(first, model, f"{case}: after a rewrite")
+
+
+@pytest.mark.parametrize("case", case_params(["gemma3", "qwen2-window", "llama"]))
+def test_policies_score_keys_only_from_layers_that_hold_every_token(case: str, tiny_tokenizer: Any) -> None:
+    """Behind a sliding window a layer holds no key (its slot reads zeros): policies read the full layers."""
+    model = build_case(case)
+    layout = AttentionLayout.of(model.config)
+    session = open_session(model, tiny_tokenizer)
+    assert len(session.token_ids()) > 2 * WINDOW  # the oldest tokens are behind every sliding window
+    view = session.manager.scoring_view()
+    assert len(view.keys) == len(layout.layers_of(FULL)) and view.query_keys is not None
+    assert len(view.query_keys) == len(view.keys)
+    for layer_keys in view.keys:  # [B, H, n, D]: every token's key is a real one
+        assert bool(layer_keys.abs().amax(dim=(0, 1, 3)).gt(0).all())
