@@ -8,7 +8,7 @@ into text pieces.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,12 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     """The decoded text, cut at a stop string."""
+    kept: int | None = None
+    """After a stop string: how many of `tokens` the cut text starts with (the rest spell the
+    stop string, and perhaps a token's start before it); None: every token is the answer's."""
+    tail: str = ""
+    """After a stop string: the cut text's end that the kept tokens do not spell (the start of
+    the token the stop string begins inside; usually empty)."""
 
 
 def decode_answer(
@@ -65,19 +71,23 @@ def decode_answer(
     matcher = StopMatcher(params.stop)
     emitted = 0
     finished_by_stop_string = False
+
+    def decode(tokens: list[int]) -> str:
+        if hidden is None:
+            return str(tokenizer.decode(tokens, skip_special_tokens=True))
+        return str(tokenizer.decode([t for t in tokens if t not in hidden], skip_special_tokens=False))
+
     for _ in range(params.max_new_tokens):
         token = pick_token(logits, answer.tokens, params, generator)
         if token in stop_ids:
             break
         answer.tokens.append(token)
-        if hidden is None:
-            text = tokenizer.decode(answer.tokens, skip_special_tokens=True)
-        else:
-            text = tokenizer.decode([t for t in answer.tokens if t not in hidden], skip_special_tokens=False)
+        text = decode(answer.tokens)
         cut = matcher.find(text)
         if cut is not None:
             text = text[:cut]
             finished_by_stop_string = True
+            answer.kept, answer.tail = kept_tokens(answer.tokens, text, decode)
         answer.text = text
         safe = len(text) if finished_by_stop_string else matcher.safe_length(text)
         # Byte-level BPE may end mid-character: hold back a trailing replacement char.
@@ -91,3 +101,17 @@ def decode_answer(
         logits = step(token)
     if emitted < len(answer.text):
         yield answer.text[emitted:]
+
+
+def kept_tokens(tokens: Sequence[int], text: str, decode: Callable[[list[int]], str]) -> tuple[int, str]:
+    """How many leading `tokens` spell a prefix of `text` (an answer cut at a stop string); the rest of it.
+
+    The stop string's own tokens are not the answer's: a history that held them would say
+    more than the message it stands for.
+    """
+    ids = list(tokens)
+    kept = len(ids)
+    while kept and not text.startswith(decode(ids[:kept])):
+        kept -= 1
+    spelled = decode(ids[:kept]) if kept else ""
+    return kept, text[len(spelled) :]

@@ -381,7 +381,21 @@ class Session(SessionCore):
             finally:
                 # The last produced token was not fed back: it is encoded with the end of turn.
                 span.token_ids.extend(answer.tokens[len(span.token_ids) - prompt_tokens :])
+                if answer.kept is not None:
+                    self._cut_stop_string(span, prompt_tokens + answer.kept, answer.tail)
                 self._finish_answer(span, prefix, answer.text, len(answer.tokens), computed=False)
+
+    def _cut_stop_string(self, span: Span, keep: int, tail: str) -> None:
+        """Take an answer's stop string back out of its span: ids and KV, so the history holds its message.
+
+        `keep`: the span's ids the answer's text starts with; `tail`: the text's end those
+        ids do not spell (the stop string began inside a token), encoded anew (pending).
+        """
+        if keep < span.n_computed:
+            self.manager.mover.cut(span, keep)
+            self.last_logits = None  # they followed a stop string's token
+        span.token_ids = span.token_ids[:keep] + (self.format.encode(tail) if tail else [])
+        span.n_computed = min(span.n_computed, keep)
 
     def _decode_one(self, span: Span) -> torch.Tensor:
         """Feed the span's last produced token (pending); return next-token logits `[V]`."""

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any, Protocol, Unpack
 
 from agentkv.backend.contracts import BackendHost, ExtendResult
+from agentkv.backend.decoding import kept_tokens
 from agentkv.backend.port_base import SessionServicesBase
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
@@ -224,7 +225,7 @@ class EngineSession(SessionCore):
                 if gate is not None:
                     gate.call_done(self.conversation_id, len(prompt))
                 raise
-            produced = [t for t in done.token_ids if t not in self.format.stop_token_ids()]
+            produced = self._answer_ids(done)
             if gate is not None:
                 gate.call_done(self.conversation_id, len(prompt) + len(produced))
             span.token_ids.extend(produced)
@@ -239,6 +240,20 @@ class EngineSession(SessionCore):
             self.engine_sequence = prompt + produced
             self._finish_answer(span, prefix, done.text, len(produced), computed=True)
             return done.text
+
+    def _answer_ids(self, done: Completion) -> list[int]:
+        """The ids that spell the answer's text: no end-of-turn id, no stop string the engine cut off."""
+        produced = [t for t in done.token_ids if t not in self.format.stop_token_ids()]
+        tokenizer = self.backend.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+        said = decode(produced)
+        if done.finish_reason != "stop" or said == done.text or not said.startswith(done.text):
+            return produced
+        kept, tail = kept_tokens(produced, done.text, decode)
+        return produced[:kept] + self.format.encode(tail)
 
     def _complete(self, prompt: list[int], max_new_tokens: int, stops: list[str]) -> Completion:
         """Sync the hints and ask the fleet; an engine that does not answer hands the call to another.

@@ -1,6 +1,10 @@
-"""The short conversation the session and store tests replay, and their logits tolerance."""
+"""The short conversation the session and store tests replay, their logits tolerance, a forced answer."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
 
 TOL = 1e-4
 
@@ -21,3 +25,14 @@ HISTORY = [
     },
     {"role": "user", "content": "Thanks. And the code?"},
 ]
+
+
+def forcing(ids: list[int]) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
+    """A logits processor that makes the answer `ids`, one token per step."""
+
+    def force(generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(logits, float("-inf"))
+        forced[ids[min(len(generated), len(ids) - 1)]] = 0.0
+        return forced
+
+    return force

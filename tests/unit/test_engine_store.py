@@ -581,3 +581,24 @@ def test_engine_sessions_report_prefixes_the_engine_shared_across_threads(
     )
     second.generate(4)
     assert second.stats().shared_prefix_tokens == shared  # its own history is not someone else's prefix
+
+
+def test_an_engine_answer_cut_at_a_stop_string_holds_its_text(sim: SimLMCache, tiny_tokenizer: Any) -> None:
+    """vLLM returns the stop string's ids with the cut text: the session keeps the ids that spell the text."""
+    said = tiny_tokenizer.encode(" the gate code is 4417 STOP and more", add_special_tokens=False)
+    text = tiny_tokenizer.decode(said).split("STOP")[0]
+
+    def complete(_m: str, _p: str, body: Any) -> Any:
+        return {
+            "choices": [{"text": text, "token_ids": said, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(said)},
+        }
+
+    backend = make_backend(sim, tiny_tokenizer)
+    sim.transport.routes["POST /v1/completions"] = complete
+    session = backend.session("t1")
+    session.extend([{"role": "user", "content": "What is the gate code?"}])
+    assert session.generate(max_new_tokens=len(said), stop=["STOP"]) == text
+    (answer,) = [s for s in session.spans if s.generated]
+    assert tiny_tokenizer.decode(answer.token_ids) == answer.text
+    assert "STOP" not in tiny_tokenizer.decode(session.engine_sequence)  # what the next prompt extends

@@ -9,7 +9,7 @@ import torch
 
 from agentkv import AgentKVConfig, Custom, TransformersBackend, UnknownSessionError
 from agentkv.spans import SpanState, Tier
-from tests.unit.session_history import HISTORY, TOL
+from tests.unit.session_history import HISTORY, TOL, forcing
 from tests.unit.store_moves import archive, restore
 
 
@@ -190,6 +190,22 @@ def test_stop_strings_cut_the_answer(backend):
     cut = other.generate(max_new_tokens=16, stop=[stop])
     assert stop not in cut
     assert full.startswith(cut)
+
+
+def test_a_stop_string_stays_out_of_the_history_and_the_cache(backend, tiny_model, tiny_tokenizer):
+    """The ids (and KV) of an answer cut at a stop string spell its message, not the stop string."""
+    session = backend.session("t")
+    session.extend(HISTORY)
+    said = tiny_tokenizer.encode("the door code is 4417 Observation: the rest", add_special_tokens=False)
+    text = session.generate(max_new_tokens=len(said), stop=["Observation:"], logits_processor=forcing(said))
+    assert text and "Observation" not in text
+    (answer,) = [s for s in session.spans if s.generated]
+    assert tiny_tokenizer.decode(answer.token_ids) == answer.text  # no stop string among its ids
+    assert "Observation" not in tiny_tokenizer.decode(session.token_ids())
+    follow = [*HISTORY, {"role": "assistant", "content": text}, {"role": "user", "content": "And the gate?"}]
+    assert session.extend(follow).cropped_tokens == 0  # the answer is reused as it is held
+    assert_matches_full(session, tiny_model, said[:4])
+    session.check()
 
 
 def test_sampling_is_seeded(backend):

@@ -20,6 +20,7 @@ from agentkv.backend import calibration
 from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, allowed_keys, logical_masks
 from agentkv.config_sections import QuantizationConfig
 from agentkv.spans import SpanKind
+from tests.unit.session_history import forcing
 from tests.unit.window_models import (
     FULL_CASES,
     HISTORY,
@@ -209,3 +210,16 @@ def test_policies_score_keys_only_from_layers_that_hold_every_token(case: str, t
     assert len(view.query_keys) == len(view.keys)
     for layer_keys in view.keys:  # [B, H, n, D]: every token's key is a real one
         assert bool(layer_keys.abs().amax(dim=(0, 1, 3)).gt(0).all())
+
+
+@pytest.mark.parametrize("case", case_params(["gemma3", "mistral"]))
+def test_an_answer_cut_at_a_stop_string_keeps_every_layers_window(case: str, tiny_tokenizer: Any) -> None:
+    """The stop string's tokens leave the cache after the sliding layers trimmed for them: still exact."""
+    model = build_case(case)
+    session = open_session(model, tiny_tokenizer)
+    said = tiny_tokenizer.encode(
+        "it is raining hard now STOP and " + "more words " * WINDOW, add_special_tokens=False
+    )
+    text = session.generate(max_new_tokens=len(said), stop=["STOP"], logits_processor=forcing(said))
+    assert text and "STOP" not in text and "STOP" not in tiny_tokenizer.decode(session.token_ids())
+    assert_plain(session, model, f"{case}: after a stop string")
