@@ -131,6 +131,9 @@ class ForgetSession(Protocol):
     backend: Any
     """The backend that opened the session (the side thread's fork is closed through it)."""
 
+    format: Any
+    """The session's `ChatFormat` (the side thread's call opens in its tool-call format)."""
+
     @property
     def turn(self) -> int:
         """The current user turn."""
@@ -365,7 +368,8 @@ class ForgetController:
         fork = session.fork(f"{SIDE_THREAD_BRANCH}-{self.stats.runs}", config=fork_config)
         try:
             fork.extend([*session.messages, {"role": "user", "content": prompt}])
-            text = _until_list_end(fork, 4 + 5 * len(candidates), offered)
+            opening = side_thread_opening(session.format.tool_format)
+            text = _until_list_end(fork, 4 + 5 * len(candidates), offered, opening)
             fork_stats = fork.stats()
         finally:
             session.backend.close(fork.session_id)
@@ -450,10 +454,10 @@ class ForgetController:
         return results
 
 
-def _until_list_end(fork: SideThread, max_new_tokens: int, offered: Sequence[str]) -> str:
-    """Greedy answer after the prefilled opening, stopped when the list closes or cannot be valid."""
+def _until_list_end(fork: SideThread, max_new_tokens: int, offered: Sequence[str], opening: str) -> str:
+    """Greedy answer after the prefilled `opening`, stopped when the list closes or cannot be valid."""
     pieces: list[str] = []
-    stream = fork.stream(max_new_tokens, prefix=side_thread_opening())
+    stream = fork.stream(max_new_tokens, prefix=opening)
     try:
         for piece in stream:
             pieces.append(piece)

@@ -6,13 +6,14 @@ thread with them, and `agentkv_langchain.forget` builds the tool on the same nam
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from agentkv.chat import TOOL_CALL_OPEN
 from agentkv.events import Custom, Event
+from agentkv.toolformats import HERMES, ToolFormat
 
 FORGET_EVENT = "forget_tool_output"
 """The `Custom` event name a forgotten result is released with (rules key `custom:forget_tool_output`)."""
@@ -42,19 +43,27 @@ _CITE_WORDS = 4
 """A run of this many words shared by the last answer and a result counts as citing it."""
 
 
+_PROBE_HANDLE = "T0"
+"""A handle no conversation has (handles start at `T1`): where the opening is cut."""
+
+
 def handle_of(index: int) -> str:
     """The handle of the `index`-th (0-based) tool result of a conversation: `T<index + 1>`."""
     return f"T{index + 1}"
 
 
-def side_thread_opening() -> str:
+def side_thread_opening(fmt: ToolFormat = HERMES) -> str:
     """The prefilled opening of the side thread's answer: a forced `forget_tool_outputs` call, up to `[`.
 
-    It is what `agentkv_langchain.tools.forced_call_prefix(FORGET_TOOL_NAME,
-    FORGET_TOOL_PARAMETERS)` writes, plus the list's opening bracket: the model only
-    writes handles and `]`.
+    The call as the session's tool-call format `fmt` writes it, cut before its first
+    handle (`<tool_call>{"name": "forget_tool_outputs", "arguments": {"handles": [` in
+    Hermes, `[forget_tool_outputs(handles=[` in the pythonic format): the model only
+    writes handles and `]`, in the protocol it was trained on. In Hermes it is what
+    `agentkv_langchain.tools.forced_call_prefix(FORGET_TOOL_NAME, FORGET_TOOL_PARAMETERS)`
+    writes, plus the list's opening bracket.
     """
-    return f'{TOOL_CALL_OPEN}{{"name": "{FORGET_TOOL_NAME}", "arguments": {{"handles": ['
+    rendered = fmt.render_calls([(FORGET_TOOL_NAME, {"handles": [_PROBE_HANDLE]}, "forget")])
+    return rendered[: rendered.index(json.dumps(_PROBE_HANDLE))]
 
 
 # ---------------------------------------------------------------------------- events

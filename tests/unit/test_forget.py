@@ -17,6 +17,7 @@ from agentkv.forget import (
     side_thread_opening,
 )
 from agentkv.spans import SpanState, Tier
+from agentkv.toolformats import FORMATS
 
 TOL = 1e-4
 
@@ -104,6 +105,19 @@ def test_malformed_answers_name_nothing(text, why):
 
 def test_the_side_thread_opening_is_a_forced_call_up_to_the_handle_list():
     assert side_thread_opening() == '<tool_call>{"name": "forget_tool_outputs", "arguments": {"handles": ['
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_side_thread_opens_its_call_in_the_sessions_tool_format(name):
+    """The opening, the handles the model writes and the rest of the call parse as that format's call."""
+    fmt = FORMATS[name]
+    opening = side_thread_opening(fmt)
+    whole = fmt.render_calls([("forget_tool_outputs", {"handles": ["T2", "T3"]}, "forget")])
+    assert whole.startswith(opening) and whole[len(opening) :].startswith('"T2", "T3"]')
+    (call,) = fmt.parse(whole).calls
+    assert call.name == "forget_tool_outputs" and call.args == {"handles": ["T2", "T3"]}
+    handles, error = parse_forget_answer(whole[len(opening) :], ["T1", "T2", "T3"])
+    assert handles == ("T2", "T3") and error is None
 
 
 def test_an_answer_cites_a_result_by_a_number_or_a_run_of_words():
@@ -303,3 +317,22 @@ def test_forget_config_errors_name_the_yaml_line():
     text = "agentkv:\n  forget:\n    enabled: true\n    every_turns: -1\n"
     with pytest.raises(ValueError, match=r"agentkv\.forget\.every_turns: must be >= 1, got -1 \(line 4\)"):
         AgentKVConfig.from_yaml_text(text)
+
+
+def test_the_side_thread_asks_in_the_backends_tool_format(tiny_model, tiny_tokenizer, monkeypatch):
+    """A backend set to another tool-call protocol prefills the side thread's call in it, not in Hermes."""
+    from agentkv.forget import controller
+
+    asked: list[str] = []
+    until = controller._until_list_end
+
+    def spy(fork: Any, max_new_tokens: int, offered: Any, opening: str) -> str:
+        asked.append(opening)
+        return until(fork, max_new_tokens, offered, opening)
+
+    monkeypatch.setattr(controller, "_until_list_end", spy)
+    config = AgentKVConfig.from_dict({"forget": {"enabled": True}, "chat": {"tool_format": "pythonic"}})
+    session = TransformersBackend(tiny_model, tiny_tokenizer, config).session("py")
+    replay(session, 2)
+    assert asked == ["[forget_tool_outputs(handles=["] * 2
+    session.check()
