@@ -11,7 +11,8 @@ over the runs (lifecycle + policy + store seconds over forward seconds).
 `--diff A B` lists the questions method A answers right and B wrong (gained) and the
 reverse (lost), per budget, with the EM difference, its 95% interval from a bootstrap
 over workloads and McNemar's exact p, and the mean difference of the gold answer's
-teacher-forced log-prob with its interval (`agentkv_bench.paired`); B may be a method run at
+teacher-forced log-prob with its interval (`agentkv_bench.paired`); `METHOD@BUDGET`
+names one budget of a method (a method's 25% against its 12.5%); B may be a method run at
 one budget only (the full cache), then compared at every budget of A.
 
     .venv/bin/python scripts/recall_table.py runs/s6b/*.json old-recall=runs/a/contracts.json
@@ -190,11 +191,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="recall_bench.py JSON outputs")
     parser.add_argument(
-        "--diff", nargs=2, metavar=("A", "B"), help="questions method A gains and loses against B"
+        "--diff",
+        nargs=2,
+        metavar=("A", "B"),
+        help="questions method A gains and loses against B (METHOD@BUDGET: one budget of a method)",
     )
     args = parser.parse_args()
     rows = load_rows(args.paths)
+    if args.diff:
+        rows += [row for spec in args.diff for row in at_budget(rows, spec)]
     print(diff(rows, *args.diff) if args.diff else table(rows))
+
+
+def at_budget(rows: list[dict[str, Any]], spec: str) -> list[dict[str, Any]]:
+    """`METHOD@BUDGET`: that method's rows at that budget, as a method of its own (else none).
+
+    `--diff agentkv-nohost@0.25 agentkv-nohost@0.125` pairs one method's two budgets question
+    for question: whether more memory answers at least as well.
+    """
+    method, at, budget = spec.rpartition("@")
+    if not at:
+        return []
+    return [
+        {**r, "method": spec} for r in rows if r["method"] == method and float(r["budget"]) == float(budget)
+    ]
 
 
 if __name__ == "__main__":
