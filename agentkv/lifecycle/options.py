@@ -134,8 +134,15 @@ def span_options(
         cost = costs.get(span.span_id)
         held = cost.now if cost is not None else store.span_bytes(span)
         if span.state is SpanState.EVICTABLE:
-            # The grace queue: what it holds on the device goes first (the host budget sees the rest).
-            if not span.pinned and (span.tier.attended or span.tier is Tier.QUANTIZED):
+            # The grace queue: what it holds on the device goes first (the host budget sees the rest),
+            # an attended span quantized before it is dropped (its quantized rungs may close the gap).
+            if span.pinned:
+                continue
+            if span.tier.attended and span.held_tokens:
+                drop = RungOption(Rung.DROPPED, 0, fidelity[Rung.DROPPED])
+                rungs = (*_attended_rungs(span, cost, held, fidelity), drop)
+                out.append(SpanOptions(span.span_id, 0.0, rungs, order=span.start, released=True))
+            elif span.tier is Tier.QUANTIZED:
                 out.append(_droppable(span, held, value=0.0, fidelity=fidelity, released=True))
             continue
         klass = klass_of.get(span.span_id, lifecycle_class(span, marks))

@@ -192,6 +192,7 @@ def plan_placement(
     *,
     hard_target: int | None = None,
     spare_above: int | None = None,
+    spare_released: bool = False,
     order: str = ATTENDED_FIRST,
 ) -> Placement:
     """Choose a rung for every span so that the device total is at most `target`, losing the least.
@@ -221,6 +222,9 @@ def plan_placement(
             held quantized, a history under the limit keeps its 8-bit keys and every
             span attended (a key at 8 bits reads about as well as an exact one, and the
             hysteresis gap below the limit saves no re-plan there).
+        spare_released: released spans are held by `spare_above` too (a promotion's plan:
+            an upgrade makes its room by quantizing, the grace queue's spans included, and
+            takes no span out of attention); False: the budget's, released spans go first.
         order: one of `PLACEMENT_ORDERS`.
 
     Promotions (`SpanOptions.current` > 0) start granted and count in the total from the
@@ -266,7 +270,7 @@ def plan_placement(
     def spares(step: _Step) -> bool:
         """The step drops a span's fine key planes, or takes a kept span out of attention."""
         exits = chains[step.span_id][step.index].rung not in ATTENDED_RUNGS
-        return step.coarsens or (exits and not spans[step.span_id].released)
+        return step.coarsens or (exits and (spare_released or not spans[step.span_id].released))
 
     def rank(step: _Step) -> tuple[int, bool, bool, int, float]:
         """The step order's keys, loss in place of the slope (for the closing step)."""

@@ -95,7 +95,7 @@ class Placer:
             klass_of: classes that override the lifecycle's.
             keep_attended: spans that may not leave attention in this plan.
             spare: no span leaves attention or drops its fine key planes (where 8-bit keys
-                are in play): only quantizing makes room.
+                are in play), released ones included: only quantizing makes room.
         """
         asked = {p.span_id for p in promotions}
         options = self._span_options(relevance=relevance, klass_of=klass_of, attended=keep_attended)
@@ -112,7 +112,9 @@ class Placer:
         if spare:
             raised = sum(p.options[0].device_bytes - p.options[p.current].device_bytes for p in promotions)
             spare_above = usage + raised
-        return plan_placement(choices, usage, target, spare_above=spare_above, order=self.placement_order)
+        return plan_placement(
+            choices, usage, target, spare_above=spare_above, spare_released=spare, order=self.placement_order
+        )
 
     def _span_options(
         self,
