@@ -235,3 +235,39 @@ def test_exact_recall_does_not_take_the_fine_planes_for_room(tiny_model: Any, ti
     assert not any(rung in (Rung.ATTENDED_Q, Rung.ARCHIVED, Rung.DROPPED) for rung in spared.rungs.values())
     # Without the bound the fine planes (or whole spans) are room, and the upgrade fits.
     assert -2 in placer.plan_promotions([unit], target).raised
+
+
+def test_a_released_span_is_quantized_before_it_is_dropped_and_an_upgrade_never_drops_it(
+    tiny_model: Any, tiny_tokenizer: Any
+) -> None:
+    """The grace queue steps down its attended rungs first; an upgrade (`spare`) only quantizes for room."""
+    from agentkv.lifecycle.rungs import ATTENDED_RUNGS
+
+    session = attended_session(tiny_model, tiny_tokenizer, 8, 10_000)
+    session.extend(_history())
+    released = [s for s in session.spans if s.kind.value == "user"][-1]
+    for span in session.spans:
+        if span is not released:
+            quantize(session.store, [span])
+    session.manager.mover.move(released, SpanState.EVICTABLE, reason="test: released")
+    placer = session.manager.placer
+    (choice,) = [c for c in placer._span_options() if c.span_id == released.span_id]
+    assert [o.rung for o in choice.options] == [Rung.FULL, Rung.KEYS8, Rung.ATTENDED_Q, Rung.DROPPED]
+    exact, keys8 = choice.options[0].device_bytes, choice.options[1].device_bytes
+    usage = placer.usage_bytes()
+    # Quantizing the released span closes a gap it can: it stays attended (the budget's plan).
+    plan = placer.plan_promotions([], usage - (exact - keys8))
+    assert plan.rungs[released.span_id] in ATTENDED_RUNGS and plan.met
+    # An upgrade as large as the released span: it is not dropped for it; without `spare` it is.
+    unit = promotion(
+        -2,
+        1.0,
+        RungOption(Rung.FULL, exact, 0.0),
+        RungOption(Rung.ATTENDED_Q, 0, 0.25),
+        klass=PROMOTION_CLASS,
+        order=0,
+        last=True,
+    )
+    spared = placer.plan_promotions([unit], usage, spare=True)
+    assert spared.rungs.get(released.span_id, Rung.FULL) in ATTENDED_RUNGS
+    assert placer.plan_promotions([unit], usage).rungs[released.span_id] is Rung.DROPPED
