@@ -205,7 +205,7 @@ def test_policies_score_keys_only_from_layers_that_hold_every_token(case: str, t
     layout = AttentionLayout.of(model.config)
     session = open_session(model, tiny_tokenizer)
     assert len(session.token_ids()) > 2 * WINDOW  # the oldest tokens are behind every sliding window
-    view = session.manager.scoring_view()
+    view = session.scoring_view()
     assert len(view.keys) == len(layout.layers_of(FULL)) and view.query_keys is not None
     assert len(view.query_keys) == len(view.keys)
     for layer_keys in view.keys:  # [B, H, n, D]: every token's key is a real one
