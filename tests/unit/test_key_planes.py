@@ -209,6 +209,19 @@ def test_coarsening_spans_together_ends_as_dropping_their_planes_one_span_at_a_t
     )  # nothing asked: nothing dropped
 
 
+def best_match_upgrade(extra_bytes: int) -> Any:
+    """Exact recall's upgrade of the best match (given up after every other step), `extra_bytes` more."""
+    return promotion(
+        -2,
+        1.0,
+        RungOption(Rung.FULL, extra_bytes, 0.0),
+        RungOption(Rung.ATTENDED_Q, 0, 0.25),
+        klass=PROMOTION_CLASS,
+        order=0,
+        last=True,
+    )
+
+
 def test_exact_recall_does_not_take_the_fine_planes_for_room(tiny_model: Any, tiny_tokenizer: Any) -> None:
     # A key at 8 bits reads about as well as an exact one, for a thirteenth of the bytes an exact
     # token adds: exact recall's plan (`spare=True`) keeps the fine planes, not as room to reclaim.
@@ -220,15 +233,7 @@ def test_exact_recall_does_not_take_the_fine_planes_for_room(tiny_model: Any, ti
     fine = session.store.fine_key_bytes()
     assert fine > 0
     placer = session.manager.placer
-    unit = promotion(
-        -2,
-        1.0,
-        RungOption(Rung.FULL, fine, 0.0),
-        RungOption(Rung.ATTENDED_Q, 0, 0.25),
-        klass=PROMOTION_CLASS,
-        order=0,
-        last=True,  # the question's best match: given up after every other step
-    )
+    unit = best_match_upgrade(fine)
     target = placer.usage_bytes()
     spared = placer.plan_promotions([unit], target, spare=True)
     assert -2 not in spared.raised
@@ -259,15 +264,7 @@ def test_a_released_span_is_quantized_before_it_is_dropped_and_an_upgrade_never_
     plan = placer.plan_promotions([], usage - (exact - keys8))
     assert plan.rungs[released.span_id] in ATTENDED_RUNGS and plan.met
     # An upgrade as large as the released span: it is not dropped for it; without `spare` it is.
-    unit = promotion(
-        -2,
-        1.0,
-        RungOption(Rung.FULL, exact, 0.0),
-        RungOption(Rung.ATTENDED_Q, 0, 0.25),
-        klass=PROMOTION_CLASS,
-        order=0,
-        last=True,
-    )
+    unit = best_match_upgrade(exact)
     spared = placer.plan_promotions([unit], usage, spare=True)
     assert spared.rungs.get(released.span_id, Rung.FULL) in ATTENDED_RUNGS
     assert placer.plan_promotions([unit], usage).rungs[released.span_id] is Rung.DROPPED
