@@ -45,6 +45,8 @@ class RunRecord:
     branch: str | None
     root: UUID
     """The top-level run it belongs to (itself for a top-level run)."""
+    named: bool = True
+    """The thread was named (run metadata, the call's config, a fixed session), not the default."""
     node: str | None = None
     """The LangGraph node it runs in (`langgraph_node`)."""
     task: str | None = None
@@ -129,13 +131,17 @@ class RunBook:
         metadata = metadata or {}
         with self.lock:
             parent = self.runs.get(parent_run_id) if parent_run_id is not None else None
-        if parent is None and not metadata.get(THREAD_KEY):
-            # A top-level call (`llm.stream(..., {"configurable": {"thread_id": ...}})`): the thread is
-            # in the call's config, not in the callback metadata; read it as `ChatAgentKV` does.
+        if (parent is None or not parent.named) and not metadata.get(THREAD_KEY):
+            # The thread is in the call's config, not in the callback metadata: a top-level call
+            # (`llm.stream(..., {"configurable": {"thread_id": ...}})`), or a step of an LCEL chain
+            # whose root callback ran before the chain's config was the current one. Read it as
+            # `ChatAgentKV` does.
             metadata = current_metadata(metadata)
         key = SessionKey.from_metadata(metadata, self.fixed_session, send_forks=model)
         own_thread = THREAD_KEY in metadata or self.fixed_session or parent is None
         thread = key.thread if own_thread or parent is None else parent.thread
+        inherited = parent is not None and parent.named
+        named = bool(metadata.get(THREAD_KEY)) or self.fixed_session is not None or inherited
         branch = key.branch
         if branch is None and BRANCH_KEY not in metadata and parent is not None and parent.thread == thread:
             branch = parent.branch
@@ -144,6 +150,7 @@ class RunBook:
             thread=thread,
             branch=branch,
             root=parent.root if parent is not None else run_id,
+            named=named,
             node=metadata.get("langgraph_node") or (parent.node if parent else None),
             task=metadata.get("langgraph_checkpoint_ns") or (parent.task if parent else None),
             triggers=tuple(triggers)
@@ -163,11 +170,24 @@ class RunBook:
         with self.lock:
             record = self.record_for(run_id, parent_run_id, metadata, model=model)
             self.runs[run_id] = record
+            if record.named:
+                self._name_thread(record)
             branches = self._thread(record.thread).branches if record.branch is not None else {}
             opened = record.branch is not None and record.branch not in branches
             if opened and record.branch is not None:
                 branches[record.branch] = graph_step(metadata)
         return record, opened
+
+    def _name_thread(self, record: RunRecord) -> None:
+        """A run named its thread where its root's start did not: the root and its runs take it.
+
+        An LCEL chain's root callback runs before the chain's config is the current one, so
+        a `configurable.thread_id` is first seen by a step; the root's turn end and the
+        other steps then go to that thread, not to the default one.
+        """
+        for other in self.runs.values():
+            if other.root == record.root and not other.named:
+                other.thread, other.named = record.thread, True
 
     def exit(self, run_id: UUID) -> RunRecord | None:
         """Stop tracking a run; its record (None when it was never entered)."""

@@ -8,7 +8,7 @@ import uuid
 from typing import Any, TypedDict
 
 import pytest
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import ToolException, tool
@@ -29,6 +29,7 @@ from agentkv import (
     UserConfirmed,
     UserRejected,
 )
+from agentkv_langchain import ChatAgentKV
 from agentkv_langchain.callbacks import OWNER_KEY, KVLifecycleCallbackHandler, resume_decision
 from agentkv_langchain.helpers import confirm, kv_event, pin, prune_branch, reject, select_branch, send_event
 
@@ -166,6 +167,16 @@ def test_only_the_top_level_run_ends_the_turn(handler):
     outer = RunnableLambda(lambda x: inner.invoke(inner.invoke(x)))
     assert outer.invoke(1, run_config(handler)) == 3
     assert names(handler) == [("t", "TurnEnded")]
+
+
+def test_an_lcel_chain_given_its_thread_in_configurable_ends_that_threads_turn(backend, handler):
+    """The chain's root callback runs before its config is current: a step names the thread."""
+    chain = RunnableLambda(lambda _: [HumanMessage("Hi")]) | ChatAgentKV(backend=backend, max_new_tokens=2)
+    chain.invoke(None, {"callbacks": [handler], "configurable": {"thread_id": "lcel"}})
+    assert names(handler) == [("lcel", "TurnEnded")]
+    stats = backend.get("lcel").stats()
+    assert stats.events_applied == 1 and stats.tokens_by_state["active"] == 0
+    assert [s.session_id for s in backend.sessions()] == ["lcel"]
 
 
 def test_children_inherit_the_thread_of_their_parent(handler):
