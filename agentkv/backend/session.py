@@ -29,6 +29,7 @@ from agentkv.backend.prefix import start_from_shared_prefix
 from agentkv.backend.runner import Feed
 from agentkv.backend.sampling import AnswerOptions, SamplingParams
 from agentkv.backend.session_core import SessionCore
+from agentkv.chat import ChatMessage
 from agentkv.events import Event, SessionClosed, TurnEnded, validate_event
 from agentkv.forget import ForgetController, ForgetRequested
 from agentkv.lifecycle.limits import BudgetLimits
@@ -134,8 +135,6 @@ class Session(SessionCore):
             if any(m.role == "user" for m in incoming[k:]):
                 # A turn boundary: forget decisions (side thread, agent requests) are applied now.
                 self.forget.at_turn_boundary()
-            # A cache read: attended, computed tokens (not a pending tail, not a released span).
-            reused = sum(_attended(s) for s in message_spans[:k])
             new_ids = [self.format.encode(text) for text in texts]
             kept_end = message_spans[k].start if k < len(message_spans) else self.logical_length
             total = kept_end + sum(len(ids) for ids in new_ids)
@@ -144,12 +143,16 @@ class Session(SessionCore):
             cropped = 0
             partial = 0
             first_changed = k if k < len(message_spans) else None
+            dropped: dict[tuple[str, str | None], list[Span]] = {}  # a message → its spans the crop drops
             if k < len(message_spans):
                 old = message_spans[k]
                 if new_ids and self._reusable_prefix(old):
                     partial = _common_prefix(old.token_ids[: old.n_computed], new_ids[0])
+                first_dropped = self.spans.index(old) + (1 if partial else 0)
+                for span in self.spans[first_dropped:]:
+                    for fingerprint in span.fingerprints:
+                        dropped.setdefault((fingerprint, span.owner), []).append(span)
                 cropped = self._crop(old, keep_tokens=partial)
-            reused += partial
             new_spans: list[int] = []
             for offset, (message, ids) in enumerate(zip(incoming[k:], new_ids, strict=True)):
                 index = k + offset
@@ -168,6 +171,7 @@ class Session(SessionCore):
                     span = self._new_span(message.kind, ids)
                     self._describe_message(span, message, index)
                     self.manager.on_span_created(span)
+                self._keep_standing(dropped, message, span)
                 span.text, span.produced_text = texts[offset], False
                 self.messages.append(message)
                 new_spans.append(span.span_id)
@@ -176,6 +180,9 @@ class Session(SessionCore):
             applied = tuple(self._apply_locked(event, enforce=False) for event in events)
             if any(m.role == "user" for m in incoming[k:]):
                 self.manager.recall(incoming[-1])
+            # A cache read: the kept messages' attended, computed tokens once recall has run (not a
+            # pending tail, not a released span, not a span recomputed for this call: it is encoded).
+            reused = partial + sum(_attended(s) for s in message_spans[:k])
             prefilled = self._prefill() if prefill else 0
             pending = 0 if prefill else len(Feed.pending(self.spans))
             self.prefill_deferred = pending > 0
@@ -198,6 +205,22 @@ class Session(SessionCore):
                 "extend", prefilled=prefilled, reused=reused, cropped=cropped, spans=list(new_spans)
             )
             return result
+
+    def _keep_standing(
+        self, dropped: dict[tuple[str, str | None], list[Span]], message: ChatMessage, span: Span
+    ) -> None:
+        """`span` encodes a message the crop dropped a span of: it takes that span's state and pins.
+
+        A history rewrite (a transient instruction left out of the next call) re-encodes
+        the messages after it; a plan the user confirmed stays pinned, a rejected one released.
+        """
+        same = dropped.get((message.fingerprint(), message.owner))
+        if not same:
+            return
+        earlier = same.pop(0)
+        for spans in dropped.values():  # a span is listed under each of its fingerprints
+            spans[:] = [s for s in spans if s is not earlier]
+        self.manager.carry_over(earlier, span)
 
     def _check_answer(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """After `SessionClosed` the released history comes back first; the answer must fit the positions."""

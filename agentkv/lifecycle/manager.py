@@ -103,6 +103,27 @@ class LifecycleManager:
         self.tool_calls.forget_span(span.span_id)
         self.marks.recallable.discard(span.span_id)
 
+    def carry_over(self, old: Span, new: Span) -> None:
+        """A message a history rewrite re-encoded keeps its standing: its lifecycle state and its pins.
+
+        `old` held the message before the rewrite dropped it; `new` holds the same message
+        (same owner and fingerprint), encoded again. A confirmed plan stays pinned and
+        committed, a rejected one released, a committed result committed; where its KV sits
+        is the budget's to decide again. A span that had left the device comes back
+        released: it was the first to go before, and its token ids stay.
+        """
+        target = {
+            SpanState.COMMITTED: SpanState.COMMITTED,
+            SpanState.ARCHIVED: SpanState.COMMITTED,
+            SpanState.EVICTABLE: SpanState.EVICTABLE,
+            SpanState.EVICTED: SpanState.EVICTABLE,
+        }.get(old.state)
+        self.table.move_pins(old, new)
+        if new.pinned:
+            target = SpanState.COMMITTED
+        if target is not None:
+            self.mover.move(new, target, reason="message re-encoded")
+
     def register_tool_call(self, call_id: str, span: Span) -> None:
         """Remember which span made a tool call, so `ToolCallCompleted` can release it."""
         self.tool_calls.register(call_id, span)

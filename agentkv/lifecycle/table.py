@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from agentkv.metrics import Counters, LogRecord
@@ -146,9 +147,24 @@ class SpanTable:
         self.add_lease(lease)
         return lease
 
+    def move_pins(self, old: Span, new: Span) -> None:
+        """`new` takes every pin of `old` (the same message, encoded again); the leases list it instead."""
+        for lease_id in old.leases:
+            lease = self.lease(lease_id)
+            if lease is None:
+                continue
+            span_ids = tuple(new.span_id if i == old.span_id else i for i in lease.span_ids)
+            self.leases[lease_id] = replace(lease, span_ids=span_ids)
+            new.leases.add(lease_id)
+
     def give_back(self, lease: Lease) -> bool:
-        """Remove this lease's pins; False (nothing changes) for an unknown or foreign lease."""
-        if self.lease(lease.lease_id) != lease:
+        """Remove this lease's pins; False (nothing changes) for an unknown or foreign lease.
+
+        A receipt is its lease id in its session: the spans it pins may have been encoded
+        again since it was granted (`move_pins`).
+        """
+        held = self.lease(lease.lease_id)
+        if held is None or held.session_id != lease.session_id:
             return False
         self.remove_lease(lease.lease_id)
         for span in self.spans:

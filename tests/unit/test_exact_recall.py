@@ -118,6 +118,20 @@ def test_the_asked_span_is_recomputed_exact_and_the_logits_are_the_full_caches(
     torch.testing.assert_close(session.continuation_logits([5, 6, 7]), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_recomputed_span_is_encoded_by_the_call_not_read_from_the_cache(tiny_model, tiny_tokenizer):
+    data = {"budget": {"device_tokens": 100_000, "placement_order": "attended_first"}}
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict(data)).session("t")
+    session.extend(history())
+    session.apply(ToolCallCompleted(tool_call_id="call_1"))
+    tool = tool_span(session)
+    quantize(session.store, [tool])
+    result = session.extend(asked())
+    assert session.stats().exact_recalled_tokens == tool.length
+    assert result.prefilled_tokens == tool.length + session.spans[-1].length
+    # Every attended token is read from the cache or encoded by this call, never both.
+    assert result.reused_tokens + result.prefilled_tokens == session.logical_length
+
+
 def test_switched_off_the_span_stays_quantized_and_the_logits_differ(tiny_model, tiny_tokenizer):
     session, tool = quantized_then_asked(
         tiny_model, tiny_tokenizer, budget_tokens=100_000, recall={"recompute_quantized": False}

@@ -298,3 +298,41 @@ def test_unlimited_budget_leaves_logits_identical(tiny_model, tiny_tokenizer, po
     with torch.inference_mode():
         reference = tiny_model(input_ids=torch.tensor([ids])).logits[0, -1].float()
     assert (session.last_logits - reference).abs().max().item() <= 1e-4
+
+
+PLANNED = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Plan the move of the archive to the new building."},
+]
+TRANSIENT = {"role": "user", "content": "Answer with a one-line plan."}
+PLAN = {
+    "role": "assistant",
+    "content": "Pack on Monday, move on Tuesday, unpack on Wednesday.",
+    "id": "plan-1",
+}
+
+
+@pytest.mark.parametrize(
+    ("event", "state", "pinned"),
+    [
+        (UserConfirmed(owner="plan-1"), SpanState.COMMITTED, True),
+        (UserRejected(owner="plan-1"), SpanState.EVICTABLE, False),
+    ],
+)
+def test_a_decided_message_keeps_its_decision_when_a_rewrite_encodes_it_again(
+    tiny_model, tiny_tokenizer, event, state, pinned
+):
+    """A transient instruction left out of the next call: the plan after it is encoded again."""
+    session = TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig()).session("t")
+    session.extend([*PLANNED, TRANSIENT, PLAN])
+    result = session.apply(event)
+    before = {span.span_id for span in session.spans_owned_by("plan-1")}
+    again = session.extend([*PLANNED, PLAN, {"role": "user", "content": "Go ahead."}])
+    assert again.cropped_tokens > 0
+    (plan,) = session.spans_owned_by("plan-1")
+    assert plan.span_id not in before  # encoded again, not kept
+    assert (plan.state, plan.pinned) == (state, pinned)
+    session.check()
+    for lease in result.leases:  # the pin's receipt still gives it back
+        assert session.release(lease)
+        assert not plan.pinned
