@@ -41,6 +41,36 @@ Mask = torch.Tensor | dict[str, torch.Tensor]
 """What a model's `attention_mask` takes: one 4D mask, or one per layer type."""
 
 
+def check_logical_positions(config: Any) -> None:
+    """Refuse a model that places tokens by cache order instead of by the positions it is fed.
+
+    agentkv feeds every token its logical position (`position_ids`) and reorders the
+    physical cache (restores land at its end). Rotary and learned position embeddings
+    read those positions; ALiBi biases (BLOOM, MPT, Falcon with `alibi`) are computed
+    from slot order and the 2D mask, so a reordered cache would silently give other
+    logits than a plain forward.
+
+    Raises:
+        ValueError: naming the model type and why.
+    """
+    model_type = str(getattr(config, "model_type", ""))
+    attn_config = getattr(config, "attn_config", None)
+    alibi = (
+        model_type == "bloom"
+        or bool(getattr(config, "alibi", False))
+        or bool(getattr(attn_config, "alibi", False))
+        or (isinstance(attn_config, Mapping) and bool(attn_config.get("alibi")))
+    )
+    if alibi:
+        msg = (
+            f"{model_type or type(config).__name__}: ALiBi position biases are computed from the "
+            "cache's slot order, not from the positions agentkv feeds, so a restored or recalled "
+            "span would change the logits; models with rotary, learned or no position embeddings "
+            "are supported (docs/models.md)"
+        )
+        raise ValueError(msg)
+
+
 @dataclass(frozen=True)
 class AttentionLayout:
     """Each decoder layer's attention type and the window of the sliding ones."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, Mask, logical_masks
+from agentkv.backend.masks import FULL, SLIDING, AttentionLayout, Mask, check_logical_positions, logical_masks
 from agentkv.backend.window_context import restore_window
 from agentkv.policies import AttentionProbe, Policy, attention_window, needs_accumulated_attention
 from agentkv.spans import Span
@@ -75,6 +75,7 @@ class ModelRunner:
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._text_config: Any = text_config
         self.num_layers: int = int(text_config.num_hidden_layers)
+        check_logical_positions(text_config)
         self.layout = AttentionLayout.of(text_config)
         """Each layer's attention type; a windowed layout is masked by logical position on every forward."""
         self.window: WindowSpec | None = (

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from agentkv import AgentKVConfig, Custom, TransformersBackend
 from agentkv.backend import calibration
@@ -130,6 +131,37 @@ def test_an_unknown_layer_type_is_refused() -> None:
     config.layer_types = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match="chunked_attention.*allowed"):
         AttentionLayout.of(config)
+
+
+ALIBI_MODELS = {
+    "bloom": lambda: transformers.BloomForCausalLM(
+        transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    ),
+    "mpt": lambda: transformers.MptForCausalLM(
+        transformers.MptConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=128)
+    ),
+    "falcon": lambda: transformers.FalconForCausalLM(
+        transformers.FalconConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIBI_MODELS))
+def test_a_model_with_alibi_biases_is_refused_before_any_session(name: str, tiny_tokenizer) -> None:
+    """ALiBi reads slot order, not the fed positions: a restored span would change the logits."""
+    with pytest.raises(ValueError, match="ALiBi"):
+        TransformersBackend(ALIBI_MODELS[name]().eval(), tiny_tokenizer, AgentKVConfig())
+
+
+def test_falcon_with_rotary_positions_is_accepted(tiny_tokenizer) -> None:
+    config = transformers.FalconConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.FalconForCausalLM(config).eval()
+    session = TransformersBackend(model, tiny_tokenizer, AgentKVConfig()).session("t")
+    assert session.extend([{"role": "user", "content": "hi"}]).prefilled_tokens > 0
 
 
 @pytest.mark.parametrize("case", ["gemma3", "mistral", "llama"])
