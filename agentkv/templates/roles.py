@@ -87,6 +87,7 @@ def fold(dicts: Sequence[Mapping[str, Any]], rules: RoleRules, fmt: ToolFormat) 
     out: list[dict[str, Any]] = []
     pending_system: list[str] = []
     seen_user = False
+    turn = ""  # the role of the last turn strict alternation counts (calls and results are not turns)
     for raw in dicts:
         entry = dict(raw)
         role = entry["role"]
@@ -105,6 +106,14 @@ def fold(dicts: Sequence[Mapping[str, Any]], rules: RoleRules, fmt: ToolFormat) 
                 continue
             entry = {"role": "user", "content": entry.get("content", "")}
             role = "user"
+        result = out[-1] if out and out[-1]["role"] == "tool" else None
+        if rules.alternation and role == "user" and turn == "user" and result is not None:
+            # A user turn right after a tool result, no answer between: part of that result's turn.
+            texts = [t for t in (str(result.get("content", "")), str(entry.get("content", ""))) if t]
+            result["content"] = TURN_JOINER.join(texts)
+            continue
+        if role in ("user", "assistant") and not entry.get("tool_calls"):
+            turn = role
         if role == "user" and pending_system:
             texts = [t for t in (*pending_system, str(entry.get("content", ""))) if t]
             entry["content"] = TURN_JOINER.join(texts)

@@ -196,3 +196,25 @@ def test_a_tight_budget_closes_a_mistral_call() -> None:
     assert [call["name"] for call in answer.tool_calls] == ["get_weather"]
     assert isinstance(answer.tool_calls[0]["args"]["city"], str)
     assert answer.tool_calls[0]["id"].isalnum() and len(answer.tool_calls[0]["id"]) == 9
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_a_user_turn_right_after_a_tool_result_renders_on_every_template(family: Family) -> None:
+    """No answer between the result and the next question (an interjection, a human review)."""
+    fmt = ChatFormat(family_tokenizer(family))
+    history = normalize_messages(
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "a1b2c3d4e", "name": "w", "args": {"c": 1}}],
+            },
+            {"role": "tool", "content": "sunny", "tool_call_id": "a1b2c3d4e"},
+            {"role": "user", "content": "And tomorrow in Lyon?"},
+        ]
+    )
+    texts = fmt.message_texts(history)
+    assert len(texts) == len(history)
+    assert "".join(texts) == fmt.history_text(history)
+    assert "sunny" in fmt.history_text(history) and "And tomorrow in Lyon?" in texts[3]
