@@ -8,8 +8,8 @@ cache events:
 
 - `ToolCallCompleted`: the tool result is COMMITTED (kept), the call that asked
   for it is released (EVICTABLE: the first thing to go under pressure);
-- `ToolCallFailed` (the `lookup` of an unknown record raises): call and error output
-  are released;
+- `ToolCallFailed` (the `lookup` of an unknown record raises): the error output is
+  committed (the agent must not retry blindly), the call that failed is released;
 - `TurnEnded` (the graph run ends): the user message and the answer are committed.
 
 Every model call sends the whole history, and `ChatAgentKV` encodes only what the
