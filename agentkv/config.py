@@ -215,6 +215,36 @@ class AgentKVConfig(Section):
             merged["policy"] = _merge_policy(base["policy"], overrides["policy"])
         return self._validate(merged, prefix=prefix)
 
+    def backend_wide_changes(self, backend: AgentKVConfig) -> list[str]:
+        """The settings this config asks for that only a backend can honour, where `backend`'s differ.
+
+        A backend loads one model (`model`, `device`, `dtype`, `attn_implementation`) or
+        serves one `engine`, renders every session's prompts, tool prompts, grammars and
+        stop tokens with one chat format (`chat`), bounds one session table (`sessions`)
+        and shares one prefix cache (`prefix_cache`; a session may still opt out with
+        `prefix_cache.enabled: false`). A session made with other values gets the backend's.
+
+        Returns:
+            `agentkv.<key>` paths (`agentkv.chat.template`), in field order; empty when none differs.
+        """
+        changed = [
+            f"agentkv.{key}"
+            for key in ("model", "device", "dtype", "attn_implementation", "engine", "sessions")
+            if getattr(self, key) != getattr(backend, key)
+        ]
+        changed += [
+            f"agentkv.chat.{name}"
+            for name in type(self.chat).model_fields
+            if getattr(self.chat, name) != getattr(backend.chat, name)
+        ]
+        if self.prefix_cache.enabled:
+            changed += [
+                f"agentkv.prefix_cache.{name}"
+                for name in type(self.prefix_cache).model_fields
+                if getattr(self.prefix_cache, name) != getattr(backend.prefix_cache, name)
+            ]
+        return changed
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts in the YAML section's shape; `from_dict` reads it back."""
         return self.model_dump(mode="python")

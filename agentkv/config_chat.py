@@ -12,7 +12,14 @@ __all__ = ["ChatConfig"]
 
 
 class ChatConfig(Section):
-    """How messages are rendered with the model's chat template (backend-wide)."""
+    """How messages are rendered with the model's chat template (backend-wide).
+
+    One chat format renders every session's prompts, the tool prompts, the grammars
+    and the stop tokens of a backend, so these keys belong to the config that loads
+    the model: a later `ChatAgentKV(config=...)` or `with_kv_lifecycle(config=...)`
+    asking for others is an error, and `configurable.agentkv.chat` or a
+    `backend.session(id, config=...)` asking for others is ignored with a warning.
+    """
 
     tool_format: str | None = None
     """Tool-call format: hermes, qwen, llama3_json, mistral, granite, phi4, pythonic; null = detected."""

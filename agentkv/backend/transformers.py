@@ -67,6 +67,8 @@ class TransformersBackend(SessionRegistry[Session]):
         """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
         self.model_lock = self.runner.model_lock
         self._rung_costs: dict[tuple[object, ...], dict[Rung, float]] = {}
+        self._warned: set[str] = set()
+        """Backend-wide keys a session's config asked for, already warned about."""
 
     def rung_fidelity(self, config: AgentKVConfig) -> Mapping[Rung, float]:
         """Each rung's measured loss on this model for `config`'s quantization and archive tier.
@@ -88,7 +90,25 @@ class TransformersBackend(SessionRegistry[Session]):
     def _new_session(
         self, session_id: str, *, parent: Session | None, branch: str | None, config: AgentKVConfig | None
     ) -> Session:
+        if config is not None:
+            self._warn_backend_wide(session_id, config)
         return Session(self, session_id, parent=parent, branch=branch, config=config)
+
+    def _warn_backend_wide(self, session_id: str, config: AgentKVConfig) -> None:
+        """Say once per key what a session's config asks for that only the backend decides.
+
+        The chat format, the session bounds, the prefix cache and the model are the
+        backend's (`AgentKVConfig.backend_wide_changes`): the session runs with the backend's.
+        """
+        fresh = [key for key in config.backend_wide_changes(self.config) if key not in self._warned]
+        if fresh:
+            self._warned.update(fresh)
+            logger.warning(
+                "session %r: %s in its config ignored: backend-wide, the session uses the backend's "
+                "(give them to the TransformersBackend's config)",
+                session_id,
+                ", ".join(fresh),
+            )
 
     def adopt(self, session_id: str, branch: str) -> Session:
         """Make the branch session `<session_id>/<branch>` the conversation's continuation.

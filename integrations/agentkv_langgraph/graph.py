@@ -14,8 +14,10 @@ session reads at creation is honoured — `budget`, `policy`, `archive_tier`,
 `quantization`, `commit`, `recall`, `rules`. A thread whose session already exists
 keeps the settings it started with (a cache cannot be re-budgeted mid-conversation
 without demoting under the agent's feet; close the session to start over).
-`model`, `device` and `dtype` belong to the backend and `callbacks` to the handler:
-per run they are ignored, with a warning.
+`model`, `device`, `dtype`, `attn_implementation`, `sessions` and `chat` belong to
+the backend and `callbacks` to the handler: per run they are ignored, with a warning
+(`prefix_cache.enabled: false` opts a run's new sessions out of the shared cache; the
+cache's other keys are the backend's, warned about by the backend).
 """
 
 from __future__ import annotations
