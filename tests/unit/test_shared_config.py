@@ -19,6 +19,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import agentkv_langchain.backends as backends
 from agentkv import AgentKVConfig
+from agentkv.models import MANIFEST_NAME
 from agentkv_langchain import ChatAgentKV
 from agentkv_langgraph import with_kv_lifecycle
 
@@ -119,4 +120,48 @@ def test_a_session_config_with_backend_wide_settings_is_warned_once(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
         backend.session("c", config=quiet)
+    assert not caplog.records
+
+
+def test_loading_settings_that_do_not_match_the_model_passed_are_warned(
+    tiny_model: Any, tiny_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agentkv import TransformersBackend
+
+    other = AgentKVConfig.from_dict(
+        {"model": "/tmp/other_model", "dtype": "float16", "device": "cuda:3", "attn_implementation": "eager"}
+    )
+    with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
+        TransformersBackend(tiny_model, tiny_tokenizer, other)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "agentkv.model='/tmp/other_model' ignored" in warning
+    assert "agentkv.dtype='float16' ignored, the model passed runs torch.float32" in warning
+    assert "agentkv.device='cuda:3' ignored, the model passed is on cpu" in warning
+    assert "agentkv.attn_implementation='eager' ignored, the model passed uses 'sdpa'" in warning
+
+    caplog.clear()
+    same = AgentKVConfig.from_dict({"dtype": "float32", "device": "cpu", "attn_implementation": "sdpa"})
+    with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
+        TransformersBackend(tiny_model, tiny_tokenizer, same)
+        TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"dtype": "auto"}))
+    assert not caplog.records
+
+
+def test_a_loaded_model_matches_the_name_it_was_loaded_by(
+    tiny_model: Any, tiny_tokenizer: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import copy
+
+    from agentkv import TransformersBackend
+
+    named = copy.copy(tiny_model)
+    named.config = copy.deepcopy(tiny_model.config)
+    named.config.name_or_path = str(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
+        TransformersBackend(named, tiny_tokenizer, AgentKVConfig(model=str(tmp_path)))
+        TransformersBackend(named, tiny_tokenizer, AgentKVConfig(model=f"{tmp_path}/../{tmp_path.name}"))
+        (tmp_path / MANIFEST_NAME).write_text('{"source": "/models/tiny.gguf"}', encoding="utf-8")
+        TransformersBackend(
+            named, tiny_tokenizer, AgentKVConfig(model="/models/tiny.gguf")
+        )  # a converted GGUF
     assert not caplog.records
