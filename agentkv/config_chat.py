@@ -27,7 +27,7 @@ class ChatConfig(Section):
     """Extra variables for the chat template, e.g. `enable_thinking: false` (Qwen3, SmolLM3)."""
     template: str | None = None
     """A built-in template (chatml, gemma, llama3) or a .jinja file instead of the tokenizer's; null = the
-    tokenizer's (one without: the built-in its turn tokens name)."""
+    tokenizer's (one without: the built-in its turn tokens name, else ChatML as plain text, warned)."""
 
     @field_validator("tool_format")
     @classmethod

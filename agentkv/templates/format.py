@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, ToolCall, check_unicode
-from agentkv.templates.builtin import BUILTIN_TEMPLATES, resolve_template, template_for_vocabulary, with_bos
+from agentkv.templates.builtin import (
+    BUILTIN_TEMPLATES,
+    BuiltinTemplate,
+    resolve_template,
+    template_for_vocabulary,
+    with_bos,
+)
 from agentkv.templates.probe import probe_rules
 from agentkv.templates.roles import RoleRules, template_dicts
 from agentkv.templates.segments import Cached, Split, common_prefix, safe_cut, split_history
@@ -44,7 +50,31 @@ def fallback_template(tokenizer: Any) -> str:
     ChatML (with the tokenizer's `bos` in front when it has one) unless the vocabulary has
     another family's turn tokens (`agentkv.templates.builtin.template_for_vocabulary`).
     """
-    return with_bos(template_for_vocabulary(tokenizer), tokenizer)
+    return with_bos(template_for_vocabulary(tokenizer) or BUILTIN_TEMPLATES["chatml"], tokenizer)
+
+
+def _guess_template(tokenizer: Any) -> BuiltinTemplate:
+    """The built-in template a tokenizer without one gets, with a warning that says why."""
+    names = ", ".join(BUILTIN_TEMPLATES)
+    guessed = template_for_vocabulary(tokenizer)
+    if guessed is not None:
+        logger.warning(
+            "tokenizer has no chat template; using the built-in %r template (its turn tokens are in "
+            "the vocabulary). Name one with chat.template (%s or a .jinja file) to choose another.",
+            guessed.name,
+            names,
+        )
+        return guessed
+    chatml = BUILTIN_TEMPLATES["chatml"]
+    logger.warning(
+        "tokenizer has no chat template, and no built-in template's turn tokens are tokens of its "
+        "vocabulary; using ChatML, whose markers (%s) this tokenizer encodes as plain text (an answer "
+        "stops where the model writes '<|im_end|>', or at EOS). A model not trained on ChatML will "
+        "answer poorly: name its format with chat.template (%s or a .jinja file).",
+        ", ".join(chatml.turn_tokens),
+        names,
+    )
+    return chatml
 
 
 class ChatFormat:
@@ -80,14 +110,7 @@ class ChatFormat:
         elif own:
             source = own if isinstance(own, str) else str(own)
         else:
-            guessed = template_for_vocabulary(tokenizer)
-            logger.warning(
-                "tokenizer has no chat template; using the built-in %r template (its turn tokens are in "
-                "the vocabulary). Name one with chat.template (%s or a .jinja file) to choose another.",
-                guessed.name,
-                ", ".join(BUILTIN_TEMPLATES),
-            )
-            source = with_bos(guessed, tokenizer)
+            source = with_bos(_guess_template(tokenizer), tokenizer)
         template = source
         self.template: str = template if isinstance(template, str) else str(template)
         self.template_kwargs: dict[str, Any] = {

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from chat_families import FAMILIES, family_tokenizer
+from session_history import forcing
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
@@ -211,6 +214,24 @@ def test_a_session_on_a_guessed_template_answers_and_extends_exactly():
         normalize_messages([*history, answer, {"role": "user", "content": "And tomorrow?"}])
     )
     assert held_text(session) == rendered
+
+
+def test_a_vocabulary_without_turn_tokens_is_warned_truly_and_answers_stop_at_the_text(caplog):
+    """No template and no built-in's turn tokens (Phi-3's vocabulary): ChatML spelled in plain tokens."""
+    tokenizer = family_tokenizer(FAMILY["phi3.5"])
+    tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING, logger="agentkv"):
+        backend = backend_for(tokenizer)
+    [warning] = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert "no built-in template's turn tokens are tokens of its vocabulary" in warning
+    assert "<|im_start|>, <|im_end|>" in warning and "plain text" in warning
+    assert "chat.template (chatml, gemma, llama3 or a .jinja file)" in warning
+    assert "are in the vocabulary" not in warning
+    session = backend.session("t")
+    session.extend([{"role": "user", "content": "Hi"}])
+    said = tokenizer.encode("Sure<|im_end|>\n<|im_start|>user\nmore", add_special_tokens=False)
+    text = session.generate(max_new_tokens=len(said), logits_processor=forcing(said))
+    assert text == "Sure"
 
 
 def test_a_template_whose_turn_ends_with_a_special_token_needs_no_stop_string():
