@@ -176,7 +176,17 @@ def with_kv_lifecycle(
     Returns:
         The same graph (a copy, of a subclass of its class) with the handler attached;
         `graph.agentkv` holds the backend, the handler and the config.
+
+    Raises:
+        TypeError: `graph` is not a compiled graph (an uncompiled `StateGraph`, a chat model).
     """
+    if not isinstance(graph, Pregel):
+        msg = (
+            f"with_kv_lifecycle: expected a compiled graph (builder.compile(...)), got {type(graph).__name__}"
+        )
+        if not hasattr(graph, "compile"):
+            msg += " (a chat model needs no wrapping: wrap the graph that calls it)"
+        raise TypeError(msg)
     settings = resolve_config(config)
     if backend is None:
         backend = shared_backend(settings)

@@ -147,3 +147,15 @@ def test_config_forms_are_the_same_everywhere(tmp_path, backend):
 def test_backend_and_model_are_exclusive(backend):
     with pytest.raises(ValueError, match="either backend= .* or model= / config="):
         ChatAgentKV(backend=backend, model="x")
+
+
+def test_with_kv_lifecycle_names_what_it_got_instead_of_a_compiled_graph(backend):
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", lambda state: {"messages": []})
+    builder.add_edge(START, "agent")
+    with pytest.raises(
+        TypeError, match=r"expected a compiled graph \(builder.compile\(...\)\), got StateGraph$"
+    ):
+        with_kv_lifecycle(builder, backend=backend)
+    with pytest.raises(TypeError, match="got ChatAgentKV .a chat model needs no wrapping"):
+        with_kv_lifecycle(ChatAgentKV(backend=backend), backend=backend)  # type: ignore[type-var]
