@@ -136,8 +136,9 @@ class AgentKVConfig(Section):
 
         Raises:
             FileNotFoundError: `path` does not exist (the message names it).
-            ValueError: The YAML is malformed (file and line), the section is missing or
-                any value is invalid (one line per problem, with its YAML path).
+            ValueError: `path` is a directory or unreadable, the YAML is malformed (file and
+                line), the section is missing or any value is invalid (one line per problem,
+                with its YAML path).
         """
         file = Path(path)
         try:
@@ -145,6 +146,12 @@ class AgentKVConfig(Section):
         except FileNotFoundError as e:
             msg = f"agentkv config file not found: {file}"
             raise FileNotFoundError(msg) from e
+        except IsADirectoryError as e:
+            msg = f"{file}: a directory, expected a YAML file with an `{section}:` section"
+            raise ValueError(msg) from e
+        except OSError as e:
+            msg = f"{file}: cannot read the agentkv config ({e.strerror or e})"
+            raise ValueError(msg) from e
         except UnicodeDecodeError as e:
             msg = f"{file}: not UTF-8 text ({e.reason} at byte {e.start})"
             raise ValueError(msg) from e

@@ -407,6 +407,12 @@ def test_rules_report_every_problem() -> None:
 # ------------------------------------------------------------------ YAML text and files
 
 
+def test_a_directory_given_as_the_yaml_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(tmp_path)
+    assert str(info.value) == f"{tmp_path}: a directory, expected a YAML file with an `agentkv:` section"
+
+
 def test_yaml_errors_name_path_and_line(tmp_path: Path) -> None:
     file = tmp_path / "graph.yaml"
     file.write_text("graph:\n  entry: agent\nagentkv:\n  budget:\n    device_tokens: -5\n  polcy: h2o\n")
