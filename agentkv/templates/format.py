@@ -17,6 +17,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateSyntaxError
+
 from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, ToolCall, check_unicode
 from agentkv.templates.builtin import (
     BUILTIN_TEMPLATES,
@@ -90,7 +92,8 @@ class ChatFormat:
             for a tokenizer without one the built-in its vocabulary's turn tokens name.
 
     Raises:
-        ValueError: `template` names neither a built-in template nor a `.jinja` file.
+        ValueError: `template` names neither a built-in template nor a `.jinja` file, or the
+            template is not valid Jinja (the message names the setting or the tokenizer, and the line).
     """
 
     def __init__(
@@ -105,6 +108,9 @@ class ChatFormat:
         own = getattr(tokenizer, "chat_template", None)
         self.uses_fallback = not own and template is None
         """True when the tokenizer has no template and none was named: a built-in one is guessed."""
+        origin = f"chat.template {template!r}" if template is not None else "the tokenizer's chat template"
+        if not own and template is None:
+            origin = "the built-in fallback template"
         if template is not None:
             source = resolve_template(template, tokenizer)
         elif own:
@@ -113,6 +119,7 @@ class ChatFormat:
             source = with_bos(_guess_template(tokenizer), tokenizer)
         template = source
         self.template: str = template if isinstance(template, str) else str(template)
+        self._check_syntax(origin)
         self.template_kwargs: dict[str, Any] = {
             **{k: v for k, v in _DEFAULT_KWARGS.items() if k in self.template},
             **dict(template_kwargs or {}),
@@ -183,6 +190,18 @@ class ChatFormat:
             **extra,
         )
         return str(text)
+
+    def _check_syntax(self, origin: str) -> None:
+        """Compile the template now: a syntax error names `origin` and its line here, not deep in a render."""
+        try:
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hello."}], chat_template=self.template, tokenize=False
+            )
+        except TemplateSyntaxError as e:
+            msg = f"{origin}: not a valid Jinja template: line {e.lineno}: {e.message}"
+            raise ValueError(msg) from e
+        except Exception:  # noqa: BLE001 - it compiled; a template may refuse a lone user turn
+            pass
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = False) -> str:
         """The template's text for a conversation (folded, calls in the tool format)."""

@@ -197,6 +197,19 @@ def test_a_named_template_replaces_the_tokenizers_and_a_bad_name_is_refused(tmp_
     assert backend.chat_format.template == named.template
 
 
+def test_a_broken_jinja_file_is_an_error_naming_the_setting_the_file_and_the_line(tmp_path):
+    broken = tmp_path / "bad.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }{% endfor %}", encoding="utf-8")
+    expected = f"chat.template '{broken}': not a valid Jinja template: line 2: unexpected '}}'"
+    with pytest.raises(ValueError) as info:
+        backend_for(family_tokenizer(FAMILY["gemma2"]), AgentKVConfig(chat={"template": str(broken)}))
+    assert str(info.value) == expected
+    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    tokenizer.chat_template = "{{ messages[0].content }"
+    with pytest.raises(ValueError, match="^the tokenizer's chat template: not a valid Jinja template: line"):
+        ChatFormat(tokenizer)
+
+
 def test_a_session_on_a_guessed_template_answers_and_extends_exactly():
     """A base Gemma-like tokenizer: a generated answer ends at `<end_of_turn>` and the next turn reuses it."""
     tokenizer = family_tokenizer(FAMILY["gemma2"])
