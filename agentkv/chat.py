@@ -235,8 +235,6 @@ def normalize_message(message: Any, index: int = 0) -> ChatMessage:
         )
         raise ValueError(msg)
     tool_call_id = get("tool_call_id")
-    if role == "tool" and not tool_call_id:
-        logger.debug("%s: tool message without tool_call_id; events cannot name it", where)
     message_id = get("id")
     tools = get("tools") if isinstance(message, Mapping) else None
     reasoning = _reasoning(message) if role == "assistant" else None
@@ -276,9 +274,9 @@ def _tools_json(tools: Any, where: str) -> str:
 def normalize_messages(messages: Any) -> list[ChatMessage]:
     """Normalise a list of messages, with errors that name the bad index.
 
-    A tool result whose `tool_call_id` answers no call made earlier in the list is
-    kept (the history may have been trimmed), with a warning: events name results
-    by that id, so a typo there silently detaches the result from its lifecycle.
+    A tool result without a `tool_call_id`, or whose id answers no call made earlier
+    in the list, is kept (the history may have been trimmed), with a warning: events
+    name results by that id, so a missing id or a typo detaches the result from its lifecycle.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         msg = f"messages: expected a list of chat messages, got {type(messages).__name__}"
@@ -289,24 +287,34 @@ def normalize_messages(messages: Any) -> list[ChatMessage]:
 
 
 _WARNED_RESULTS: set[str] = set()
-"""Tool call ids already warned about (each unmatched result is reported once, not every call)."""
+"""Tool results already warned about, by call id or, without one, by fingerprint (once, not every call)."""
 _MAX_WARNED = 10_000
 
 
 def warn_unmatched_tool_results(messages: Sequence[ChatMessage]) -> list[int]:
-    """Warn (once per id) about tool results that answer no earlier call; return their indexes."""
+    """Warn (once per result) about tool results without an id or answering no earlier call; their indexes."""
     calls: set[str] = set()
     unmatched: list[int] = []
     for i, message in enumerate(messages):
         calls.update(call.id for call in message.tool_calls)
-        if message.role == "tool" and message.tool_call_id and message.tool_call_id not in calls:
-            unmatched.append(i)
-            if message.tool_call_id in _WARNED_RESULTS:
-                continue  # the same history comes back every call: say it once
-            if len(_WARNED_RESULTS) > _MAX_WARNED:
-                _WARNED_RESULTS.clear()
-            _WARNED_RESULTS.add(message.tool_call_id)
-            known = ", ".join(sorted(calls)[:10]) or "none"
+        if message.role != "tool" or (message.tool_call_id and message.tool_call_id in calls):
+            continue
+        unmatched.append(i)
+        key = message.tool_call_id or f"no id: {message.fingerprint()}"
+        if key in _WARNED_RESULTS:
+            continue  # the same history comes back every call: say it once
+        if len(_WARNED_RESULTS) > _MAX_WARNED:
+            _WARNED_RESULTS.clear()
+        _WARNED_RESULTS.add(key)
+        known = ", ".join(sorted(calls)[:10]) or "none"
+        if message.tool_call_id is None:
+            logger.warning(
+                "messages[%d]: tool result without a tool_call_id (calls: %s); it is encoded, but "
+                "lifecycle events cannot name it: give it the id of the tool call it answers",
+                i,
+                known,
+            )
+        else:
             logger.warning(
                 "messages[%d]: tool result for tool_call_id %r answers no earlier tool call (calls: %s); "
                 "it is encoded, but lifecycle events for that call will not find it",

@@ -136,8 +136,9 @@ class AgentKVConfig(Section):
 
         Raises:
             FileNotFoundError: `path` does not exist (the message names it).
-            ValueError: The YAML is malformed (file and line), the section is missing or
-                any value is invalid (one line per problem, with its YAML path).
+            ValueError: `path` is a directory or unreadable, the YAML is malformed (file and
+                line), the section is missing or any value is invalid (one line per problem,
+                with its YAML path).
         """
         file = Path(path)
         try:
@@ -145,6 +146,12 @@ class AgentKVConfig(Section):
         except FileNotFoundError as e:
             msg = f"agentkv config file not found: {file}"
             raise FileNotFoundError(msg) from e
+        except IsADirectoryError as e:
+            msg = f"{file}: a directory, expected a YAML file with an `{section}:` section"
+            raise ValueError(msg) from e
+        except OSError as e:
+            msg = f"{file}: cannot read the agentkv config ({e.strerror or e})"
+            raise ValueError(msg) from e
         except UnicodeDecodeError as e:
             msg = f"{file}: not UTF-8 text ({e.reason} at byte {e.start})"
             raise ValueError(msg) from e
@@ -214,6 +221,36 @@ class AgentKVConfig(Section):
         if "policy" in overrides:
             merged["policy"] = _merge_policy(base["policy"], overrides["policy"])
         return self._validate(merged, prefix=prefix)
+
+    def backend_wide_changes(self, backend: AgentKVConfig) -> list[str]:
+        """The settings this config asks for that only a backend can honour, where `backend`'s differ.
+
+        A backend loads one model (`model`, `device`, `dtype`, `attn_implementation`) or
+        serves one `engine`, renders every session's prompts, tool prompts, grammars and
+        stop tokens with one chat format (`chat`), bounds one session table (`sessions`)
+        and shares one prefix cache (`prefix_cache`; a session may still opt out with
+        `prefix_cache.enabled: false`). A session made with other values gets the backend's.
+
+        Returns:
+            `agentkv.<key>` paths (`agentkv.chat.template`), in field order; empty when none differs.
+        """
+        changed = [
+            f"agentkv.{key}"
+            for key in ("model", "device", "dtype", "attn_implementation", "engine", "sessions")
+            if getattr(self, key) != getattr(backend, key)
+        ]
+        changed += [
+            f"agentkv.chat.{name}"
+            for name in type(self.chat).model_fields
+            if getattr(self.chat, name) != getattr(backend.chat, name)
+        ]
+        if self.prefix_cache.enabled:
+            changed += [
+                f"agentkv.prefix_cache.{name}"
+                for name in type(self.prefix_cache).model_fields
+                if getattr(self.prefix_cache, name) != getattr(backend.prefix_cache, name)
+            ]
+        return changed
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts in the YAML section's shape; `from_dict` reads it back."""

@@ -12,7 +12,14 @@ __all__ = ["ChatConfig"]
 
 
 class ChatConfig(Section):
-    """How messages are rendered with the model's chat template (backend-wide)."""
+    """How messages are rendered with the model's chat template (backend-wide).
+
+    One chat format renders every session's prompts, the tool prompts, the grammars
+    and the stop tokens of a backend, so these keys belong to the config that loads
+    the model: a later `ChatAgentKV(config=...)` or `with_kv_lifecycle(config=...)`
+    asking for others is an error, and `configurable.agentkv.chat` or a
+    `backend.session(id, config=...)` asking for others is ignored with a warning.
+    """
 
     tool_format: str | None = None
     """Tool-call format: hermes, qwen, llama3_json, mistral, granite, phi4, pythonic; null = detected."""
@@ -20,7 +27,7 @@ class ChatConfig(Section):
     """Extra variables for the chat template, e.g. `enable_thinking: false` (Qwen3, SmolLM3)."""
     template: str | None = None
     """A built-in template (chatml, gemma, llama3) or a .jinja file instead of the tokenizer's; null = the
-    tokenizer's (one without: the built-in its turn tokens name)."""
+    tokenizer's (one without: the built-in its turn tokens name, else ChatML as plain text, warned)."""
 
     @field_validator("tool_format")
     @classmethod

@@ -59,6 +59,14 @@ run_config = config.with_overrides({{"budget": {{"device_tokens": 512}}}})
 - Per-run overrides come from LangGraph's `config["configurable"]["agentkv"]`, in the same
   shape as the section. They are deep-merged over the loaded config and validated again;
   naming a different policy replaces the whole `policy` section.
+- Some keys belong to the backend, not to a session: `model`, `device`, `dtype`,
+  `attn_implementation`, `sessions`, `chat` and `prefix_cache` (a session may still set
+  `prefix_cache.enabled: false`). Give them to the config that loads the model
+  (`TransformersBackend(model, tokenizer, config)`, or the first `ChatAgentKV(config=...)` /
+  `with_kv_lifecycle(config=...)` of the process). A later `ChatAgentKV(config=...)` or
+  `with_kv_lifecycle(config=...)` asking for other `sessions`, `chat` or `prefix_cache` is an
+  error; per run (`configurable.agentkv`) or in `backend.session(id, config=...)` they are
+  ignored with a warning naming each key.
 - Byte sizes take an integer or a string with a unit: `B`, `kB`, `MB`, `GB`, `TB`
   (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024), e.g. `64MiB`, `1.5 GB`.
 

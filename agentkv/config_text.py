@@ -41,6 +41,8 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
     try:
         loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
+        # Before constructing: construction folds merge keys (`<<`) into the mapping.
+        duplicate = duplicate_key(node, (), source, set()) if node is not None else None
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -60,10 +62,42 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
     finally:
         if loader is not None:
             loader.dispose()
+    if duplicate is not None:
+        raise ValueError(duplicate)
     lines: dict[Loc, int] = {}
     if node is not None:
         collect_lines(node, (), lines, depth=0)
     return data, lines
+
+
+def duplicate_key(node: yaml.Node, path: Loc, source: str, seen: set[int]) -> str | None:
+    """The error for the first mapping that repeats a key, or None; PyYAML would keep the last silently.
+
+    Merge keys (`<<: *defaults`) may be overridden, as YAML allows; aliases are walked once.
+    The message reads `<source>, line N: invalid YAML: duplicate key 'k' in a.b (first at line M)`.
+    """
+    if id(node) in seen:
+        return None
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        return next((p for item in node.value if (p := duplicate_key(item, path, source, seen))), None)
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    first: dict[tuple[str, str], yaml.Node] = {}
+    for key, value in node.value:
+        name = str(key.value) if isinstance(key, yaml.ScalarNode) else None
+        if name is not None and key.tag != "tag:yaml.org,2002:merge":
+            earlier = first.setdefault((key.tag, name), key)
+            if earlier is not key:
+                where = f"in {'.'.join(map(str, path))}" if path else "at the top level"
+                return (
+                    f"{source}, line {key.start_mark.line + 1}: invalid YAML: duplicate key {name!r} {where} "
+                    f"(first at line {earlier.start_mark.line + 1})"
+                )
+        problem = duplicate_key(value, (*path, name or "?"), source, seen)
+        if problem is not None:
+            return problem
+    return None
 
 
 def collect_lines(node: yaml.Node, path: Loc, lines: dict[Loc, int], depth: int) -> None:

@@ -39,6 +39,15 @@ def load_snapshot(source: Session | dict[str, Any] | str | Path) -> dict[str, An
         except FileNotFoundError as e:
             msg = f"no snapshot at {path}"
             raise FileNotFoundError(msg) from e
+        except IsADirectoryError as e:
+            msg = f"{path}: a directory, expected a JSON snapshot file (Session.save_snapshot writes one)"
+            raise ValueError(msg) from e
+        except OSError as e:
+            msg = f"{path}: cannot read the snapshot ({e.strerror or e})"
+            raise ValueError(msg) from e
+        except UnicodeDecodeError as e:
+            msg = f"{path}: not a JSON snapshot (not UTF-8 text: {e.reason} at byte {e.start})"
+            raise ValueError(msg) from e
         except json.JSONDecodeError as e:
             msg = f"{path}: not a JSON snapshot ({e})"
             raise ValueError(msg) from e

@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_GGUF_NAME",
     "DEFAULT_MODEL_PACKAGE",
     "KERNELS",
+    "MANIFEST_NAME",
     "ModelLoadError",
     "ModelNotFoundError",
     "cache_root",
@@ -92,7 +93,8 @@ know only causal and padding masks; flex attention gets a block mask the probe c
 
 _CACHE_FORMAT = 1
 """Bump when the layout of a cache entry changes: older entries are then rebuilt."""
-_MANIFEST_NAME = "agentkv-cache.json"
+MANIFEST_NAME = "agentkv-cache.json"
+"""A converted GGUF's cache entry names its source here (`"source"`: the .gguf path)."""
 _HASH_MEMO_NAME = "gguf-sha256.json"
 _WEIGHTS_NAME = "model.safetensors"
 _STALE_TMP_SECONDS = 24 * 3600
@@ -505,7 +507,7 @@ def _load_cache_entry(
     if not entry.exists():
         return None
     try:
-        manifest = json.loads((entry / _MANIFEST_NAME).read_text())
+        manifest = json.loads((entry / MANIFEST_NAME).read_text())
         if manifest.get("format") != _CACHE_FORMAT or manifest.get("sha256") != digest:
             msg = f"manifest is for format {manifest.get('format')!r}, sha256 {manifest.get('sha256')!r}"
             raise ValueError(msg)
@@ -558,7 +560,7 @@ def _write_cache_entry(
             "torch": torch.__version__,
             "transformers": _transformers_version(),
         }
-        (tmp / _MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         try:
             os.replace(tmp, entry)
         except OSError:

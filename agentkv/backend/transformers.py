@@ -8,9 +8,11 @@ model and a CPU forward gains nothing from running two at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from agentkv.backend.runner import ModelRunner
 from agentkv.backend.session import Session
 from agentkv.config import AgentKVConfig
 from agentkv.lifecycle.rungs import Rung
+from agentkv.models import MANIFEST_NAME
 from agentkv.store.prefix_cache import PrefixCache
 from agentkv.templates import ChatFormat
 
@@ -36,7 +39,9 @@ class TransformersBackend(SessionRegistry[Session]):
     Args:
         model: a causal LM (`AutoModelForCausalLM`), already on its device, in eval mode.
         tokenizer: its tokenizer; a chat template is used when present, else ChatML (with a warning).
-        config: the agentkv configuration (defaults when None).
+        config: the agentkv configuration (defaults when None). Its `model`, `dtype`, `device`
+            and `attn_implementation` choose what `load_model` loads; naming others than the
+            model passed here has no effect, and is warned with the values in use.
         prefill_chunk: tokens per forward when encoding long inputs (bounds peak memory).
         clock: the clock of the idle bound (`agentkv.sessions.idle_seconds`), in seconds.
     """
@@ -54,6 +59,13 @@ class TransformersBackend(SessionRegistry[Session]):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or AgentKVConfig()
+        ignored = _load_settings_ignored(self.config, model)
+        if ignored:
+            logger.warning(
+                "TransformersBackend: %s; the config's loading settings only choose what "
+                "load_model / shared_backend load, not a model passed in",
+                "; ".join(ignored),
+            )
         self.chat_format = ChatFormat(
             tokenizer,
             tool_format=self.config.chat.tool_format,
@@ -67,6 +79,8 @@ class TransformersBackend(SessionRegistry[Session]):
         """Leading system messages' KV shared across sessions (`prefix_cache` in the config)."""
         self.model_lock = self.runner.model_lock
         self._rung_costs: dict[tuple[object, ...], dict[Rung, float]] = {}
+        self._warned: set[str] = set()
+        """Backend-wide keys a session's config asked for, already warned about."""
 
     def rung_fidelity(self, config: AgentKVConfig) -> Mapping[Rung, float]:
         """Each rung's measured loss on this model for `config`'s quantization and archive tier.
@@ -88,7 +102,25 @@ class TransformersBackend(SessionRegistry[Session]):
     def _new_session(
         self, session_id: str, *, parent: Session | None, branch: str | None, config: AgentKVConfig | None
     ) -> Session:
+        if config is not None:
+            self._warn_backend_wide(session_id, config)
         return Session(self, session_id, parent=parent, branch=branch, config=config)
+
+    def _warn_backend_wide(self, session_id: str, config: AgentKVConfig) -> None:
+        """Say once per key what a session's config asks for that only the backend decides.
+
+        The chat format, the session bounds, the prefix cache and the model are the
+        backend's (`AgentKVConfig.backend_wide_changes`): the session runs with the backend's.
+        """
+        fresh = [key for key in config.backend_wide_changes(self.config) if key not in self._warned]
+        if fresh:
+            self._warned.update(fresh)
+            logger.warning(
+                "session %r: %s in its config ignored: backend-wide, the session uses the backend's "
+                "(give them to the TransformersBackend's config)",
+                session_id,
+                ", ".join(fresh),
+            )
 
     def adopt(self, session_id: str, branch: str) -> Session:
         """Make the branch session `<session_id>/<branch>` the conversation's continuation.
@@ -157,3 +189,61 @@ class TransformersBackend(SessionRegistry[Session]):
         if self.prefix_cache is None or free_bytes <= 0:
             return 0
         return self.prefix_cache.evict(free_bytes)
+
+
+def _load_settings_ignored(config: AgentKVConfig, model: torch.nn.Module) -> list[str]:
+    """`config`'s loading keys that name another model, dtype, device or kernel than `model` has.
+
+    One line per key, with the value asked for and the one in use; unset keys (and `dtype: auto`)
+    ask for nothing.
+    """
+    ignored: list[str] = []
+    param = next(model.parameters(), None)
+    model_config = getattr(model, "config", None)
+    if config.model is not None:
+        names = _loaded_names(model_config)
+        if not any(_same_model(config.model, name) for name in names):
+            in_use = names[0] if names else "a model without a name_or_path"
+            ignored.append(f"agentkv.model={config.model!r} ignored, the model passed is {in_use!r}")
+    if (
+        param is not None
+        and config.dtype not in (None, "auto")
+        and getattr(torch, config.dtype) != param.dtype
+    ):
+        ignored.append(f"agentkv.dtype={config.dtype!r} ignored, the model passed runs {param.dtype}")
+    if param is not None and config.device is not None and not _same_device(config.device, param.device):
+        ignored.append(f"agentkv.device={config.device!r} ignored, the model passed is on {param.device}")
+    kernel = getattr(model_config, "_attn_implementation", None)
+    if config.attn_implementation is not None and kernel != config.attn_implementation:
+        ignored.append(
+            f"agentkv.attn_implementation={config.attn_implementation!r} ignored, "
+            f"the model passed uses {kernel!r}"
+        )
+    return ignored
+
+
+def _loaded_names(model_config: Any) -> list[str]:
+    """What a loaded model answers to: a converted GGUF's source, then its `name_or_path`."""
+    path = str(getattr(model_config, "name_or_path", "") or "")
+    if not path:
+        return []
+    try:
+        source = json.loads(Path(path, MANIFEST_NAME).read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        source = None
+    return [source, path] if isinstance(source, str) and source else [path]
+
+
+def _same_model(asked: str, loaded: str) -> bool:
+    if asked == loaded:
+        return True
+    a, b = Path(asked).expanduser(), Path(loaded).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def _same_device(asked: str, actual: torch.device) -> bool:
+    try:
+        wanted = torch.device(asked)
+    except (RuntimeError, TypeError):
+        return False
+    return wanted.type == actual.type and wanted.index in (None, actual.index)

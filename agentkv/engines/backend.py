@@ -251,14 +251,14 @@ class EngineBackend(SessionRegistry[EngineSession]):
 
         `prefix_cache.enabled: false` is applied (`salt_for`: the conversation shares no
         prefix); the other `prefix_cache` fields size the local backend's cache, which an
-        engine does not have (vLLM's own prefix cache shares prefixes): warned, like
-        `sessions` and `engine`, which are the backend's.
+        engine does not have (vLLM's own prefix cache shares prefixes): warned, like the
+        other backend-wide settings (`AgentKVConfig.backend_wide_changes`).
         """
         mine, theirs = self.config.prefix_cache, config.prefix_cache
         ignored = [
-            f"agentkv.{key}"
-            for key in ("engine", "sessions")
-            if getattr(config, key) != getattr(self.config, key)
+            key
+            for key in config.backend_wide_changes(self.config)
+            if not key.startswith("agentkv.prefix_cache.")
         ]
         ignored += [
             f"agentkv.prefix_cache.{name}"

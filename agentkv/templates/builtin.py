@@ -78,12 +78,12 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
 """The shipped templates by name (`chat.template`)."""
 
 
-def template_for_vocabulary(tokenizer: Any) -> BuiltinTemplate:
-    """The built-in template whose turn tokens the tokenizer has as single tokens; ChatML when none."""
+def template_for_vocabulary(tokenizer: Any) -> BuiltinTemplate | None:
+    """The built-in template whose turn tokens the tokenizer has as single tokens; None when no built-in's."""
     for template in BUILTIN_TEMPLATES.values():
         if all(_single_token(tokenizer, token) for token in template.turn_tokens):
             return template
-    return BUILTIN_TEMPLATES["chatml"]
+    return None
 
 
 def resolve_template(spec: str, tokenizer: Any) -> str:

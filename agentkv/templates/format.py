@@ -17,8 +17,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateSyntaxError
+
 from agentkv.chat import FALLBACK_CHAT_TEMPLATE, ChatMessage, ToolCall, check_unicode
-from agentkv.templates.builtin import BUILTIN_TEMPLATES, resolve_template, template_for_vocabulary, with_bos
+from agentkv.templates.builtin import (
+    BUILTIN_TEMPLATES,
+    BuiltinTemplate,
+    resolve_template,
+    template_for_vocabulary,
+    with_bos,
+)
 from agentkv.templates.probe import probe_rules
 from agentkv.templates.roles import RoleRules, template_dicts
 from agentkv.templates.segments import Cached, Split, common_prefix, safe_cut, split_history
@@ -44,7 +52,31 @@ def fallback_template(tokenizer: Any) -> str:
     ChatML (with the tokenizer's `bos` in front when it has one) unless the vocabulary has
     another family's turn tokens (`agentkv.templates.builtin.template_for_vocabulary`).
     """
-    return with_bos(template_for_vocabulary(tokenizer), tokenizer)
+    return with_bos(template_for_vocabulary(tokenizer) or BUILTIN_TEMPLATES["chatml"], tokenizer)
+
+
+def _guess_template(tokenizer: Any) -> BuiltinTemplate:
+    """The built-in template a tokenizer without one gets, with a warning that says why."""
+    names = ", ".join(BUILTIN_TEMPLATES)
+    guessed = template_for_vocabulary(tokenizer)
+    if guessed is not None:
+        logger.warning(
+            "tokenizer has no chat template; using the built-in %r template (its turn tokens are in "
+            "the vocabulary). Name one with chat.template (%s or a .jinja file) to choose another.",
+            guessed.name,
+            names,
+        )
+        return guessed
+    chatml = BUILTIN_TEMPLATES["chatml"]
+    logger.warning(
+        "tokenizer has no chat template, and no built-in template's turn tokens are tokens of its "
+        "vocabulary; using ChatML, whose markers (%s) this tokenizer encodes as plain text (an answer "
+        "stops where the model writes '<|im_end|>', or at EOS). A model not trained on ChatML will "
+        "answer poorly: name its format with chat.template (%s or a .jinja file).",
+        ", ".join(chatml.turn_tokens),
+        names,
+    )
+    return chatml
 
 
 class ChatFormat:
@@ -60,7 +92,8 @@ class ChatFormat:
             for a tokenizer without one the built-in its vocabulary's turn tokens name.
 
     Raises:
-        ValueError: `template` names neither a built-in template nor a `.jinja` file.
+        ValueError: `template` names neither a built-in template nor a `.jinja` file, or the
+            template is not valid Jinja (the message names the setting or the tokenizer, and the line).
     """
 
     def __init__(
@@ -75,21 +108,18 @@ class ChatFormat:
         own = getattr(tokenizer, "chat_template", None)
         self.uses_fallback = not own and template is None
         """True when the tokenizer has no template and none was named: a built-in one is guessed."""
+        origin = f"chat.template {template!r}" if template is not None else "the tokenizer's chat template"
+        if not own and template is None:
+            origin = "the built-in fallback template"
         if template is not None:
             source = resolve_template(template, tokenizer)
         elif own:
             source = own if isinstance(own, str) else str(own)
         else:
-            guessed = template_for_vocabulary(tokenizer)
-            logger.warning(
-                "tokenizer has no chat template; using the built-in %r template (its turn tokens are in "
-                "the vocabulary). Name one with chat.template (%s or a .jinja file) to choose another.",
-                guessed.name,
-                ", ".join(BUILTIN_TEMPLATES),
-            )
-            source = with_bos(guessed, tokenizer)
+            source = with_bos(_guess_template(tokenizer), tokenizer)
         template = source
         self.template: str = template if isinstance(template, str) else str(template)
+        self._check_syntax(origin)
         self.template_kwargs: dict[str, Any] = {
             **{k: v for k, v in _DEFAULT_KWARGS.items() if k in self.template},
             **dict(template_kwargs or {}),
@@ -160,6 +190,18 @@ class ChatFormat:
             **extra,
         )
         return str(text)
+
+    def _check_syntax(self, origin: str) -> None:
+        """Compile the template now: a syntax error names `origin` and its line here, not deep in a render."""
+        try:
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hello."}], chat_template=self.template, tokenize=False
+            )
+        except TemplateSyntaxError as e:
+            msg = f"{origin}: not a valid Jinja template: line {e.lineno}: {e.message}"
+            raise ValueError(msg) from e
+        except Exception:  # noqa: BLE001 - it compiled; a template may refuse a lone user turn
+            pass
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = False) -> str:
         """The template's text for a conversation (folded, calls in the tool format)."""

@@ -30,8 +30,16 @@ __all__ = [
 ConfigLike = AgentKVConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 """What `config=` accepts everywhere: a config, a YAML-shaped mapping, a graph YAML path, or None."""
 
-BACKEND_WIDE: tuple[str, ...] = ("model", "device", "dtype", "attn_implementation", "sessions", "callbacks")
-"""Config keys that belong to a backend (which model, where) or to the callback handler, not to a session."""
+BACKEND_WIDE: tuple[str, ...] = (
+    "model",
+    "device",
+    "dtype",
+    "attn_implementation",
+    "sessions",
+    "chat",
+    "callbacks",
+)
+"""Config keys that belong to a backend (which model, where, its chat format) or to the callback handler."""
 
 _backends: dict[tuple[str | None, str | None, str | None, str | None], TransformersBackend] = {}
 _backends_lock = threading.Lock()
@@ -88,14 +96,16 @@ def session_settings(config: AgentKVConfig | None, backend_config: AgentKVConfig
 def check_backend_wide(config: AgentKVConfig, backend_config: AgentKVConfig) -> None:
     """Refuse settings that only a backend can honour when the backend was made with others.
 
-    `agentkv.sessions` bounds the backend's whole session table, and `agentkv.prefix_cache`
-    is one cache the backend's sessions share: a config that asks for other bounds or
-    another cache than the backend it lands on would be ignored, so it is an error. A
-    session may still opt out of the shared cache (`prefix_cache.enabled: false`).
+    `agentkv.sessions` bounds the backend's whole session table, `agentkv.prefix_cache`
+    is one cache the backend's sessions share, and `agentkv.chat` is the one chat format
+    that renders every session's prompts, tool prompts, grammars and stop tokens: a
+    config that asks for other bounds, another cache or another template than the
+    backend it lands on would be ignored, so it is an error. A session may still opt out
+    of the shared cache (`prefix_cache.enabled: false`).
 
     Raises:
-        ValueError: `config.sessions` or `config.prefix_cache` differs from the backend's
-            (the message says how to fix it).
+        ValueError: `config.sessions`, `config.prefix_cache` or `config.chat` differs from
+            the backend's (the message says how to fix it).
     """
     wanted, have = config.prefix_cache, backend_config.prefix_cache
     if wanted.enabled and wanted != have:
@@ -113,6 +123,15 @@ def check_backend_wide(config: AgentKVConfig, backend_config: AgentKVConfig) -> 
             "Give the bounds to the first ChatAgentKV(config=...) / with_kv_lifecycle(config=...) of "
             "the process (the one that loads the model), or pass backend=TransformersBackend(model, "
             "tokenizer, config) made with them"
+        )
+        raise ValueError(msg)
+    if config.chat != backend_config.chat:
+        msg = (
+            "agentkv.chat is backend-wide: this backend renders prompts with "
+            f"{backend_config.chat.model_dump()}, the config asks for {config.chat.model_dump()}. "
+            "Give it to the first ChatAgentKV(config=...) / "
+            "with_kv_lifecycle(config=...) of the process (the one that loads the model), or pass "
+            "backend=TransformersBackend(model, tokenizer, config) made with it"
         )
         raise ValueError(msg)
 

@@ -25,6 +25,7 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
 from agentkv import AnySession, Backend, ContextLengthError, Session, SessionStats
+from agentkv.models import MANIFEST_NAME
 from agentkv.templates import ChatFormat
 from agentkv_langchain.sessions import current_metadata
 from agentkv_langchain.tools import (
@@ -111,7 +112,7 @@ def loaded_model_name(model: Any) -> str:
     copy's manifest (written by `agentkv.models`) names the GGUF, whose stem is used.
     """
     path = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
-    manifest = Path(path, "agentkv-cache.json") if path else None
+    manifest = Path(path, MANIFEST_NAME) if path else None
     if manifest is not None and manifest.is_file():
         try:
             source = json.loads(manifest.read_text()).get("source")

@@ -14,8 +14,10 @@ session reads at creation is honoured — `budget`, `policy`, `archive_tier`,
 `quantization`, `commit`, `recall`, `rules`. A thread whose session already exists
 keeps the settings it started with (a cache cannot be re-budgeted mid-conversation
 without demoting under the agent's feet; close the session to start over).
-`model`, `device` and `dtype` belong to the backend and `callbacks` to the handler:
-per run they are ignored, with a warning.
+`model`, `device`, `dtype`, `attn_implementation`, `sessions` and `chat` belong to
+the backend and `callbacks` to the handler: per run they are ignored, with a warning
+(`prefix_cache.enabled: false` opts a run's new sessions out of the shared cache; the
+cache's other keys are the backend's, warned about by the backend).
 """
 
 from __future__ import annotations
@@ -174,7 +176,17 @@ def with_kv_lifecycle(
     Returns:
         The same graph (a copy, of a subclass of its class) with the handler attached;
         `graph.agentkv` holds the backend, the handler and the config.
+
+    Raises:
+        TypeError: `graph` is not a compiled graph (an uncompiled `StateGraph`, a chat model).
     """
+    if not isinstance(graph, Pregel):
+        msg = (
+            f"with_kv_lifecycle: expected a compiled graph (builder.compile(...)), got {type(graph).__name__}"
+        )
+        if not hasattr(graph, "compile"):
+            msg += " (a chat model needs no wrapping: wrap the graph that calls it)"
+        raise TypeError(msg)
     settings = resolve_config(config)
     if backend is None:
         backend = shared_backend(settings)

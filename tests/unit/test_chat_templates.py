@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from chat_families import FAMILIES, family_tokenizer
+from session_history import forcing
 
 from agentkv import AgentKVConfig, TransformersBackend
 from agentkv.chat import normalize_messages
@@ -194,6 +197,19 @@ def test_a_named_template_replaces_the_tokenizers_and_a_bad_name_is_refused(tmp_
     assert backend.chat_format.template == named.template
 
 
+def test_a_broken_jinja_file_is_an_error_naming_the_setting_the_file_and_the_line(tmp_path):
+    broken = tmp_path / "bad.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }{% endfor %}", encoding="utf-8")
+    expected = f"chat.template '{broken}': not a valid Jinja template: line 2: unexpected '}}'"
+    with pytest.raises(ValueError) as info:
+        backend_for(family_tokenizer(FAMILY["gemma2"]), AgentKVConfig(chat={"template": str(broken)}))
+    assert str(info.value) == expected
+    tokenizer = family_tokenizer(FAMILY["gemma2"])
+    tokenizer.chat_template = "{{ messages[0].content }"
+    with pytest.raises(ValueError, match="^the tokenizer's chat template: not a valid Jinja template: line"):
+        ChatFormat(tokenizer)
+
+
 def test_a_session_on_a_guessed_template_answers_and_extends_exactly():
     """A base Gemma-like tokenizer: a generated answer ends at `<end_of_turn>` and the next turn reuses it."""
     tokenizer = family_tokenizer(FAMILY["gemma2"])
@@ -211,6 +227,24 @@ def test_a_session_on_a_guessed_template_answers_and_extends_exactly():
         normalize_messages([*history, answer, {"role": "user", "content": "And tomorrow?"}])
     )
     assert held_text(session) == rendered
+
+
+def test_a_vocabulary_without_turn_tokens_is_warned_truly_and_answers_stop_at_the_text(caplog):
+    """No template and no built-in's turn tokens (Phi-3's vocabulary): ChatML spelled in plain tokens."""
+    tokenizer = family_tokenizer(FAMILY["phi3.5"])
+    tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING, logger="agentkv"):
+        backend = backend_for(tokenizer)
+    [warning] = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert "no built-in template's turn tokens are tokens of its vocabulary" in warning
+    assert "<|im_start|>, <|im_end|>" in warning and "plain text" in warning
+    assert "chat.template (chatml, gemma, llama3 or a .jinja file)" in warning
+    assert "are in the vocabulary" not in warning
+    session = backend.session("t")
+    session.extend([{"role": "user", "content": "Hi"}])
+    said = tokenizer.encode("Sure<|im_end|>\n<|im_start|>user\nmore", add_special_tokens=False)
+    text = session.generate(max_new_tokens=len(said), logits_processor=forcing(said))
+    assert text == "Sure"
 
 
 def test_a_template_whose_turn_ends_with_a_special_token_needs_no_stop_string():

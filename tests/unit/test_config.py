@@ -407,6 +407,36 @@ def test_rules_report_every_problem() -> None:
 # ------------------------------------------------------------------ YAML text and files
 
 
+def test_a_directory_given_as_the_yaml_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(tmp_path)
+    assert str(info.value) == f"{tmp_path}: a directory, expected a YAML file with an `agentkv:` section"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "agentkv:\n  budget:\n    device_tokens: 512\n    device_tokens: 64\n",
+            "line 4: invalid YAML: duplicate key 'device_tokens' in agentkv.budget (first at line 3)",
+        ),
+        ("agentkv: {policy: h2o, policy: full}\n", "line 1: invalid YAML: duplicate key 'policy' in agentkv"),
+        ("agentkv: {}\nagentkv: {}\n", "line 2: invalid YAML: duplicate key 'agentkv' at the top level"),
+    ],
+)
+def test_a_duplicate_key_is_an_error_with_file_and_line(tmp_path: Path, text: str, expected: str) -> None:
+    file = tmp_path / "dup.yaml"
+    file.write_text(text)
+    with pytest.raises(ValueError) as info:
+        AgentKVConfig.from_yaml(file)
+    assert str(info.value).startswith(f"{file}, {expected}")
+
+
+def test_merge_keys_may_still_be_overridden() -> None:
+    text = "base: &base {device_tokens: 512}\nagentkv:\n  budget:\n    <<: *base\n    device_tokens: 64\n"
+    assert AgentKVConfig.from_yaml_text(text).budget.device_tokens == 64
+
+
 def test_yaml_errors_name_path_and_line(tmp_path: Path) -> None:
     file = tmp_path / "graph.yaml"
     file.write_text("graph:\n  entry: agent\nagentkv:\n  budget:\n    device_tokens: -5\n  polcy: h2o\n")

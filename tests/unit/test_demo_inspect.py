@@ -254,6 +254,16 @@ def _snapshot(spans: int = 3) -> dict:
     return {"session_id": "thread-1", "stats": {"device_bytes": 10}, "spans": rows}
 
 
+def test_cli_inspect_or_config_of_a_directory_is_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Traceback" not in err and "IsADirectoryError" not in err
+    assert "a directory, expected a JSON snapshot file" in err
+    assert main(["demo", "--config", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "a directory, expected a YAML file with an `agentkv:` section" in err
+
+
 @pytest.mark.parametrize(
     ("broken", "expected"),
     [

@@ -91,6 +91,17 @@ def test_tool_result_for_an_unknown_call_is_encoded_with_a_warning(backend, capl
     assert any(s.owner == "call_typo" for s in backend.get("t").spans)  # encoded all the same
 
 
+def test_tool_result_without_an_id_is_encoded_with_a_warning_once(backend, caplog):
+    history = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "result without an id"}]
+    with caplog.at_level(logging.WARNING, logger="agentkv.chat"):
+        backend.session("t").extend(history)
+        backend.session("t").extend([*history, {"role": "user", "content": "and?"}])
+    warnings = [r.getMessage() for r in caplog.records if "without a tool_call_id" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("messages[1]: tool result without a tool_call_id")
+    assert "give it the id of the tool call it answers" in warnings[0]
+    assert any(s.text and "result without an id" in s.text for s in backend.get("t").spans)
+
+
 @pytest.mark.parametrize(
     "message", [{"role": "user"}, {"role": "tool", "tool_call_id": "x"}, {"role": "assistant"}]
 )
@@ -147,3 +158,15 @@ def test_config_forms_are_the_same_everywhere(tmp_path, backend):
 def test_backend_and_model_are_exclusive(backend):
     with pytest.raises(ValueError, match="either backend= .* or model= / config="):
         ChatAgentKV(backend=backend, model="x")
+
+
+def test_with_kv_lifecycle_names_what_it_got_instead_of_a_compiled_graph(backend):
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", lambda state: {"messages": []})
+    builder.add_edge(START, "agent")
+    with pytest.raises(
+        TypeError, match=r"expected a compiled graph \(builder.compile\(...\)\), got StateGraph$"
+    ):
+        with_kv_lifecycle(builder, backend=backend)
+    with pytest.raises(TypeError, match="got ChatAgentKV .a chat model needs no wrapping"):
+        with_kv_lifecycle(ChatAgentKV(backend=backend), backend=backend)  # type: ignore[type-var]
