@@ -14,6 +14,7 @@ from agentkv.grammar.finishing import (
     RECHECK_AFTER,
     REJECTIONS,
     AnswerTooLong,
+    BudgetCut,
     closing_choice,
     closing_rank,
 )
@@ -39,6 +40,8 @@ class GrammarProcessor:
       token only, not on every candidate;
     - when the budget left is down to the way out, only closing tokens remain, and
       after `REJECTIONS` refusals at one position only the way out's next token.
+    The first token the budget kept the model from is held as `cut` (a `BudgetCut`), so
+    the caller can tell the user the answer ended early and how much budget it needed.
 
     Args:
         compiled: the grammar (`compile_grammar`); this answer gets its own matcher.
@@ -89,6 +92,8 @@ class GrammarProcessor:
         self.way_at = -1
         self.refused: set[int] = set()
         """Tokens `accept` refused at the current position (masked by the next call)."""
+        self.cut: BudgetCut | None = None
+        """Where the budget first kept the model from its token (None: it never did)."""
         if prefix_ids and not self.matcher.consume_tokens(list(prefix_ids)):
             self._fail("the prefilled prefix")
         if budget is not None:
@@ -132,7 +137,14 @@ class GrammarProcessor:
                 allowed = torch.zeros_like(allowed)
                 allowed[way[0]] = True
             elif self.finishing:
-                allowed = closing_choice(allowed, self.rank)
+                closing = closing_choice(allowed, self.rank)
+                if self.cut is None:
+                    preferred = int(
+                        torch.argmax(logits.masked_fill(~allowed.to(logits.device), float("-inf")))
+                    )
+                    if not bool(closing[preferred]):
+                        self._note_cut(len(produced), preferred, margin=1)
+                allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def accept(self, produced: Sequence[int], token: int) -> bool:
@@ -163,7 +175,23 @@ class GrammarProcessor:
             self.way, self.way_at = found, position + 1
             return True
         self.refused.add(token)
+        self._note_cut(position, token)
         return False
+
+    def _note_cut(self, position: int, token: int, *, margin: int = 0) -> None:
+        """Hold the first token the budget kept the model from, with the budget it needed.
+
+        `margin`: tokens finishing keeps in hand (it starts one token before the way out
+        fills the budget left), so a token outranked while finishing needs one more.
+        """
+        if self.cut is not None or self.budget is None:
+            return
+        probe = self.matcher.deep_copy()
+        way = None
+        if probe.consume_token(token):
+            way = [] if probe.is_stopped() else self._search(probe, 4 * self.budget + CLOSING_WINDOW)
+        needed = None if way is None else position + 1 + len(way) + margin
+        self.cut = BudgetCut(position, token, needed)
 
     def _way_here(self, position: int, left: int) -> list[int] | None:
         """A way out from the current state: the one held for `position`, else searched."""
