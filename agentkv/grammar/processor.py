@@ -39,7 +39,9 @@ class GrammarProcessor:
       the loop calls again for the same position. The check runs on the picked
       token only, not on every candidate;
     - when the budget left is down to the way out, only closing tokens remain, and
-      after `REJECTIONS` refusals at one position only the way out's next token.
+      after `REJECTIONS` refusals at one position only the way out's next token;
+      text that could end where a token was refused (a call's opening with too few
+      tokens left) ends there.
     The first token the budget kept the model from is held as `cut` (a `BudgetCut`), so
     the caller can tell the user the answer ended early and how much budget it needed.
 
@@ -124,7 +126,7 @@ class GrammarProcessor:
             left = self.budget - len(produced)
             if not self.finishing and left <= self.window and len(produced) >= self.next_check:
                 way = self._way_here(len(produced), left)
-                self.finishing = way is not None and len(way) >= left - 1
+                self.finishing = way is not None and len(way) >= left
                 # No way out found (free text before a call): look again a few tokens later.
                 self.next_check = len(produced) + (RECHECK_AFTER if way is None else 0)
             if self.refused:
@@ -143,7 +145,7 @@ class GrammarProcessor:
                         torch.argmax(logits.masked_fill(~allowed.to(logits.device), float("-inf")))
                     )
                     if not bool(closing[preferred]):
-                        self._note_cut(len(produced), preferred, margin=1)
+                        self._note_cut(len(produced), preferred)
                 allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
@@ -176,13 +178,16 @@ class GrammarProcessor:
             return True
         self.refused.add(token)
         self._note_cut(position, token)
+        if way is not None and len(way) == 1 and way[0] in self.stop_ids:
+            # Text turned away from a call it has no room for ends here, not in a pseudo-call.
+            self.finishing = True
         return False
 
-    def _note_cut(self, position: int, token: int, *, margin: int = 0) -> None:
+    def _note_cut(self, position: int, token: int) -> None:
         """Hold the first token the budget kept the model from, with the budget it needed.
 
-        `margin`: tokens finishing keeps in hand (it starts one token before the way out
-        fills the budget left), so a token outranked while finishing needs one more.
+        A token that would have fit after all (finishing picked another closer of the
+        same way out) is no cut.
         """
         if self.cut is not None or self.budget is None:
             return
@@ -190,8 +195,9 @@ class GrammarProcessor:
         way = None
         if probe.consume_token(token):
             way = [] if probe.is_stopped() else self._search(probe, 4 * self.budget + CLOSING_WINDOW)
-        needed = None if way is None else position + 1 + len(way) + margin
-        self.cut = BudgetCut(position, token, needed)
+        needed = None if way is None else position + 1 + len(way)
+        if needed is None or needed > self.budget:
+            self.cut = BudgetCut(position, token, needed)
 
     def _way_here(self, position: int, left: int) -> list[int] | None:
         """A way out from the current state: the one held for `position`, else searched."""

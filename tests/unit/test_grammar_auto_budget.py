@@ -48,11 +48,12 @@ def auto_grammars() -> list[str]:
 
 
 def written(processor: GrammarProcessor, ids: list[int], vocab: int) -> list[int]:
-    """The ids of `ids` the processor lets through, in order, up to the first it refuses."""
+    """The ids of `ids` the processor lets through (unmasked and accepted), up to the first it stops."""
     produced: list[int] = []
     for token in ids:
-        processor(produced, torch.zeros(vocab))
-        if not processor.accept(produced, token):
+        if not processor(produced, torch.zeros(vocab))[token].isfinite() or not processor.accept(
+            produced, token
+        ):
             break
         produced.append(token)
     return produced
@@ -60,7 +61,7 @@ def written(processor: GrammarProcessor, ids: list[int], vocab: int) -> list[int
 
 @pytest.mark.parametrize("lark", auto_grammars())
 def test_an_auto_call_that_fits_the_budget_is_let_in(tiny_tokenizer, lark):
-    """The whole budget inside the checking window, the call's opening included, and the call fits."""
+    """The whole budget inside the checking window, and the call fits: every token of it goes through."""
     ids = tiny_tokenizer.encode(CALL, add_special_tokens=False)
     budget = len(ids) + 1  # the call and the end of turn: exactly what it takes
     assert budget <= CLOSING_WINDOW
@@ -126,6 +127,7 @@ def test_a_call_the_budget_cannot_hold_ends_with_length_and_a_warning(backend, m
         result = ChatAgentKV(backend=backend, max_new_tokens=8).bind_tools([PING]).invoke(HISTORY)
     assert not result.tool_calls and not result.invalid_tool_calls
     assert result.response_metadata["finish_reason"] == "length"
+    assert CALL.startswith(result.content)  # it ends where the call was turned away, no pseudo-call after
     (record,) = [r for r in caplog.records if "ended this answer early" in r.getMessage()]
     assert "max_new_tokens=8" in record.getMessage() and "raise max_new_tokens" in record.getMessage()
 
@@ -139,3 +141,17 @@ def test_a_call_cut_by_max_new_tokens_without_the_grammar_says_so(backend, caplo
     assert bad["name"] == "lookup" and "cut at max_new_tokens=3" in str(bad["error"])
     warnings = [r for r in caplog.records if "max_new_tokens=3 cut the tool call" in r.getMessage()]
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("city", ["Paris", "Rome 12", "a b c"])
+def test_a_value_is_not_ended_early_when_the_call_fits(backend, monkeypatch, caplog, city):
+    """Finishing starts when the way out fills the budget left, not a token before: the value is kept."""
+    call = f'<tool_call>{{"name": "lookup", "arguments": {{"city": "{city}"}}}}</tool_call>'
+    pushing(monkeypatch, backend.tokenizer, call)
+    written_as = len(backend.tokenizer.encode(call, add_special_tokens=False)) + 1
+    # One token less also fits: the grammar closes the call with `"}}` in one token.
+    for budget in (written_as - 1, written_as):
+        with caplog.at_level(logging.WARNING, logger="agentkv"):
+            result = ChatAgentKV(backend=backend, max_new_tokens=budget).bind_tools([LOOKUP]).invoke(HISTORY)
+        assert [c["args"] for c in result.tool_calls] == [{"city": city}], budget
+    assert "ended this answer early" not in caplog.text
