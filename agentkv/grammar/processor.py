@@ -187,17 +187,17 @@ class GrammarProcessor:
         """Hold the first token the budget kept the model from, with the budget it needed.
 
         A token that would have fit after all (finishing picked another closer of the
-        same way out) is no cut.
+        same way out) is no cut; the wider search for what a cut needs runs once.
         """
         if self.cut is not None or self.budget is None:
             return
         probe = self.matcher.deep_copy()
-        way = None
-        if probe.consume_token(token):
-            way = [] if probe.is_stopped() else self._search(probe, 4 * self.budget + CLOSING_WINDOW)
-        needed = None if way is None else position + 1 + len(way)
-        if needed is None or needed > self.budget:
-            self.cut = BudgetCut(position, token, needed)
+        if not probe.consume_token(token) or probe.is_stopped():
+            return  # outside the grammar (`__call__` reports it), or the end: never a cut
+        if self._search(probe, self.budget - position - 1, first=True) is not None:
+            return
+        way = self._search(probe, 4 * self.budget + CLOSING_WINDOW)
+        self.cut = BudgetCut(position, token, None if way is None else position + 1 + len(way))
 
     def _way_here(self, position: int, left: int) -> list[int] | None:
         """A way out from the current state: the one held for `position`, else searched."""
