@@ -10,7 +10,7 @@ The library underneath is llguidance (measured against xgrammar by
 """
 
 from agentkv.grammar.compiled import CompiledGrammar, compile_grammar
-from agentkv.grammar.finishing import AnswerTooLong
+from agentkv.grammar.finishing import AnswerTooLong, BudgetCut
 from agentkv.grammar.grammars import (
     GrammarError,
     json_grammar,
@@ -24,6 +24,7 @@ from agentkv.grammar.tokenizer import grammar_tokenizer
 
 __all__ = [
     "AnswerTooLong",
+    "BudgetCut",
     "CompiledGrammar",
     "GrammarError",
     "GrammarProcessor",

@@ -18,6 +18,7 @@ answer is refused before decoding (`AnswerTooLong`).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,36 @@ class AnswerTooLong(ValueError):
             "(fewer required keys or minItems)"
         )
         super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class BudgetCut:
+    """Where the budget first kept the model from the token it preferred.
+
+    A token refused by `GrammarProcessor.accept` (no ending fits after it), or outranked
+    by a closing token while finishing: the answer still ends inside the grammar, but
+    not as the model would have written it (a tool call's opening turned away, a string
+    value ended early).
+    """
+
+    position: int
+    """Tokens produced before it."""
+    token: int
+    needed: int | None
+    """The `max_new_tokens` that would have let it through (None: no ending found after it)."""
+
+    def message(self, budget: int, text: str) -> str:
+        """What to tell the user: `text` is the token's text."""
+        head = (
+            f"max_new_tokens={budget} ended this answer early: at token {self.position} "
+            f"the model's next token {text!r}"
+        )
+        if self.needed is None:
+            return f"{head} has no ending the budget could hold"
+        return (
+            f"{head} needs max_new_tokens >= {self.needed} to finish "
+            "(a tool call or a value was cut short); raise max_new_tokens"
+        )
 
 
 _RANKS: dict[int, tuple[Any, torch.Tensor]] = {}

@@ -113,6 +113,26 @@ def text_terminal(name: str, bans: Sequence[str]) -> str:
     return f"{name}: /(?s:.*)/ & ~/(?s:.*({alternatives}).*)/"
 
 
+def prelude_rule(trigger: str, bans: Sequence[str]) -> str:
+    """The Lark rule `prelude`: text up to the first `trigger` (included) that holds none of `bans`.
+
+    A ban the trigger starts with (`<tool` for `<tool_call>`) may appear only as the
+    trigger's own start: the text before a call is held to a text answer's bans, and
+    once the text ends in such a ban the grammar's only way on is the rest of the
+    trigger. Left free (`<tool` then anything), that state has no short ending a
+    budget check could find, and the call's opening would be refused for the budget.
+    """
+    tag = regex_escape(trigger)
+    rule = f"prelude[lazy]: /(?s:.*){tag}/"
+    others = "|".join(regex_escape(b) for b in bans if not trigger.startswith(b))
+    if others:
+        rule += f" & ~/(?s:.*({others}).*)/"
+    early = "|".join(regex_escape(b) for b in bans if trigger.startswith(b) and b != trigger)
+    if early:
+        rule += f" & ~/(?s:.*({early}).*{tag})/"
+    return rule
+
+
 def regex_escape(text: str) -> str:
     """`text` as a literal inside a Lark `/regex/` (newlines and tabs written as escapes)."""
     special = set("\\.^$|?*+()[]{}/")
@@ -164,11 +184,9 @@ def text_or_call_grammar(tools: Sequence[Mapping[str, Any]], *, parallel: bool =
     """
     body, rules = _call_rules(tools)
     more = f" ({_literal(CALL_SEPARATOR)} call)*" if parallel else ""
-    bans = "|".join(regex_escape(b) for b in PSEUDO_CALLS if not TOOL_CALL_OPEN.startswith(b))
-    prelude = f"prelude[lazy]: /(?s:.*){regex_escape(TOOL_CALL_OPEN)}/ & ~/(?s:.*({bans}).*)/"
     lines = [
         f"start: TEXT | prelude body{more}",
-        prelude,
+        prelude_rule(TOOL_CALL_OPEN, PSEUDO_CALLS),
         f"call: {_literal(TOOL_CALL_OPEN)} body",
         body,
         *rules,

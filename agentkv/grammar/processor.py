@@ -14,6 +14,7 @@ from agentkv.grammar.finishing import (
     RECHECK_AFTER,
     REJECTIONS,
     AnswerTooLong,
+    BudgetCut,
     closing_choice,
     closing_rank,
 )
@@ -38,7 +39,11 @@ class GrammarProcessor:
       the loop calls again for the same position. The check runs on the picked
       token only, not on every candidate;
     - when the budget left is down to the way out, only closing tokens remain, and
-      after `REJECTIONS` refusals at one position only the way out's next token.
+      after `REJECTIONS` refusals at one position only the way out's next token;
+      text that could end where a token was refused (a call's opening with too few
+      tokens left) ends there.
+    The first token the budget kept the model from is held as `cut` (a `BudgetCut`), so
+    the caller can tell the user the answer ended early and how much budget it needed.
 
     Args:
         compiled: the grammar (`compile_grammar`); this answer gets its own matcher.
@@ -89,6 +94,8 @@ class GrammarProcessor:
         self.way_at = -1
         self.refused: set[int] = set()
         """Tokens `accept` refused at the current position (masked by the next call)."""
+        self.cut: BudgetCut | None = None
+        """Where the budget first kept the model from its token (None: it never did)."""
         if prefix_ids and not self.matcher.consume_tokens(list(prefix_ids)):
             self._fail("the prefilled prefix")
         if budget is not None:
@@ -119,7 +126,7 @@ class GrammarProcessor:
             left = self.budget - len(produced)
             if not self.finishing and left <= self.window and len(produced) >= self.next_check:
                 way = self._way_here(len(produced), left)
-                self.finishing = way is not None and len(way) >= left - 1
+                self.finishing = way is not None and len(way) >= left
                 # No way out found (free text before a call): look again a few tokens later.
                 self.next_check = len(produced) + (RECHECK_AFTER if way is None else 0)
             if self.refused:
@@ -132,7 +139,14 @@ class GrammarProcessor:
                 allowed = torch.zeros_like(allowed)
                 allowed[way[0]] = True
             elif self.finishing:
-                allowed = closing_choice(allowed, self.rank)
+                closing = closing_choice(allowed, self.rank)
+                if self.cut is None:
+                    preferred = int(
+                        torch.argmax(logits.masked_fill(~allowed.to(logits.device), float("-inf")))
+                    )
+                    if not bool(closing[preferred]):
+                        self._note_cut(len(produced), preferred)
+                allowed = closing
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def accept(self, produced: Sequence[int], token: int) -> bool:
@@ -163,7 +177,27 @@ class GrammarProcessor:
             self.way, self.way_at = found, position + 1
             return True
         self.refused.add(token)
+        self._note_cut(position, token)
+        if way is not None and len(way) == 1 and way[0] in self.stop_ids:
+            # Text turned away from a call it has no room for ends here, not in a pseudo-call.
+            self.finishing = True
         return False
+
+    def _note_cut(self, position: int, token: int) -> None:
+        """Hold the first token the budget kept the model from, with the budget it needed.
+
+        A token that would have fit after all (finishing picked another closer of the
+        same way out) is no cut; the wider search for what a cut needs runs once.
+        """
+        if self.cut is not None or self.budget is None:
+            return
+        probe = self.matcher.deep_copy()
+        if not probe.consume_token(token) or probe.is_stopped():
+            return  # outside the grammar (`__call__` reports it), or the end: never a cut
+        if self._search(probe, self.budget - position - 1, first=True) is not None:
+            return
+        way = self._search(probe, 4 * self.budget + CLOSING_WINDOW)
+        self.cut = BudgetCut(position, token, None if way is None else position + 1 + len(way))
 
     def _way_here(self, position: int, left: int) -> list[int] | None:
         """A way out from the current state: the one held for `position`, else searched."""

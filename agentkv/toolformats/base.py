@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agentkv.grammar.grammars import PSEUDO_CALLS, json_rule, lark_literal, regex_escape, text_terminal
+from agentkv.grammar.grammars import PSEUDO_CALLS, json_rule, lark_literal, prelude_rule, text_terminal
 
 __all__ = [
     "CallMode",
@@ -164,10 +164,8 @@ class ToolFormat(ABC):
             lines.insert(0, "start: TEXT | TEXT? calls")
         else:
             # The text before a call ends at the first trigger (a lazy lexeme that includes it).
-            inner = "|".join(regex_escape(b) for b in bans if not self.trigger.startswith(b))
-            ban = f" & ~/(?s:.*({inner}).*)/" if inner else ""
             lines.insert(0, "start: TEXT | prelude tail")
-            lines.append(f"prelude[lazy]: /(?s:.*){regex_escape(self.trigger)}/{ban}")
+            lines.append(prelude_rule(self.trigger, bans))
         return "\n".join(lines) + "\n"
 
     # -- reading -------------------------------------------------------------------------------

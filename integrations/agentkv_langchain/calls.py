@@ -9,6 +9,7 @@ per-tokenizer `ToolCallBan`, and the way out a too-long thread is told
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.utils import LC_ID_PREFIX
 
 from agentkv import AnySession, Backend, ContextLengthError, Session, SessionStats
+from agentkv.grammar import GrammarProcessor
 from agentkv.models import MANIFEST_NAME
 from agentkv.templates import ChatFormat
 from agentkv_langchain.sessions import current_metadata
@@ -47,11 +49,14 @@ __all__ = [
     "call_metadata",
     "call_usage",
     "close_iterator",
+    "finish_reason",
     "loaded_model_name",
     "run_id_of",
     "tool_call_ban",
     "unparseable",
 ]
+
+logger = logging.getLogger("agentkv.langchain")
 
 
 @dataclass
@@ -217,6 +222,33 @@ def read_answer(
             ),
         )
     return ReadAnswer(content, calls, invalid, rest, reasoning)
+
+
+def finish_reason(read: ReadAnswer, output_tokens: int, limit: int, processor: Any, tokenizer: Any) -> str:
+    """The answer's `finish_reason`; an answer that `max_new_tokens` cut or ended early is logged.
+
+    "tool_calls" when it made calls, else "length" when the budget ended it: it ran to
+    `limit` tokens, or the grammar's `processor` kept the model from a token to stay inside
+    it (a call's opening with too few tokens left). A call cut in the middle (grammar off)
+    stays an invalid call whose error says it was cut, so the user knows to raise the limit.
+    """
+    cut = processor.cut if isinstance(processor, GrammarProcessor) else None
+    if cut is not None:
+        logger.warning("%s", cut.message(limit, tokenizer.decode([cut.token])))
+    if output_tokens >= limit and read.invalid_tool_calls:
+        last = read.invalid_tool_calls[-1]
+        last["error"] = (
+            f"cut at max_new_tokens={limit} before the call was complete ({last.get('error')}); "
+            "raise max_new_tokens"
+        )
+        logger.warning(
+            "max_new_tokens=%d cut the tool call %r in the middle; raise max_new_tokens",
+            limit,
+            last.get("name"),
+        )
+    if read.tool_calls:
+        return "tool_calls"
+    return "length" if output_tokens >= limit or cut is not None else "stop"
 
 
 _BANS: dict[tuple[int, str], ToolCallBan] = {}

@@ -60,6 +60,7 @@ from agentkv_langchain.calls import (
     call_metadata,
     call_usage,
     close_iterator,
+    finish_reason,
     langchain_way_out,
     loaded_model_name,
     read_answer,
@@ -558,13 +559,12 @@ class ChatAgentKV(StructuredOutput, CallPlanning, BaseChatModel):
             session.bind_message(read.as_message(message_id))
             output_tokens = after.generated_tokens - before.generated_tokens
             input_tokens, cache_read, new_tokens = call_usage(session, before, after)
-        if self._answered_already(
-            messages, kwargs, read.tool_calls
-        ):  # answer from the result the thread holds
+        # A forced call the thread already holds the result of: answer from that result.
+        if self._answered_already(messages, kwargs, read.tool_calls):
             yield from self._answer(messages, stop, metadata, message_id, {**kwargs, "tool_choice": "none"})
             return
-        limit = plan.sampling["max_new_tokens"]
-        finish = "tool_calls" if read.tool_calls else "length" if output_tokens >= limit else "stop"
+        limit, processor = plan.sampling["max_new_tokens"], options.get("logits_processor")
+        finish = finish_reason(read, output_tokens, limit, processor, self.backend.tokenizer)
         yield CallAnswer(
             message_id=message_id,
             content=read.content,
