@@ -128,8 +128,10 @@ def test_loading_settings_that_do_not_match_the_model_passed_are_warned(
 ) -> None:
     from agentkv import TransformersBackend
 
+    kernel = tiny_model.config._attn_implementation  # as the fixture's model was built (eager or sdpa)
+    asked = "eager" if kernel != "eager" else "sdpa"
     other = AgentKVConfig.from_dict(
-        {"model": "/tmp/other_model", "dtype": "float16", "device": "cuda:3", "attn_implementation": "eager"}
+        {"model": "/tmp/other_model", "dtype": "float16", "device": "cuda:3", "attn_implementation": asked}
     )
     with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
         TransformersBackend(tiny_model, tiny_tokenizer, other)
@@ -137,10 +139,10 @@ def test_loading_settings_that_do_not_match_the_model_passed_are_warned(
     assert "agentkv.model='/tmp/other_model' ignored" in warning
     assert "agentkv.dtype='float16' ignored, the model passed runs torch.float32" in warning
     assert "agentkv.device='cuda:3' ignored, the model passed is on cpu" in warning
-    assert "agentkv.attn_implementation='eager' ignored, the model passed uses 'sdpa'" in warning
+    assert f"agentkv.attn_implementation='{asked}' ignored, the model passed uses {kernel!r}" in warning
 
     caplog.clear()
-    same = AgentKVConfig.from_dict({"dtype": "float32", "device": "cpu", "attn_implementation": "sdpa"})
+    same = AgentKVConfig.from_dict({"dtype": "float32", "device": "cpu", "attn_implementation": kernel})
     with caplog.at_level(logging.WARNING, logger="agentkv.backend"):
         TransformersBackend(tiny_model, tiny_tokenizer, same)
         TransformersBackend(tiny_model, tiny_tokenizer, AgentKVConfig.from_dict({"dtype": "auto"}))
