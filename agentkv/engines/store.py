@@ -139,6 +139,10 @@ class EngineStore(WholeSpanStore):
         self._recalled_since_sync = True
         return MoveResult(tiers={s.span_id: Tier.DEVICE for s in spans})
 
+    def archive_exact(self, span: Span) -> bool:
+        """An engine's archive is its own prefix cache: the prompt's tokens, recomputed exactly if evicted."""
+        return True
+
     def drop(self, span: Span) -> Tier:
         """Leave the span out of the prompt (DROPPED); its stale tail is deleted on every tier at `sync`."""
         if span.tier.attended:

@@ -182,11 +182,14 @@ class Mover:
         comes back first, recomputed lazily where the store allows (its tokens join the
         next prefill). A `confirmed` span (a user's confirmation, the strongest hint
         there is) also comes back from EVICTED and is committed, and one held quantized
-        in attention is held at full precision again. A span that cannot come back (a
-        restore and its recompute failed) is not pinned.
+        in attention, or archived as codes, is held at full precision again (recomputed
+        from its token ids, not restored from the codes). A span that cannot come back
+        (a restore and its recompute failed) is not pinned.
         """
         if span.state is SpanState.EVICTED and not confirmed:
             return False
+        if confirmed and span.tier.archived and not self.store.archive_exact(span):
+            self.move(span, SpanState.EVICTED, reason=reason)  # the codes go; the token ids stay
         if (confirmed and span.state is not SpanState.COMMITTED) or span.state in DEMOTED_STATES:
             self.move(span, SpanState.COMMITTED, reason=reason, lazily=True)
         if span.state in DEMOTED_STATES:

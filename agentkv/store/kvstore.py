@@ -460,6 +460,13 @@ class KVStore:
         check_host_limit(self.host_bytes() + adding_before, adding, self.host_limit_bytes)
         return stored or HostBlock.offload(block, fresh=True)  # `extract` made new tensors
 
+    def archive_exact(self, span: Span) -> bool:
+        """Whether an archived span's restore gives back its KV exactly (a full-precision host copy)."""
+        held = [self.blocks.get(span.span_id), self.window_blocks.get(span.span_id)]
+        return span.tier is Tier.HOST and all(
+            isinstance(block, HostBlock) and block.bits is None for block in held if block is not None
+        )
+
     def drop(self, span: Span) -> Tier:
         """Release a span's KV wherever it is (DROPPED); its token ids stay, so it can be recomputed."""
         if span.tier.attended:

@@ -174,6 +174,14 @@ class KVStoreProtocol(Protocol):
         """Release a span's KV wherever it is (DROPPED); its token ids stay, so it can be recomputed."""
         ...
 
+    def archive_exact(self, span: Span) -> bool:
+        """Whether an archived span's restore gives back its KV exactly (a full-precision host copy).
+
+        False for codes (the int8 / int4 tiers, a host copy at `host_bits`): a restore
+        then holds their dequantized values.
+        """
+        ...
+
     def forget(self, span: Span) -> None:
         """Remove a span entirely (a history rewrite or a pruned branch's tail)."""
         ...

@@ -96,6 +96,29 @@ def test_confirmation_pins_with_a_lease(tiny_model, tiny_tokenizer):
     assert not session.release(lease), "a lease is given back once"
 
 
+@pytest.mark.parametrize(
+    "archive",
+    [{"archive_tier": "int4"}, {"archive_tier": "int8"}, {"quantization": {"host_bits": 4}}],
+    ids=["int4", "int8", "host_bits4"],
+)
+def test_a_confirmed_span_archived_as_codes_comes_back_exact(tiny_model, tiny_tokenizer, archive):
+    """The user confirms a result held as lossy codes: recomputed from its ids, not restored from them."""
+    session = make(
+        tiny_model, tiny_tokenizer, rules={"custom:archive": {"owner": "archive"}}, **archive
+    ).session("t")
+    session.extend(TOOL_TURN)
+    session.apply(Custom(event="archive", owner="call_1"))
+    (result,) = by_kind(session, SpanKind.TOOL_RESULT)
+    assert result.state is SpanState.ARCHIVED and not session.store.archive_exact(result)
+    session.apply(UserConfirmed(owner="call_1"))
+    assert result.pinned and result.tier is Tier.DEVICE
+    probe = [5, 6, 7]
+    with torch.inference_mode():
+        full = tiny_model(input_ids=torch.tensor([session.token_ids() + probe])).logits[0, -len(probe) :]
+    torch.testing.assert_close(session.continuation_logits(probe), full.float(), rtol=1e-4, atol=1e-4)
+    session.check()
+
+
 def test_turn_end_commits_user_and_answer_and_releases_scaffolding(tiny_model, tiny_tokenizer):
     session = make(tiny_model, tiny_tokenizer).session("t")
     session.extend(TOOL_TURN)

@@ -62,6 +62,9 @@ class FakeStore(WholeSpanStore):
             self.archived.pop(span.span_id, None)
         return MoveResult(tiers={s.span_id: Tier.DEVICE for s in spans})
 
+    def archive_exact(self, span: Span) -> bool:
+        return self.archived.get(span.span_id) == "host"
+
     def drop(self, span: Span) -> Tier:
         self.calls.append(("drop", span.span_id))
         self.archived.pop(span.span_id, None)
