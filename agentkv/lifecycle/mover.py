@@ -182,9 +182,8 @@ class Mover:
         comes back first, recomputed lazily where the store allows (its tokens join the
         next prefill). A `confirmed` span (a user's confirmation, the strongest hint
         there is) also comes back from EVICTED and is committed, and one held quantized
-        in attention, or archived as codes, is held at full precision again (recomputed
-        from its token ids, not restored from the codes). A span that cannot come back
-        (a restore and its recompute failed) is not pinned.
+        in attention or archived as codes is recomputed at full precision from its token
+        ids. A span that cannot come back (a restore and its recompute failed) is not pinned.
         """
         if span.state is SpanState.EVICTED and not confirmed:
             return False
