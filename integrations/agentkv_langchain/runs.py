@@ -170,7 +170,8 @@ class RunBook:
         with self.lock:
             record = self.record_for(run_id, parent_run_id, metadata, model=model)
             self.runs[run_id] = record
-            if record.named:
+            root = self.runs.get(record.root)
+            if record.named and root is not None and not root.named:
                 self._name_thread(record)
             branches = self._thread(record.thread).branches if record.branch is not None else {}
             opened = record.branch is not None and record.branch not in branches
